@@ -1,0 +1,1 @@
+"""L3: HF <-> Megatron checkpoint conversion with resharding."""

@@ -1,0 +1,1 @@
+"""L0: typed, validated configuration dataclasses (errors name the field and what is allowed)."""

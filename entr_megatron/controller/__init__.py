@@ -1,0 +1,1 @@
+"""L5: sync / one-step-off / fully-async training loops (main-job issue)."""

@@ -1,0 +1,210 @@
+"""Per-token log-prob and entropy from vocabulary-sharded logits, in one pass.
+
+Each tensor-parallel rank holds a contiguous shard ``[..., V/tp]`` of the logits
+(Megatron's ``ColumnParallelLinear`` output layout: rank r owns ids
+``[r * V/tp, (r + 1) * V/tp)``). The full vocabulary is never gathered:
+
+forward, per chunk of tokens (temporaries: two fp32 ``[chunk, V/tp]`` buffers)
+    m_r   = max_j z_j                      (z = logits / temperature)
+    s_r   = sum_j exp(z_j - m_r)
+    sy_r  = sum_j exp(z_j - m_r) (z_j - m_r)
+    zt_r  = z_target if this rank owns the target else 0
+  then ONE all-gather of the ``[N, 4]`` statistics and an exact log-sum-exp merge:
+    M = max_r m_r,  a_r = exp(m_r - M),  S = sum_r a_r s_r
+    logZ = M + log S,   H = log S - sum_r a_r (sy_r + (m_r - M) s_r) / S
+    logprob = zt - logZ
+
+backward (no communication: the per-token upstream gradients are replicated
+across the tensor-parallel group, as the loss is), recomputing p per chunk
+instead of saving a softmax copy:
+    d logprob / dz_j = 1[j = target] - p_j
+    d H / dz_j       = -p_j (log p_j + H)
+
+Only ``logits`` (the caller's tensor, not a copy), the targets and three
+``[N]`` vectors are saved for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["vocab_parallel_logprobs_entropy", "default_chunk_size"]
+
+# Elements per [chunk, V/tp] fp32 buffer when chunk_size is not given: 2 MiB
+# buffers stay cache-resident on common CPUs and are large enough that per-chunk
+# launch overhead stays small on GPUs.
+_DEFAULT_CHUNK_ELEMENTS = 1 << 19
+
+# Columns of the per-token statistics exchanged between ranks.
+_MAX, _SUM_EXP, _SUM_EXP_Y, _TARGET_LOGIT = range(4)
+
+
+def default_chunk_size(vocab_shard: int) -> int:
+    """Tokens per chunk so that one fp32 ``[chunk, vocab_shard]`` buffer is ~2 MiB."""
+    return max(1, _DEFAULT_CHUNK_ELEMENTS // max(vocab_shard, 1))
+
+
+def _group_rank_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    """Autograd function; the math is split into the named static steps below."""
+
+    @staticmethod
+    def local_stats(logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, buf_e):
+        """Per-token ``[N, 4]`` statistics of this rank's shard (see module docstring)."""
+        n_tokens, vocab_shard = logits_NV.shape
+        stats = torch.empty(n_tokens, 4, dtype=torch.float32, device=logits_NV.device)
+        local_t = targets_N - vocab_start
+        owned = (local_t >= 0) & (local_t < vocab_shard)
+        local_t = torch.where(owned, local_t, 0)
+        for s in range(0, n_tokens, chunk):
+            e_ = min(s + chunk, n_tokens)
+            x = logits_NV[s:e_]
+            y, ex = buf_y[: e_ - s], buf_e[: e_ - s]
+            m = x.amax(dim=-1).float() * inv_temp
+            # y = x / T - m in one pass (torch.add computes input + alpha * other).
+            torch.add(-m.unsqueeze(-1), x, alpha=inv_temp, out=y)
+            torch.exp(y, out=ex)
+            stats[s:e_, _MAX] = m
+            stats[s:e_, _SUM_EXP] = ex.sum(dim=-1)
+            # Batched dot product: no [chunk, V] temporary for e * y.
+            stats[s:e_, _SUM_EXP_Y] = torch.bmm(ex.unsqueeze(1), y.unsqueeze(2)).view(-1)
+            zt = x.gather(1, local_t[s:e_].unsqueeze(-1)).squeeze(-1).float() * inv_temp
+            stats[s:e_, _TARGET_LOGIT] = torch.where(owned[s:e_], zt, 0.0)
+        return stats
+
+    @staticmethod
+    def merge_stats(stats_RN4):
+        """Exact log-sum-exp merge of the ranks' statistics -> (logprob_N, entropy_N, logZ_N)."""
+        m = stats_RN4[..., _MAX]
+        big_m = m.amax(dim=0)
+        scale = torch.exp(m - big_m)
+        shift = m - big_m
+        sum_exp = (scale * stats_RN4[..., _SUM_EXP]).sum(dim=0)
+        sum_exp_y = (scale * (stats_RN4[..., _SUM_EXP_Y] + shift * stats_RN4[..., _SUM_EXP])).sum(dim=0)
+        log_sum = torch.log(sum_exp)
+        log_z = big_m + log_sum
+        entropy = log_sum - sum_exp_y / sum_exp
+        logprob = stats_RN4[..., _TARGET_LOGIT].sum(dim=0) - log_z
+        return logprob, entropy, log_z
+
+    @staticmethod
+    def logits_grad(logits_NV, targets_N, log_z, entropy, g_lp, g_h, vocab_start, inv_temp, chunk, buf_p, out):
+        """Writes d(sum g_lp*logprob + g_h*H)/d logits into ``out`` chunk by chunk.
+
+        grad_j = inv_temp * (g_lp * 1[j = t] - p_j (g_lp + g_h (log p_j + H)))
+        """
+        n_tokens, vocab_shard = logits_NV.shape
+        # Fold the temperature and the sign into per-token coefficients:
+        #   grad_j = p_j * (a * log p_j + c),  a = -g_h / T,  c = -(g_lp + g_h H) / T
+        a = (-g_h * inv_temp).unsqueeze(-1)
+        c = (-(g_lp + g_h * entropy) * inv_temp).unsqueeze(-1)
+        neg_log_z = (-log_z).unsqueeze(-1)
+        local_t = targets_N - vocab_start
+        owned = (local_t >= 0) & (local_t < vocab_shard)
+        target_grad = torch.where(owned, g_lp * inv_temp, 0.0)
+        local_t = torch.where(owned, local_t, 0)
+        direct = out.dtype == torch.float32
+        buf_w = None if direct else torch.empty_like(buf_p)
+        for s in range(0, n_tokens, chunk):
+            e_ = min(s + chunk, n_tokens)
+            # fp32 logits: compute straight into the gradient's rows (no extra buffer).
+            w = out[s:e_] if direct else buf_w[: e_ - s]
+            p = buf_p[: e_ - s]
+            torch.add(neg_log_z[s:e_], logits_NV[s:e_], alpha=inv_temp, out=w)  # log p
+            torch.exp(w, out=p)
+            torch.addcmul(c[s:e_], w, a[s:e_], out=w)
+            w.mul_(p)
+            w.scatter_add_(1, local_t[s:e_].unsqueeze(-1), target_grad[s:e_].unsqueeze(-1))
+            if not direct:
+                out[s:e_].copy_(w)
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, temperature, chunk_size):
+        vocab_shard = logits.shape[-1]
+        rank, world = _group_rank_size(group)
+        logits_NV = logits.reshape(-1, vocab_shard)
+        targets_N = targets.reshape(-1)
+        inv_temp = 1.0 / temperature
+        chunk = chunk_size or default_chunk_size(vocab_shard)
+        chunk = min(chunk, max(logits_NV.shape[0], 1))
+        buf_y = torch.empty(chunk, vocab_shard, dtype=torch.float32, device=logits.device)
+        buf_e = torch.empty_like(buf_y)
+        vocab_start = rank * vocab_shard
+        stats = _VocabParallelLogProbEntropy.local_stats(
+            logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, buf_e
+        )
+        del buf_y, buf_e
+        if world > 1:
+            gathered = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
+            dist.all_gather(list(gathered.unbind(0)), stats, group=group)
+        else:
+            gathered = stats.unsqueeze(0)
+        logprob, entropy, log_z = _VocabParallelLogProbEntropy.merge_stats(gathered)
+
+        ctx.save_for_backward(logits, targets_N, log_z, entropy)
+        ctx.vocab_start, ctx.inv_temp, ctx.chunk = vocab_start, inv_temp, chunk
+        out_shape = logits.shape[:-1]
+        return logprob.view(out_shape), entropy.view(out_shape)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        logits, targets_N, log_z, entropy = ctx.saved_tensors
+        vocab_shard = logits.shape[-1]
+        logits_NV = logits.reshape(-1, vocab_shard)
+        zeros = None
+        if grad_logprob is None or grad_entropy is None:
+            zeros = torch.zeros_like(log_z)
+        g_lp = zeros if grad_logprob is None else grad_logprob.reshape(-1).float()
+        g_h = zeros if grad_entropy is None else grad_entropy.reshape(-1).float()
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        buf_p = torch.empty(ctx.chunk, vocab_shard, dtype=torch.float32, device=logits.device)
+        _VocabParallelLogProbEntropy.logits_grad(
+            logits_NV, targets_N, log_z, entropy, g_lp, g_h,
+            ctx.vocab_start, ctx.inv_temp, ctx.chunk, buf_p, grad.view(-1, vocab_shard),
+        )
+        return grad, None, None, None, None
+
+
+def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0, chunk_size=None):
+    """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``[..., V/tp]`` this rank's contiguous vocabulary shard (rank r owns
+            ids ``[r*V/tp, (r+1)*V/tp)``); fp32, bf16 or fp16. Not copied: it is
+            saved for backward as is, so do not modify it in place afterwards.
+        targets: ``[...]`` global token ids in ``[0, V)``.
+        group: the tensor-parallel process group; ``None`` means a single rank.
+        temperature: sampling temperature (> 0) the distribution is taken at.
+        chunk_size: tokens per chunk; temporaries are at most two fp32
+            ``[chunk_size, V/tp]`` buffers. Default: ~2 MiB buffers.
+
+    Returns:
+        ``(logprobs, entropy)``, both float32 ``[...]``. Gradients flow to
+        ``logits`` from both outputs; no collective runs in backward.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits shape without the vocab dim "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a floating point tensor, got {logits.dtype}")
+    _, world = _group_rank_size(group)
+    vocab = logits.shape[-1] * world
+    lo, hi = torch.aminmax(targets) if targets.numel() else (0, 0)
+    if int(lo) < 0 or int(hi) >= vocab:
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}) (vocab shard {logits.shape[-1]} x {world} ranks), "
+            f"got values in [{int(lo)}, {int(hi)}]"
+        )
+    return _VocabParallelLogProbEntropy.apply(logits, targets.long(), group, float(temperature), chunk_size)

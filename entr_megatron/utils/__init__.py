@@ -1,0 +1,1 @@
+"""L0: small shared helpers (logging, timing)."""

@@ -1,0 +1,65 @@
+"""Spawn a local gloo process group: many ranks on one machine, for tests and tools.
+
+Megatron code and our collectives run unchanged on CPU over gloo, so multi-rank
+behaviour is tested by spawning ``world_size`` processes here rather than on a
+cluster. The function must be importable by name (module level), because spawned
+children re-import it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_gloo"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, fn: Callable, world_size: int, port: int, threads: int, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, threads: int | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    Raises the first child's exception (with its traceback) or ``TimeoutError``
+    after ``timeout_s``; the children are terminated in both cases. Each child
+    gets ``threads`` intra-op threads (default: cores divided among ranks).
+    """
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = mp.start_processes(
+        _child, args=(fn, world_size, free_port(), threads, args), nprocs=world_size,
+        join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} gloo ranks running {fn.__qualname__} did not finish in {timeout_s:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()

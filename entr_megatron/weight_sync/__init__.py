@@ -1,0 +1,1 @@
+"""L4: bucketed, versioned weight broadcasts from the learner to the engines (engines issue)."""
