@@ -1,0 +1,36 @@
+"""Registry of off-policy corrections, all with the CorrectionFn interface
+(see correction_base.py). Keys equal entr_megatron.config.algorithm.CORRECTION_NAMES."""
+
+from __future__ import annotations
+
+from entr_megatron.algorithm.correction_base import CorrectionFn
+from entr_megatron.algorithm.corrections_divergence import kpop_correction, m2po_correction
+from entr_megatron.algorithm.corrections_entr import (
+    entr_calibrated_correction,
+    entr_correction,
+    entr_soft_correction,
+)
+from entr_megatron.algorithm.corrections_ratio import (
+    decoupled_correction,
+    icepop_correction,
+    mis_geo_correction,
+    mis_seq_correction,
+    mis_token_correction,
+    none_correction,
+    tis_correction,
+)
+
+CORRECTIONS: dict[str, CorrectionFn] = {
+    "none": none_correction,
+    "entr": entr_correction,
+    "entr_calibrated": entr_calibrated_correction,
+    "entr_soft": entr_soft_correction,
+    "tis": tis_correction,
+    "mis_token": mis_token_correction,
+    "mis_seq": mis_seq_correction,
+    "mis_geo": mis_geo_correction,
+    "icepop": icepop_correction,
+    "kpop": kpop_correction,
+    "m2po": m2po_correction,
+    "decoupled": decoupled_correction,
+}

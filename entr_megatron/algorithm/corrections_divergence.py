@@ -1,0 +1,99 @@
+"""Baselines that mask by a divergence rather than a ratio band: kpop and m2po.
+
+Like the other masking baselines they take rho's numerator from the recomputed
+old policy when given (else the current policy) and run PPO against pi_old or mu.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from entr_megatron.algorithm.correction_base import CorrectionOutput, finish, prepare_inputs
+from entr_megatron.algorithm.masked_ops import masked_mean
+from entr_megatron.config.algorithm import AlgorithmConfig
+
+# Log-probs are clamped into [LOGPROB_FLOOR, LOGPROB_CEIL] before the Bernoulli KL:
+# the ceiling keeps log(1 - p) finite when p rounds to 1 (a certain token), the
+# floor keeps q * log q at 0 instead of 0 * -inf = NaN for a -inf log-prob.
+LOGPROB_CEIL = -1e-12
+LOGPROB_FLOOR = -1e4
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012): expm1 near 0,
+    log1p for very negative x."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def bernoulli_kl(log_q: Tensor, log_p: Tensor) -> Tensor:
+    """KL(q || p) between Bernoulli(q) and Bernoulli(p) given log q and log p:
+    q log(q / p) + (1 - q) log((1 - q) / (1 - p)). Float64, >= 0."""
+    log_q = log_q.to(torch.float64).clamp(LOGPROB_FLOOR, LOGPROB_CEIL)
+    log_p = log_p.to(torch.float64).clamp(LOGPROB_FLOOR, LOGPROB_CEIL)
+    log_not_q, log_not_p = log1mexp(log_q), log1mexp(log_p)
+    kl = log_q.exp() * (log_q - log_p) + log_not_q.exp() * (log_not_q - log_not_p)
+    return kl.clamp(min=0.0)  # rounding can leave -1e-17 where q == p
+
+
+def kpop_correction(
+    logprobs_BT: Tensor,
+    behaviour_logprobs_BT: Tensor,
+    entropy_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+    old_logprobs_BT: Tensor | None = None,
+    collision_BT: Tensor | None = None,
+) -> CorrectionOutput:
+    """KPop: drop tokens whose two-outcome KL(q || p) > cfg.kpop_threshold, where the
+    outcomes are "sampled token y" and "any other token", q = mu(y), p = pi_src(y).
+
+    The exact published formula is unknown to us; this is a reconstruction from the
+    method's description (a Bernoulli KL between the two policies' probabilities of y).
+    Unlike a ratio band it is small for a large ratio on a tiny probability (both
+    policies agree y is unlikely) and large for a moderate ratio near p = 1.
+    """
+    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    kl_BT = bernoulli_kl(x.behaviour_BT, x.ratio_source_BT)
+    keep_BT = kl_BT <= cfg.kpop_threshold
+    metrics = {"kpop/kl_mean": masked_mean(kl_BT, x.valid_BT)}
+    return finish("kpop", x, torch.ones_like(x.delta_BT), keep_BT, x.rejection_anchor_BT, metrics)
+
+
+def m2po_keep_mask(sq_delta_BT: Tensor, valid_BT: Tensor, threshold: float) -> Tensor:
+    """Keep the most valid tokens, smallest sq_delta first, whose mean sq_delta <= threshold.
+
+    Equivalent to dropping the largest values one by one until the rest has mean
+    <= threshold. Sorting ascending makes the prefix means non-decreasing, so the kept
+    set is the longest prefix whose mean is within the threshold. The sort is stable over
+    the row-major token order, so among equal values the earlier token is kept first.
+    """
+    flat_sq = torch.where(valid_BT, sq_delta_BT, torch.full_like(sq_delta_BT, torch.inf)).flatten()
+    sorted_sq, order = torch.sort(flat_sq.to(torch.float64), stable=True)
+    positions = torch.arange(1, flat_sq.numel() + 1, dtype=torch.float64, device=flat_sq.device)
+    prefix_mean = sorted_sq.cumsum(0) / positions  # padding sorts last as +inf: never kept
+    within = prefix_mean <= threshold
+    # Rounding in cumsum could break monotonicity by an ulp; force a prefix.
+    within_prefix = within.to(torch.int8).cummin(0).values.bool()
+    keep_flat = torch.zeros_like(within_prefix).scatter(0, order, within_prefix)
+    return keep_flat.view_as(valid_BT) & valid_BT
+
+
+def m2po_correction(
+    logprobs_BT: Tensor,
+    behaviour_logprobs_BT: Tensor,
+    entropy_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+    old_logprobs_BT: Tensor | None = None,
+    collision_BT: Tensor | None = None,
+) -> CorrectionOutput:
+    """M2PO: over all valid tokens of this call (micro-batch), drop the largest
+    (log rho)^2 until the mean (log rho)^2 of the kept tokens is <= cfg.m2po_threshold."""
+    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    sq_BT = x.log_rho_BT.square()
+    keep_BT = m2po_keep_mask(sq_BT, x.valid_BT, cfg.m2po_threshold)
+    metrics = {"m2po/kept_mean_sq_log_ratio": masked_mean(sq_BT, keep_BT)}
+    return finish("m2po", x, torch.ones_like(x.delta_BT), keep_BT, x.rejection_anchor_BT, metrics)

@@ -1,0 +1,226 @@
+"""Mismatch metrics between the learner pi_theta and the behaviour policy mu, every step.
+
+Two stages, so a distributed caller can reduce before dividing:
+
+    stats = mismatch_metric_stats(...)        # local sums / maxima / minima (float64)
+    all_reduce(stats.sums, SUM); all_reduce(stats.maxima, MAX); all_reduce(stats.minima, MIN)
+    metrics = finalize_mismatch_metrics(stats)
+
+`mismatch_metrics(...)` does both on one rank. Each dict can be reduced as one
+stacked tensor: the keys are the same on every rank for the same arguments
+(a rank without tokens contributes 0 to sums, -inf to maxima, +inf to minima).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from entr_megatron.algorithm.entr import ENTR_DEFAULT_EPS, entr_score
+from entr_megatron.algorithm.masked_ops import float_detached, zero_padding
+
+# Log-spaced entropy bins in nats; a bin holds edges[i] <= H < edges[i+1]. 1e-3 nats
+# is a near-deterministic position, 1 nat an open choice; ln(150k vocab) ~ 12 caps the top.
+DEFAULT_ENTROPY_BIN_EDGES = (0.0, 1e-3, 1e-2, 1e-1, 1.0, 10.0, math.inf)
+
+# A behaviour probability below this is a "rare" token: where bf16 error in
+# probability space inflates |delta| like 1 / p (ENTR.md).
+LOW_PROB_THRESHOLD = 1e-3
+
+
+@dataclass
+class MetricStats:
+    """Reducible statistics: all-reduce `sums` with SUM, `maxima` with MAX, `minima` with MIN."""
+
+    sums: dict[str, Tensor]
+    maxima: dict[str, Tensor]
+    minima: dict[str, Tensor]
+
+
+def entropy_bin_labels(edges: tuple[float, ...]) -> list[str]:
+    """Metric labels of the bins, e.g. '0.01-0.1', '10-inf'."""
+    return [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def mismatch_metric_stats(
+    logprobs_BT: Tensor,
+    behaviour_logprobs_BT: Tensor,
+    entropy_BT: Tensor,
+    response_mask_BT: Tensor,
+    keep_mask_BT: Tensor | None = None,
+    weight_BT: Tensor | None = None,
+    versions_BT: Tensor | None = None,
+    current_version: int | None = None,
+    entropy_bins: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES,
+    eps: float = ENTR_DEFAULT_EPS,
+) -> MetricStats:
+    """Local sums/extrema behind `mismatch_metrics` (same arguments); float64, detached."""
+    if len(entropy_bins) < 2 or any(b <= a for a, b in zip(entropy_bins[:-1], entropy_bins[1:])):
+        raise ValueError(f"entropy_bins={entropy_bins!r} must be at least two strictly increasing edges")
+    valid_BT = response_mask_BT.bool()
+
+    def clean(t: Tensor) -> Tensor:
+        return zero_padding(float_detached(t).to(torch.float64), valid_BT)
+
+    behaviour, entropy = clean(behaviour_logprobs_BT), clean(entropy_BT)
+    delta_BT = clean(logprobs_BT) - behaviour
+    valid = valid_BT.to(torch.float64)
+    sums = {
+        "tokens": valid.sum(),
+        "neg_delta": (-delta_BT).sum(),
+        "k3": (torch.expm1(delta_BT) - delta_BT).sum(),  # delta is 0 at padding: adds 0
+        "abs_delta": delta_BT.abs().sum(),
+    }
+    dropped = None
+    if keep_mask_BT is not None:
+        dropped = zero_padding((~keep_mask_BT.bool()).to(torch.float64), valid_BT)
+        sums["dropped"] = dropped.sum()
+    if keep_mask_BT is not None or weight_BT is not None:
+        # Dropped tokens have effective weight 0, so the ESS reflects masking as well.
+        effective = valid if weight_BT is None else clean(weight_BT)
+        if keep_mask_BT is not None:
+            effective = zero_padding(effective, keep_mask_BT.bool())
+        sums["weight"], sums["weight_sq"] = effective.sum(), effective.square().sum()
+
+    per_bin = {
+        "count": valid,
+        "abs_delta": delta_BT.abs(),
+        "score": zero_padding(entr_score(delta_BT, entropy, eps), valid_BT),
+        "low_prob": zero_padding((behaviour < math.log(LOW_PROB_THRESHOLD)).to(torch.float64), valid_BT),
+    }
+    if dropped is not None:
+        per_bin["dropped"] = dropped
+    sums.update(_entropy_bin_sums(entropy, per_bin, entropy_bins))
+
+    maxima: dict[str, Tensor] = {}
+    minima: dict[str, Tensor] = {}
+    if versions_BT is not None:
+        maxima["intra_seq_spread_max"] = _intra_seq_spread_max(versions_BT, valid_BT)
+        if current_version is not None:
+            lag_BT = current_version - versions_BT.to(torch.float64)
+            sums["lag"] = zero_padding(lag_BT, valid_BT).sum()
+            maxima["lag_max"] = _masked_extreme(lag_BT, valid_BT, largest=True)
+            minima["lag_min"] = _masked_extreme(lag_BT, valid_BT, largest=False)
+    return MetricStats(sums, maxima, minima)
+
+
+def _entropy_bin_sums(
+    entropy_BT: Tensor, per_token: dict[str, Tensor], edges: tuple[float, ...]
+) -> dict[str, Tensor]:
+    """Sum of each per-token statistic within each entropy bin, keyed
+    'entropy_bin/<label>/<stat>'; vectorised with index_add over every token's bin index."""
+    labels = entropy_bin_labels(edges)
+    inner_edges = torch.tensor(edges[1:-1], dtype=entropy_BT.dtype, device=entropy_BT.device)
+    bin_idx = torch.bucketize(entropy_BT, inner_edges, right=True).flatten()
+    sums = {}
+    for stat, values_BT in per_token.items():
+        binned = values_BT.new_zeros(len(labels)).index_add_(0, bin_idx, values_BT.flatten())
+        sums.update({f"entropy_bin/{label}/{stat}": value for label, value in zip(labels, binned)})
+    return sums
+
+
+def _masked_extreme(values: Tensor, mask: Tensor, largest: bool) -> Tensor:
+    """Max (or min) over the masked entries; -inf (+inf) when empty, neutral for all-reduce."""
+    neutral = -math.inf if largest else math.inf
+    filled = torch.where(mask, values, torch.full_like(values, neutral))
+    if filled.numel() == 0:
+        return values.new_tensor(neutral)
+    return filled.amax() if largest else filled.amin()
+
+
+def _intra_seq_spread_max(versions_BT: Tensor, valid_BT: Tensor) -> Tensor:
+    """max over non-empty sequences of v(last valid token) - v(first valid token)."""
+    if versions_BT.numel() == 0:
+        return versions_BT.new_tensor(-math.inf, dtype=torch.float64)
+    last_col = valid_BT.shape[-1] - 1
+    first_B = valid_BT.to(torch.int8).argmax(dim=-1)  # argmax returns the first maximum
+    last_B = last_col - valid_BT.flip(-1).to(torch.int8).argmax(dim=-1)
+    versions = versions_BT.to(torch.float64)
+    spread_B = (versions.gather(1, last_B.unsqueeze(-1)) - versions.gather(1, first_B.unsqueeze(-1))).squeeze(-1)
+    return _masked_extreme(spread_B, valid_BT.any(dim=-1), largest=True)
+
+
+def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    return numerator / denominator.clamp(min=1)
+
+
+def _finite_or_zero(value: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(value), value, torch.zeros_like(value))
+
+
+def finalize_mismatch_metrics(stats: MetricStats) -> dict[str, Tensor]:
+    """Metrics from (possibly all-reduced) stats; every value is a float64 scalar tensor."""
+    s = stats.sums
+    tokens = s["tokens"]
+    metrics = {
+        "mismatch/k1": _ratio(s["neg_delta"], tokens),
+        "mismatch/k3": _ratio(s["k3"], tokens),
+        "mismatch/mean_abs_delta": _ratio(s["abs_delta"], tokens),
+        "mismatch/tokens": tokens,
+    }
+    if "dropped" in s:
+        metrics["mask/fraction"] = _ratio(s["dropped"], tokens)
+    if "weight" in s:
+        ess = s["weight"].square() / (tokens * s["weight_sq"])
+        metrics["is/ess"] = torch.where(s["weight_sq"] > 0, ess, torch.zeros_like(ess))
+    for key in s:
+        if key.startswith("entropy_bin/") and key.endswith("/count"):
+            prefix = key[: -len("count")]
+            count = s[key]
+            metrics[f"{prefix}count"] = count
+            metrics[f"{prefix}mean_abs_delta"] = _ratio(s[f"{prefix}abs_delta"], count)
+            metrics[f"{prefix}mean_score"] = _ratio(s[f"{prefix}score"], count)
+            metrics[f"{prefix}low_prob_share"] = _ratio(s[f"{prefix}low_prob"], count)
+            if f"{prefix}dropped" in s:
+                metrics[f"{prefix}mask_fraction"] = _ratio(s[f"{prefix}dropped"], count)
+    if "lag" in s:
+        metrics["policy_lag/mean"] = _ratio(s["lag"], tokens)
+        metrics["policy_lag/max"] = _finite_or_zero(stats.maxima["lag_max"])
+        metrics["policy_lag/min"] = _finite_or_zero(stats.minima["lag_min"])
+    if "intra_seq_spread_max" in stats.maxima:
+        metrics["policy_lag/intra_seq_spread_max"] = _finite_or_zero(stats.maxima["intra_seq_spread_max"])
+    return metrics
+
+
+def mismatch_metrics(
+    logprobs_BT: Tensor,
+    behaviour_logprobs_BT: Tensor,
+    entropy_BT: Tensor,
+    response_mask_BT: Tensor,
+    keep_mask_BT: Tensor | None = None,
+    weight_BT: Tensor | None = None,
+    versions_BT: Tensor | None = None,
+    current_version: int | None = None,
+    entropy_bins: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES,
+    eps: float = ENTR_DEFAULT_EPS,
+) -> dict[str, Tensor]:
+    """Per-step metrics over valid tokens, delta = log pi_theta - log mu:
+
+    - mismatch/k1 = mean(-delta), mismatch/k3 = mean(exp(delta) - 1 - delta) >= 0: estimates
+      of KL(mu || pi) from tokens sampled by mu; mismatch/mean_abs_delta; mismatch/tokens.
+    - mask/fraction: valid tokens dropped (needs keep_mask_BT).
+    - is/ess: (sum w)^2 / (n sum w^2) of the effective weights w * keep over the n valid
+      tokens, in [0, 1] (needs weight_BT or keep_mask_BT; a missing one counts as 1).
+    - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, mean_score, mask_fraction, low_prob_share}
+      per bin edges[i] <= H < edges[i+1] (H below the first edge joins the first bin, above
+      the last the last bin); score S = delta^2 / (H + eps); low_prob_share: mu(y) < 1e-3.
+    - policy_lag/{min, mean, max} of current_version - version over valid tokens, and
+      policy_lag/intra_seq_spread_max = max over sequences of v_last - v_first
+      (needs versions_BT [B, T] of per-token policy versions; lag also current_version).
+    """
+    stats = mismatch_metric_stats(
+        logprobs_BT,
+        behaviour_logprobs_BT,
+        entropy_BT,
+        response_mask_BT,
+        keep_mask_BT,
+        weight_BT,
+        versions_BT,
+        current_version,
+        entropy_bins,
+        eps,
+    )
+    return finalize_mismatch_metrics(stats)

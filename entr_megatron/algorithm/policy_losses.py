@@ -1,0 +1,188 @@
+"""Per-token policy losses: fn(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT,
+keep_mask_BT, response_mask_BT, cfg) -> (loss_BT, metrics).
+
+loss_BT is 0 where a token is not kept or not valid, and the gradient flows through
+`logprobs_BT` only (anchor, advantages and weights are treated as constants). The
+ratio is r = exp(logprobs - anchor); the correction chose the anchor and weight.
+Reduction to a scalar is aggregation.py's job.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from entr_megatron.algorithm.masked_ops import masked_fraction, masked_max, masked_mean, sequence_mean, zero_padding
+from entr_megatron.config.algorithm import AlgorithmConfig
+
+
+class _Inputs(NamedTuple):
+    logprobs_BT: Tensor  # carries the gradient on active tokens only
+    anchor_BT: Tensor
+    advantages_BT: Tensor
+    weight_BT: Tensor
+    active_BT: Tensor  # kept and valid
+
+    @property
+    def ratio_BT(self) -> Tensor:
+        return torch.exp(self.logprobs_BT - self.anchor_BT)
+
+
+def _prepare(
+    logprobs_BT: Tensor,
+    anchor_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    weight_BT: Tensor,
+    keep_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+) -> _Inputs:
+    active_BT = keep_mask_BT.bool() & response_mask_BT.bool()
+    dtype = torch.promote_types(logprobs_BT.dtype, torch.float32)
+    anchor_BT = zero_padding(anchor_logprobs_BT.detach().to(dtype), active_BT)
+    # Inactive tokens take the anchor's value through a branch without gradient: their
+    # ratio is exactly 1, so an extreme delta (the reason it was masked) or padding
+    # garbage cannot put inf into the forward or 0 * inf = NaN into the backward.
+    logprobs = torch.where(active_BT, logprobs_BT.to(dtype), anchor_BT)
+    advantages = zero_padding(advantages_BT.detach().to(dtype), active_BT)
+    weight = zero_padding(weight_BT.detach().to(dtype).expand_as(active_BT), active_BT)
+    return _Inputs(logprobs, anchor_BT, advantages, weight, active_BT)
+
+
+def _clipped_surrogate(ratio_BT: Tensor, advantages_BT: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's pessimistic surrogate as a loss: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)."""
+    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(-ratio_BT * advantages_BT, -clipped_BT * advantages_BT)
+
+
+def _clip_fractions(ratio_BT: Tensor, x: _Inputs, eps_low: float, eps_high: float) -> dict[str, Tensor]:
+    """Fraction of active tokens where the clip binds (gradient cut) on each side."""
+    low = (x.advantages_BT < 0) & (ratio_BT < 1.0 - eps_low)
+    high = (x.advantages_BT > 0) & (ratio_BT > 1.0 + eps_high)
+    return {
+        "policy_loss/clip_frac_low": masked_fraction(low, x.active_BT),
+        "policy_loss/clip_frac_high": masked_fraction(high, x.active_BT),
+    }
+
+
+def _ratio_metrics(ratio_BT: Tensor, active_BT: Tensor) -> dict[str, Tensor]:
+    ratio = ratio_BT.detach()
+    return {
+        "policy_loss/ratio_mean": masked_mean(ratio, active_BT),
+        "policy_loss/ratio_max": masked_max(ratio, active_BT),
+    }
+
+
+def ppo_clip_loss(
+    logprobs_BT: Tensor,
+    anchor_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    weight_BT: Tensor,
+    keep_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip with asymmetric clip and dual clip:
+    l = -w min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and for A < 0 at most -w c A
+    (c = cfg.dual_clip_c; None disables). Defaults eps_low 0.2, eps_high 0.28."""
+    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    eps_low, eps_high = cfg.clip_range("ppo_clip")
+    ratio_BT = x.ratio_BT
+    loss_BT = _clipped_surrogate(ratio_BT, x.advantages_BT, eps_low, eps_high)
+    metrics = {**_clip_fractions(ratio_BT, x, eps_low, eps_high), **_ratio_metrics(ratio_BT, x.active_BT)}
+    if cfg.dual_clip_c is not None:
+        # A very large ratio on a negative advantage would otherwise give an unbounded loss.
+        bound_BT = -cfg.dual_clip_c * x.advantages_BT
+        dual_BT = (x.advantages_BT < 0) & (loss_BT > bound_BT)
+        loss_BT = torch.where(dual_BT, bound_BT, loss_BT)
+        metrics["policy_loss/dual_clip_frac"] = masked_fraction(dual_BT, x.active_BT)
+    return zero_padding(x.weight_BT * loss_BT, x.active_BT), metrics
+
+
+def reinforce_loss(
+    logprobs_BT: Tensor,
+    anchor_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    weight_BT: Tensor,
+    keep_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance-weighted REINFORCE: l = -sg[w r] A log pi, gradient -w r A grad log pi.
+    No clipping (cfg's clip range is unused)."""
+    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    ratio_BT = x.ratio_BT
+    coefficient_BT = (x.weight_BT * ratio_BT).detach()
+    loss_BT = -coefficient_BT * x.advantages_BT * x.logprobs_BT
+    return zero_padding(loss_BT, x.active_BT), _ratio_metrics(ratio_BT, x.active_BT)
+
+
+def cispo_loss(
+    logprobs_BT: Tensor,
+    anchor_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    weight_BT: Tensor,
+    keep_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): l = -sg[w clip(r, 1 - eps_low, 1 + eps_high)] A log pi.
+
+    Clipping truncates the weight but never cuts a token's gradient. Defaults
+    (CLIP_RANGE_DEFAULTS["cispo"]): eps_low = 1.0, i.e. lower bound 0 (no lower clip, as
+    in the paper), eps_high = 0.28. The clip fractions count truncated tokens."""
+    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    eps_low, eps_high = cfg.clip_range("cispo")
+    ratio_BT = x.ratio_BT
+    coefficient_BT = (x.weight_BT * ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)).detach()
+    loss_BT = -coefficient_BT * x.advantages_BT * x.logprobs_BT
+    metrics = {
+        "policy_loss/clip_frac_low": masked_fraction(ratio_BT < 1.0 - eps_low, x.active_BT),
+        "policy_loss/clip_frac_high": masked_fraction(ratio_BT > 1.0 + eps_high, x.active_BT),
+        **_ratio_metrics(ratio_BT, x.active_BT),
+    }
+    return zero_padding(loss_BT, x.active_BT), metrics
+
+
+def gspo_loss(
+    logprobs_BT: Tensor,
+    anchor_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    weight_BT: Tensor,
+    keep_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (token form): s_i = exp(mean_t (log pi - anchor)) over the sequence's kept
+    tokens, s_it = sg[s_i] exp(log pi_t - sg[log pi_t]) (value s_i, gradient s_i grad log pi_t),
+    l = -w min(s_it A, clip(s_it, 1 - eps_low, 1 + eps_high) A).
+
+    Tokens masked by the correction are left out of s_i: a masked token's extreme delta
+    would otherwise clip its whole sequence. Defaults (CLIP_RANGE_DEFAULTS["gspo"]):
+    eps_low 3e-4, eps_high 4e-4, the GSPO paper's values for a sequence ratio."""
+    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    eps_low, eps_high = cfg.clip_range("gspo")
+    seq_ratio_B = sequence_mean(x.logprobs_BT - x.anchor_BT, x.active_BT).detach().exp()
+    ratio_BT = seq_ratio_B.unsqueeze(-1) * torch.exp(x.logprobs_BT - x.logprobs_BT.detach())
+    loss_BT = _clipped_surrogate(ratio_BT, x.advantages_BT, eps_low, eps_high)
+    nonempty_B = x.active_BT.any(dim=-1)
+    metrics = {
+        **_clip_fractions(ratio_BT.detach(), x, eps_low, eps_high),
+        "policy_loss/seq_ratio_mean": masked_mean(seq_ratio_B, nonempty_B),
+        "policy_loss/seq_ratio_max": masked_max(seq_ratio_B, nonempty_B),
+    }
+    return zero_padding(x.weight_BT * loss_BT, x.active_BT), metrics
+
+
+PolicyLossFn = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple[Tensor, dict[str, Tensor]]
+]
+
+# Keys equal entr_megatron.config.algorithm.POLICY_LOSS_NAMES.
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "ppo_clip": ppo_clip_loss,
+    "reinforce": reinforce_loss,
+    "cispo": cispo_loss,
+    "gspo": gspo_loss,
+}
