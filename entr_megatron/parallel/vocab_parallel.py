@@ -109,11 +109,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         owned = (local_t >= 0) & (local_t < vocab_shard)
         target_grad = torch.where(owned, g_lp * inv_temp, 0.0)
         local_t = torch.where(owned, local_t, 0)
-        direct = out.dtype == torch.float32
+        # fp32 contiguous rows: compute straight into the gradient (no extra buffer).
+        direct = out.dtype == torch.float32 and out.is_contiguous()
         buf_w = None if direct else torch.empty_like(buf_p)
         for s in range(0, n_tokens, chunk):
             e_ = min(s + chunk, n_tokens)
-            # fp32 logits: compute straight into the gradient's rows (no extra buffer).
             w = out[s:e_] if direct else buf_w[: e_ - s]
             p = buf_p[: e_ - s]
             torch.add(neg_log_z[s:e_], logits_NV[s:e_], alpha=inv_temp, out=w)  # log p
@@ -125,21 +125,34 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 out[s:e_].copy_(w)
 
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, chunk_size):
+    def valid_columns(logits, rank, vocab_size):
+        """This rank's columns that hold real vocabulary ids (Megatron pads the vocab)."""
         vocab_shard = logits.shape[-1]
+        if vocab_size is None:
+            return vocab_shard
+        return max(0, min(vocab_shard, vocab_size - rank * vocab_shard))
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, temperature, chunk_size, vocab_size):
         rank, world = _group_rank_size(group)
-        logits_NV = logits.reshape(-1, vocab_shard)
+        vocab_start = rank * logits.shape[-1]
+        width = _VocabParallelLogProbEntropy.valid_columns(logits, rank, vocab_size)
+        # Padding columns are simply not looked at: a narrowed view, no copy.
+        logits_NV = logits.reshape(-1, logits.shape[-1])[:, :width]
         targets_N = targets.reshape(-1)
         inv_temp = 1.0 / temperature
-        chunk = chunk_size or default_chunk_size(vocab_shard)
+        chunk = chunk_size or default_chunk_size(max(width, 1))
         chunk = min(chunk, max(logits_NV.shape[0], 1))
-        buf_y = torch.empty(chunk, vocab_shard, dtype=torch.float32, device=logits.device)
-        buf_e = torch.empty_like(buf_y)
-        vocab_start = rank * vocab_shard
-        stats = _VocabParallelLogProbEntropy.local_stats(
-            logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, buf_e
-        )
-        del buf_y, buf_e
+        if width > 0:
+            buf_y = torch.empty(chunk, width, dtype=torch.float32, device=logits.device)
+            stats = _VocabParallelLogProbEntropy.local_stats(
+                logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, torch.empty_like(buf_y)
+            )
+            del buf_y
+        else:  # a rank holding only padding contributes nothing to the softmax
+            stats = torch.zeros(targets_N.numel(), 4, dtype=torch.float32, device=logits.device)
+            # Lowest finite, not -inf: the merge's (m_r - M) * s_r must be 0, not nan.
+            stats[:, _MAX] = torch.finfo(torch.float32).min
         if world > 1:
             gathered = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
             dist.all_gather(list(gathered.unbind(0)), stats, group=group)
@@ -148,30 +161,33 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logprob, entropy, log_z = _VocabParallelLogProbEntropy.merge_stats(gathered)
 
         ctx.save_for_backward(logits, targets_N, log_z, entropy)
-        ctx.vocab_start, ctx.inv_temp, ctx.chunk = vocab_start, inv_temp, chunk
+        ctx.vocab_start, ctx.inv_temp, ctx.chunk, ctx.width = vocab_start, inv_temp, chunk, width
         out_shape = logits.shape[:-1]
         return logprob.view(out_shape), entropy.view(out_shape)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         logits, targets_N, log_z, entropy = ctx.saved_tensors
-        vocab_shard = logits.shape[-1]
-        logits_NV = logits.reshape(-1, vocab_shard)
+        vocab_shard, width = logits.shape[-1], ctx.width
         zeros = None
         if grad_logprob is None or grad_entropy is None:
             zeros = torch.zeros_like(log_z)
         g_lp = zeros if grad_logprob is None else grad_logprob.reshape(-1).float()
         g_h = zeros if grad_entropy is None else grad_entropy.reshape(-1).float()
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        buf_p = torch.empty(ctx.chunk, vocab_shard, dtype=torch.float32, device=logits.device)
-        _VocabParallelLogProbEntropy.logits_grad(
-            logits_NV, targets_N, log_z, entropy, g_lp, g_h,
-            ctx.vocab_start, ctx.inv_temp, ctx.chunk, buf_p, grad.view(-1, vocab_shard),
-        )
-        return grad, None, None, None, None
+        grad_NV = grad.view(-1, vocab_shard)
+        if width < vocab_shard:
+            grad_NV[:, width:] = 0
+        if width > 0:
+            _VocabParallelLogProbEntropy.logits_grad(
+                logits.reshape(-1, vocab_shard)[:, :width], targets_N, log_z, entropy, g_lp, g_h,
+                ctx.vocab_start, ctx.inv_temp, ctx.chunk,
+                torch.empty(ctx.chunk, width, dtype=torch.float32, device=logits.device), grad_NV[:, :width],
+            )
+        return grad, None, None, None, None, None
 
 
-def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0, chunk_size=None):
+def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0, chunk_size=None, vocab_size=None):
     """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)``.
 
     Args:
@@ -201,10 +217,14 @@ def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0
         raise ValueError(f"logits must be a floating point tensor, got {logits.dtype}")
     _, world = _group_rank_size(group)
     vocab = logits.shape[-1] * world
+    if vocab_size is not None:
+        if not 0 < vocab_size <= vocab:
+            raise ValueError(f"vocab_size must be in (0, {vocab}] (vocab shard {logits.shape[-1]} x {world} ranks), got {vocab_size}")
+        vocab = vocab_size
     lo, hi = torch.aminmax(targets) if targets.numel() else (0, 0)
     if int(lo) < 0 or int(hi) >= vocab:
         raise ValueError(
             f"targets must be token ids in [0, {vocab}) (vocab shard {logits.shape[-1]} x {world} ranks), "
             f"got values in [{int(lo)}, {int(hi)}]"
         )
-    return _VocabParallelLogProbEntropy.apply(logits, targets.long(), group, float(temperature), chunk_size)
+    return _VocabParallelLogProbEntropy.apply(logits, targets.long(), group, float(temperature), chunk_size, vocab_size)

@@ -68,15 +68,40 @@ def check_only_one_output_used(rank, world, group):
         torch.testing.assert_close(local.grad.double(), ref_grad[..., rank * shard:(rank + 1) * shard], atol=1e-5, rtol=0)
 
 
+def check_padded_vocabulary(rank, world, group):
+    """Megatron pads the vocabulary: columns >= vocab_size are no tokens at all."""
+    shard = VOCAB // world
+    # 13: the last shard is partly padding; 30 at 4 ranks: the last shard is all padding.
+    for i, (real, dtype, temp, chunk) in enumerate(
+        itertools.product((VOCAB - 13, VOCAB - 30), DTYPES, (1.0, 0.6), (None, 2))
+    ):
+        logits, targets, g_lp, g_h = make_case(100 + i, dtype)
+        targets = targets % real
+        ref_lp, ref_h, ref_grad = reference_f64(logits[..., :real], targets, g_lp, g_h, temp)
+        ref_grad = torch.cat([ref_grad, torch.zeros(*ref_grad.shape[:-1], VOCAB - real, dtype=ref_grad.dtype)], -1)
+        local = logits[..., rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs_entropy(
+            local, targets, group=group, temperature=temp, chunk_size=chunk, vocab_size=real
+        )
+        (lp * g_lp + ent * g_h).sum().backward()
+        where = f"rank {rank}/{world} vocab_size={real} dtype={dtype} T={temp} chunk={chunk}"
+        torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0, msg=where)
+        torch.testing.assert_close(ent.double(), ref_h, atol=1e-5, rtol=0, msg=where)
+        tol = dict(atol=1e-5, rtol=0) if dtype == torch.float32 else dict(atol=1e-3, rtol=8e-3)
+        torch.testing.assert_close(local.grad.double(), ref_grad[..., rank * shard:(rank + 1) * shard], msg=where, **tol)
+
+
 def _ranks_main(rank, world):
     group = dist.group.WORLD
     check_all_cases(rank, world, group)
     check_only_one_output_used(rank, world, group)
+    check_padded_vocabulary(rank, world, group)
 
 
 def test_single_rank_matches_float64():
     check_all_cases(0, 1, None)
     check_only_one_output_used(0, 1, None)
+    check_padded_vocabulary(0, 1, None)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -119,6 +144,7 @@ def test_backward_saves_no_vocab_sized_copies():
     [
         (dict(temperature=0.0), "temperature must be > 0"),
         (dict(chunk_size=0), "chunk_size must be"),
+        (dict(vocab_size=9), r"vocab_size must be in \(0, 8\]"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):
@@ -129,5 +155,7 @@ def test_bad_arguments_are_named(kwargs, match):
 def test_out_of_range_targets_are_refused():
     with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 8\)"):
         vocab_parallel_logprobs_entropy(torch.randn(2, 8), torch.tensor([1, 8]))
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 6\)"):
+        vocab_parallel_logprobs_entropy(torch.randn(2, 8), torch.tensor([1, 6]), vocab_size=6)
     with pytest.raises(ValueError, match="targets shape"):
         vocab_parallel_logprobs_entropy(torch.randn(2, 8), torch.tensor([1]))
