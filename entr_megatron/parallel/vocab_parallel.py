@@ -72,8 +72,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             torch.exp(y, out=ex)
             stats[s:e_, _MAX] = m
             stats[s:e_, _SUM_EXP] = ex.sum(dim=-1)
-            # Batched dot product: no [chunk, V] temporary for e * y.
-            stats[s:e_, _SUM_EXP_Y] = torch.bmm(ex.unsqueeze(1), y.unsqueeze(2)).view(-1)
+            # e * y in place of y (no further use): no temporary, and no matmul that
+            # TF32 settings could degrade.
+            stats[s:e_, _SUM_EXP_Y] = y.mul_(ex).sum(dim=-1)
             zt = x.gather(1, local_t[s:e_].unsqueeze(-1)).squeeze(-1).float() * inv_temp
             stats[s:e_, _TARGET_LOGIT] = torch.where(owned[s:e_], zt, 0.0)
         return stats
