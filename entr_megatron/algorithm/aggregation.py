@@ -1,7 +1,7 @@
 """Reduce a per-token loss [B, T] to the scalar the optimizer steps on.
 
 Denominators use the RESPONSE mask, never a correction's keep mask: a token that
-ENTR masks still counts in the token-mean denominator (design/ENTR.md), so masking
+ENTR masks still counts in the token-mean denominator (docs/ENTR.md), so masking
 shrinks the update instead of re-weighting the surviving tokens up.
 
 Global counts: a distributed learner splits a global batch into micro-batches and

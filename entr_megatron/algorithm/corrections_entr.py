@@ -1,4 +1,4 @@
-"""ENTR and its two variants as corrections (design/ENTR.md).
+"""ENTR and its two variants as corrections (docs/ENTR.md).
 
 All three compare the learner directly with the behaviour policy,
 delta = log pi_theta - log mu; a recomputed old policy is not needed and is ignored.

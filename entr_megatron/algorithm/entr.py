@@ -2,7 +2,7 @@
 
     S_t = delta_t^2 / (H_t + eps),   keep the token when S_t <= tau
 
-(docs: design/ENTR.md). Plus the pieces of the self-calibrated variant, which
+(docs: docs/ENTR.md). Plus the pieces of the self-calibrated variant, which
 replaces H by the first-order scale G = 1 - sum_j p_j^2 and tau by a batch
 estimate of the perturbation variance.
 """

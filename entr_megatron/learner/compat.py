@@ -4,7 +4,7 @@ megatron-core hard-codes CUDA in code paths that have nothing GPU-specific about
 them. ``enable_cpu_compat()`` redirects exactly those call sites and nothing else;
 it is idempotent and a no-op when ``torch.cuda.is_available()``, so the same
 learner code runs on GPU clusters untouched. Measurements and the probing behind
-this list: ``shared/design/MEGATRON_ON_CPU.md``.
+this list: ``docs/MEGATRON_ON_CPU.md``.
 
 Redirected call sites (megatron-core 0.16.1; 0.17.0 has the same ones):
 
