@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from entr_megatron import __version__
-from entr_megatron.cli import demo
+from entr_megatron.cli import demo, score
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"entr-megatron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)
+    score.add_parser(sub)
     return parser
 
 

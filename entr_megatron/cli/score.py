@@ -1,0 +1,334 @@
+"""`entr-megatron score`: the learner's per-token log-probs and entropy for token sequences.
+
+Useful on its own to diagnose train-inference mismatch: score what an inference
+engine sampled and compare with the log-probs the engine reported.
+
+    entr-megatron score --model HF_DIR --tp 2 --input rollouts.jsonl --output scored.jsonl
+
+--model is an HF model directory (config.json + safetensors). Learner (Megatron
+dist) checkpoints are not accepted yet.
+
+Input: JSONL, one object per line with "input_ids": [token ids]. Output: every
+line with all its fields, in the same order, plus
+  "logprobs": [L-1 floats]  log p(input_ids[i+1] | input_ids[0..i])
+  "entropy":  [L-1 floats]  entropy (nats) of that next-token distribution
+both at --temperature. Blank lines are skipped.
+
+Lines with "rollout_logprobs" (R floats, the behaviour log-probs an engine
+reported) are read as: the LAST R tokens of input_ids are the response and
+rollout_logprobs[k] is the log-prob of input_ids[L-R+k], i.e. it aligns with
+logprobs[L-1-R+k] (so 1 <= R <= L-1). Such lines also get
+  "mismatch": {"k1", "k3", "mean_abs_delta", "entr_mask_fraction"}
+with delta = logprobs - rollout_logprobs over the response, and a summary of the
+mismatch metrics of ENTR.md over all of them (k1, k3, mean |delta|, per-entropy-bin
+statistics, the fraction ENTR would mask at --tau) is printed at the end.
+
+The command starts tp*pp local ranks itself (gloo on CPU, NCCL when CUDA is
+present), loads the model sharded over them, and runs Megatron's forward-only
+pipeline schedule. The output file appears atomically when everything is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from entr_megatron import models
+from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, mismatch_metrics
+from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
+from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
+from entr_megatron.utils.spawn import free_port
+
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What each spawned rank needs (pickled to the ranks)."""
+
+    model_dir: str
+    tp: int
+    pp: int
+    sequences_path: str
+    results_path: str
+    temperature: float
+    batch_tokens: int
+
+
+# --- input and output ---------------------------------------------------------------------------
+
+
+@dataclass
+class Line:
+    """One validated input line."""
+
+    lineno: int
+    input_ids: list[int]
+    rollout_logprobs: list[float] | None
+
+
+def _parse_line(text: str, where: str, vocab_size: int) -> Line:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    ids = obj.get("input_ids")
+    if ids is None:
+        raise ValueError(f'{where}: missing "input_ids"')
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f'{where}: "input_ids" must be a non-empty list of token ids')
+    for k, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f'{where}: input_ids[{k}]={t!r} is not an integer token id')
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{where}: input_ids[{k}]={t} is outside the model's vocabulary [0, {vocab_size})")
+    rollout = obj.get("rollout_logprobs")
+    if rollout is not None:
+        if not isinstance(rollout, list) or not 1 <= len(rollout) <= len(ids) - 1:
+            raise ValueError(f'{where}: "rollout_logprobs" must be a list of 1 to len(input_ids)-1={len(ids) - 1} '
+                             "numbers (one per response token: the last tokens of input_ids)")
+        for k, x in enumerate(rollout):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x > 0:
+                raise ValueError(f"{where}: rollout_logprobs[{k}]={x!r} is not a finite log-probability (<= 0)")
+        rollout = [float(x) for x in rollout]
+    return Line(0, ids, rollout)
+
+
+def read_input(path: str, vocab_size: int) -> list[Line]:
+    """Every non-blank line of a JSONL file, validated; ValueError names the file and line."""
+    lines = []
+    try:
+        f = open(path)
+    except OSError as e:
+        raise ValueError(f"--input: cannot read {path}: {e.strerror}") from None
+    with f:
+        for lineno, text in enumerate(f, start=1):
+            if text.strip():
+                line = _parse_line(text, f"{path}:{lineno}", vocab_size)
+                line.lineno = lineno
+                lines.append(line)
+    return lines
+
+
+def _line_mismatch(lp, ent, rollout, tau):
+    """Response-token tensors [1, R] (learner log-probs, behaviour log-probs, entropy) and the per-line dict."""
+    r = len(rollout)
+    lp_R, ent_R = lp[-r:].double(), ent[-r:].double()
+    mu_R = torch.tensor(rollout, dtype=torch.float64)
+    delta = lp_R - mu_R
+    summary = {
+        "k1": float((-delta).mean()),
+        "k3": float((torch.expm1(delta) - delta).mean()),
+        "mean_abs_delta": float(delta.abs().mean()),
+        "entr_mask_fraction": float((~entr_mask(delta, ent_R, tau, ENTR_DEFAULT_EPS)).double().mean()),
+    }
+    return lp_R, mu_R, ent_R, summary
+
+
+def _summary(lp, mu, ent, n_lines, tau) -> str:
+    """The mismatch metrics of all lines with rollout_logprobs, as a table."""
+    lp, mu, ent = torch.cat(lp)[None], torch.cat(mu)[None], torch.cat(ent)[None]
+    keep = entr_mask(lp - mu, ent, tau, ENTR_DEFAULT_EPS)
+    m = {k: float(v) for k, v in mismatch_metrics(lp, mu, ent, torch.ones_like(keep), keep_mask_BT=keep).items()}
+    out = [
+        f"mismatch vs rollout_logprobs: {n_lines} lines, {int(m['mismatch/tokens'])} response tokens "
+        "(delta = learner log-prob - rollout log-prob)",
+        f"  {'k1 = mean(-delta)':<32} {m['mismatch/k1']:+.6f}",
+        f"  {'k3 = mean(e^delta - 1 - delta)':<32} {m['mismatch/k3']:+.6f}",
+        f"  {'mean |delta|':<32} {m['mismatch/mean_abs_delta']:+.6f}",
+        f"  {'ENTR mask fraction':<32} {m['mask/fraction']:.4f} (tau={tau:g}, eps={ENTR_DEFAULT_EPS:g})",
+        f"  {'entropy bin':>12} {'tokens':>8} {'mean|delta|':>11} {'mean score':>10} {'masked':>7} {'rollout p<1e-3':>14}",
+    ]
+    for key in m:
+        if key.startswith("entropy_bin/") and key.endswith("/count") and m[key] > 0:
+            prefix = key[: -len("count")]
+            out.append(f"  {prefix.split('/')[1]:>12} {int(m[key]):>8} {m[prefix + 'mean_abs_delta']:>11.5f} "
+                       f"{m[prefix + 'mean_score']:>10.4f} {m[prefix + 'mask_fraction']:>7.2%} "
+                       f"{m[prefix + 'low_prob_share']:>14.2%}")
+    return "\n".join(out)
+
+
+def write_output(in_path, out_path, lines, logprobs, entropy, tau) -> str | None:
+    """Write every input line back with the scores, atomically; returns the mismatch summary (or None)."""
+    by_lineno = {line.lineno: i for i, line in enumerate(lines)}
+    mism_lp, mism_mu, mism_ent = [], [], []
+    directory = os.path.dirname(os.path.abspath(out_path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out_path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out, open(in_path) as f:
+            for lineno, text in enumerate(f, start=1):
+                i = by_lineno.get(lineno)
+                if i is None:
+                    continue  # blank line
+                obj = json.loads(text)
+                obj["logprobs"] = logprobs[i].tolist()
+                obj["entropy"] = entropy[i].tolist()
+                if lines[i].rollout_logprobs is not None:
+                    lp, mu, ent, obj["mismatch"] = _line_mismatch(logprobs[i], entropy[i], lines[i].rollout_logprobs, tau)
+                    mism_lp.append(lp), mism_mu.append(mu), mism_ent.append(ent)
+                out.write(json.dumps(obj) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return _summary(mism_lp, mism_mu, mism_ent, len(mism_lp), tau) if mism_lp else None
+
+
+# --- the ranks ----------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> None:
+    """One spawned rank: join the process group, build and load the model, score, rank 0 saves."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    # Megatron is imported in the ranks only: the parent validates and writes without it.
+    from entr_megatron.learner.build import build_learner_model_from_hf
+    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.learner.scoring import score_sequences
+    from entr_megatron.parallel.groups import destroy, init_distributed_from_env, initialize_model_parallel
+
+    init_distributed_from_env()
+    try:
+        enable_cpu_compat()  # a no-op with CUDA
+        groups = initialize_model_parallel(job.tp, job.pp)
+        chunks, spec = build_learner_model_from_hf(job.model_dir, groups)
+        data = torch.load(job.sequences_path)
+        sequences = torch.split(data["input_ids"], data["lengths"].tolist())
+        started, last = time.monotonic(), [0.0]
+        tokens = sum(data["lengths"].tolist())
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if rank == 0 and (now - last[0] >= PROGRESS_EVERY_S or done == total) and now - started > 1.0:
+                last[0] = now
+                print(f"  scored {done}/{total} sequences ({done / total:.0%}, "
+                      f"~{tokens * done / total / (now - started):.0f} tokens/s)", file=sys.stderr, flush=True)
+
+        results = score_sequences(chunks, spec, groups, sequences, temperature=job.temperature,
+                                  batch_tokens=job.batch_tokens, progress=progress)
+        if rank == 0:
+            torch.save({"logprobs": torch.cat([lp for lp, _ in results]),
+                        "entropy": torch.cat([ent for _, ent in results])}, job.results_path)
+        destroy()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world: int, job: _Job) -> None:
+    """Run `_rank_main` on `world` spawned local ranks; raise RuntimeError with a failed rank's traceback."""
+    threads = max(1, (os.cpu_count() or 1) // world)
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), threads, job), nprocs=world, join=False,
+                             start_method="spawn")
+    try:
+        while not ctx.join(timeout=1.0):
+            pass
+    except mp.ProcessException as e:
+        raise RuntimeError(f"rank {e.error_index} failed:{e}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def _check_layout(spec, tp: int, pp: int) -> None:
+    """Refuse layouts Megatron cannot build for this model, naming the sizes (experts are not TP-split here)."""
+    checks = [
+        ("num_attention_heads", spec.num_attention_heads, tp, "--tp"),
+        ("num_key_value_heads", spec.num_query_groups, tp, "--tp"),
+        ("num_hidden_layers", spec.num_layers, pp, "--pp"),
+    ]
+    if not spec.is_moe:
+        checks.append(("intermediate_size", spec.ffn_hidden_size, tp, "--tp"))
+    for what, value, size, flag in checks:
+        if value % size:
+            raise ValueError(f"{flag} {size} does not divide the model's {what}={value}")
+
+
+def run(args) -> None:
+    """Validate, score on spawned ranks, write the output atomically, print the summary."""
+    try:
+        _run(args)
+    except (ValueError, RuntimeError) as e:
+        sys.exit(f"entr-megatron score: error: {e}")
+
+
+def _run(args) -> None:
+    if args.tp < 1 or args.pp < 1:
+        raise ValueError(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
+    if args.batch_tokens < 1:
+        raise ValueError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature}")
+    if not args.tau > 0:
+        raise ValueError(f"--tau must be > 0, got {args.tau}")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise ValueError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise ValueError(f"--model {args.model!r} is not an HF model directory (no config.json); only HF model "
+                         "directories (config.json + safetensors) are accepted; learner checkpoints are not supported yet")
+    spec = models.model_spec(read_hf_config(args.model))
+    _check_layout(spec, args.tp, args.pp)
+    with HfCheckpoint(args.model) as ckpt:
+        check_hf_checkpoint(ckpt, spec)
+    lines = read_input(args.input, spec.vocab_size)
+    if not lines:
+        raise ValueError(f"{args.input}: no input lines")
+    world = args.tp * args.pp
+    n_tokens = sum(len(line.input_ids) for line in lines)
+    print(f"scoring {len(lines)} sequences ({n_tokens} tokens) with {spec.model_type} from {args.model} "
+          f"on {world} rank(s): tp={args.tp} pp={args.pp}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="entr-score-") as tmp:
+        job = _Job(args.model, args.tp, args.pp, os.path.join(tmp, "sequences.pt"), os.path.join(tmp, "results.pt"),
+                   args.temperature, args.batch_tokens)
+        torch.save({"input_ids": torch.tensor([t for line in lines for t in line.input_ids], dtype=torch.long),
+                    "lengths": torch.tensor([len(line.input_ids) for line in lines], dtype=torch.long)},
+                   job.sequences_path)
+        _launch(world, job)
+        results = torch.load(job.results_path)
+    sizes = [len(line.input_ids) - 1 for line in lines]
+    logprobs = torch.split(results["logprobs"], sizes)
+    entropy = torch.split(results["entropy"], sizes)
+    summary = write_output(args.input, args.output, lines, logprobs, entropy, tau=args.tau)
+    print(f"scored {len(lines)} sequences in {time.monotonic() - started:.1f} s -> {args.output}")
+    if summary is not None:
+        print(summary)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("score", help="per-token log-probs and entropy of token sequences under an HF model (TP/PP ranks)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="HF model directory (config.json + safetensors); learner checkpoints are not supported yet")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (default 1)")
+    p.add_argument("--input", required=True, metavar="FILE.jsonl", help='lines {"input_ids": [...], ...}')
+    p.add_argument("--output", required=True, metavar="FILE.jsonl", help="written atomically when done")
+    p.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / T) (default 1)")
+    p.add_argument("--batch-tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                   help=f"tokens per packed micro-batch; a longer sequence gets its own (default {DEFAULT_BATCH_TOKENS})")
+    p.add_argument("--tau", type=float, default=ENTR_DEFAULT_TAU,
+                   help=f"ENTR threshold for the mask fraction in the summary (default {ENTR_DEFAULT_TAU})")
+    p.set_defaults(func=run)
+

@@ -1,0 +1,274 @@
+"""Load an HF model directory (config.json + safetensors) into this rank's Megatron model chunks.
+
+Each rank reads only the tensors behind its own parameters (its pipeline stage's
+layers, its EP rank's experts; TP ranks read the same tensors and keep their
+slice), lazily through `safetensors.safe_open`, one parameter at a time, so peak
+extra memory is one full (TP-unsharded) parameter. Names and layouts come from
+`models` (`to_hf` names the HF tensors of a Megatron parameter; QKV
+interleaving and the gated-MLP merge are `models.interleave_qkv` /
+`models.merge_gated`); sharding is `models.shard`.
+
+Before any tensor is read, every rank checks the whole checkpoint from the
+safetensors headers: missing and unexpected keys and every shape. All ranks see
+the same files, so they fail together with the same message instead of one rank
+raising while the others wait in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from entr_megatron import models
+
+__all__ = [
+    "HfCheckpoint",
+    "check_hf_checkpoint",
+    "global_param_names",
+    "load_hf_weights",
+    "read_hf_config",
+    "tp_coords",
+    "unwrap_chunk",
+]
+
+HF_CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Non-parameter buffers some older checkpoints carry; never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_PREVIEW = 8
+
+
+def _preview(names) -> str:
+    names = sorted(names)
+    more = f", ... and {len(names) - _PREVIEW} more" if len(names) > _PREVIEW else ""
+    return ", ".join(names[:_PREVIEW]) + more
+
+
+def read_hf_config(hf_dir_or_config: str | os.PathLike | Mapping | Any) -> dict:
+    """The HF config as a dict, from a model directory, a config.json path, a dict or a transformers config."""
+    if isinstance(hf_dir_or_config, (str, os.PathLike)):
+        path = os.fspath(hf_dir_or_config)
+        if os.path.isdir(path):
+            path = os.path.join(path, HF_CONFIG_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{os.fspath(hf_dir_or_config)!r}: no HF {HF_CONFIG_FILE} found (expected an HF model directory)"
+            )
+        with open(path) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(hf_dir_or_config, Mapping):
+        return dict(hf_dir_or_config)
+    if callable(getattr(hf_dir_or_config, "to_dict", None)):
+        return hf_dir_or_config.to_dict()
+    raise TypeError(
+        "expected an HF model directory, a config.json path, a dict or a transformers config, "
+        f"got {type(hf_dir_or_config)}"
+    )
+
+
+class HfCheckpoint(contextlib.AbstractContextManager):
+    """Lazy access to the tensors of an HF model directory (single or sharded safetensors).
+
+    `shape(name)` reads only headers; `get(name)` reads one tensor. Files are
+    opened on first use and closed by `close()` / the context manager.
+    """
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        self.dir = os.fspath(hf_dir)
+        index, single = os.path.join(self.dir, INDEX_FILE), os.path.join(self.dir, SINGLE_FILE)
+        if os.path.isfile(index):
+            with open(index) as f:
+                try:
+                    weight_map = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from None
+            self._file_of = dict(weight_map)
+        elif os.path.isfile(single):
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self._file_of = {k: SINGLE_FILE for k in f.keys()}
+        else:
+            others = sorted(n for n in os.listdir(self.dir) if n.endswith((".bin", ".pt", ".pth", ".safetensors")))
+            raise ValueError(
+                f"{self.dir}: no {SINGLE_FILE} or {INDEX_FILE}"
+                + (f" (found {_preview(others)}; only safetensors checkpoints are supported)" if others else "")
+            )
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+        return list(self._file_of)
+
+    def _handle(self, name: str):
+        file = self._file_of.get(name)
+        if file is None:
+            raise KeyError(f"{name!r} is not in the checkpoint {self.dir}")
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            path = os.path.join(self.dir, file)
+            if not os.path.isfile(path):
+                raise ValueError(f"{os.path.join(self.dir, INDEX_FILE)} maps {name} to {file}, which does not exist")
+            self._handles[file] = safe_open(path, framework="pt").__enter__()
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the file header."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, read from disk."""
+        return self._handle(name).get_tensor(name)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _hf_parts(megatron_name: str, spec: models.ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, expected shape) of the HF tensors a full Megatron parameter is made of."""
+    meta = torch.empty(models.megatron_shape(megatron_name, spec), device="meta")
+    return [(name, tuple(t.shape)) for name, t in models.to_hf(megatron_name, meta, spec)]
+
+
+def check_hf_checkpoint(ckpt: HfCheckpoint, spec: models.ModelSpec) -> None:
+    """Raise ValueError naming missing / unexpected keys and shape mismatches (headers only)."""
+    keys = {k for k in ckpt.keys() if not k.endswith(_IGNORED_SUFFIXES)}
+    expected = set(models.hf_names(spec, "checkpoint"))
+    if spec.tie_word_embeddings and "lm_head.weight" in keys - expected:
+        keys.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    if keys != expected and keys == set(models.hf_names(spec, "transformers")):
+        raise ValueError(
+            f"{ckpt.dir}: the tensors are in transformers' in-memory layout (stacked experts); "
+            "expected the checkpoint layout that save_pretrained writes (one tensor per expert)"
+        )
+    missing, unexpected = expected - keys, keys - expected
+    if missing or unexpected:
+        parts = [f"missing {len(missing)}: {_preview(missing)}"] if missing else []
+        parts += [f"unexpected {len(unexpected)}: {_preview(unexpected)}"] if unexpected else []
+        raise ValueError(f"{ckpt.dir}: tensors do not match the {spec.model_type} config.json: " + "; ".join(parts))
+    wrong = []
+    for megatron_name in models.megatron_names(spec):
+        for hf_name, shape in _hf_parts(megatron_name, spec):
+            found = ckpt.shape(hf_name)
+            if found != shape:
+                wrong.append(f"{hf_name} has shape {list(found)}, config.json implies {list(shape)}")
+    if wrong:
+        more = f" (and {len(wrong) - _PREVIEW} more)" if len(wrong) > _PREVIEW else ""
+        raise ValueError(f"{ckpt.dir}: shape mismatches: " + "; ".join(wrong[:_PREVIEW]) + more)
+
+
+# --- local <-> global Megatron names ----------------------------------------------------
+
+
+def unwrap_chunk(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _layer_offset(chunk) -> int:
+    """Global index of the chunk's first layer; its layers must be one contiguous run."""
+    layers = chunk.decoder.layers if chunk.decoder is not None else []
+    if len(layers) == 0:
+        return 0
+    offset = layers[0].layer_number - 1
+    numbers = [layer.layer_number - 1 for layer in layers]
+    assert numbers == list(range(offset, offset + len(layers))), f"non-contiguous layers {numbers}"
+    return offset
+
+
+def global_param_names(chunk, spec: models.ModelSpec, groups) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(global Megatron name, local name, parameter) for every parameter of a chunk, in module order.
+
+    Global names carry global layer and expert indices, as `models` expects. The
+    output layer of a tied model (last stage with PP > 1) is named as the word
+    embedding it shares.
+    """
+    chunk = unwrap_chunk(chunk)
+    offset = _layer_offset(chunk)
+    for local, param in chunk.named_parameters():
+        name = models.offset_layer(local, offset)
+        if models.is_expert_param(name):
+            name = models.expert_global_name(name, groups.ep_rank, spec.num_experts, groups.ep_size)
+        if spec.tie_word_embeddings and name == "output_layer.weight":
+            name = "embedding.word_embeddings.weight"
+        yield name, local, param
+
+
+def tp_coords(megatron_name: str, groups) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group that splits this parameter (expert-TP for experts)."""
+    if models.is_expert_param(megatron_name):
+        return groups.expert_tp_rank, groups.expert_tp_size
+    return groups.tp_rank, groups.tp_size
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def _fuse(megatron_name: str, parts: list[torch.Tensor], spec: models.ModelSpec) -> torch.Tensor:
+    """The full Megatron tensor from its HF parts (the inverse of `models.to_hf`)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return models.merge_gated(*parts)
+    if len(parts) == 3:
+        return models.interleave_qkv(*parts, spec.num_query_groups, spec.head_dim)
+    raise AssertionError(f"{megatron_name}: {len(parts)} HF parts")
+
+
+def _check_inverse(megatron_name: str, full: torch.Tensor, parts: list[torch.Tensor], spec) -> None:
+    """`models.to_hf(full)` must give back the parts: guards `_fuse` against a table change."""
+    back = [t for _, t in models.to_hf(megatron_name, full, spec)]
+    assert len(back) == len(parts) and all(torch.equal(a, b) for a, b in zip(back, parts)), (
+        f"{megatron_name}: fusing the HF tensors is not the inverse of models.to_hf"
+    )
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks, spec: models.ModelSpec, groups, hf_dir: str | os.PathLike) -> None:
+    """Copy an HF checkpoint's weights into this rank's chunks (every parameter is written).
+
+    Raises ValueError (before reading any tensor) for missing / unexpected keys
+    and shape mismatches, and for a chunk parameter with no HF source.
+    HF tensors are cast to each parameter's dtype. No collective is used.
+    """
+    with HfCheckpoint(hf_dir) as ckpt:
+        check_hf_checkpoint(ckpt, spec)
+        checked_arity: set[int] = set()
+        for chunk in model_chunks:
+            for name, local, param in global_param_names(chunk, spec, groups):
+                try:
+                    hf = _hf_parts(name, spec)
+                except ValueError as e:
+                    raise ValueError(f"learner parameter {local} ({name}) has no HF source: {e}") from None
+                parts = [ckpt.get(hf_name) for hf_name, _ in hf]
+                full = _fuse(name, parts, spec)
+                if len(parts) not in checked_arity:
+                    _check_inverse(name, full, parts, spec)
+                    checked_arity.add(len(parts))
+                rank, size = tp_coords(name, groups)
+                if models.tp_split(name) is models.TpSplit.VOCAB:
+                    full = models.pad_vocab_rows(full, param.shape[0] * size)
+                local_tensor = models.shard(name, full, rank, size)
+                if local_tensor.shape != param.shape:
+                    raise ValueError(
+                        f"{local} ({name}): the HF tensors give a local shard of shape {list(local_tensor.shape)}, "
+                        f"the learner parameter has {list(param.shape)}"
+                    )
+                param.copy_(local_tensor)
