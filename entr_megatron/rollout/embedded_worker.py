@@ -1,0 +1,226 @@
+"""The embedded engine's process: a decode loop and a weight-receiving thread.
+
+    client (EmbeddedEngine)                       worker process
+    ───────────────────────                       ─────────────────────────────────────────
+    cmd_q ── submit / abort / call / shutdown ──> decode loop: drain cmd_q, swap staged
+                                                  weights, one BatchDecoder.step(), repeat
+    weight_q ── begin, buckets…, end ───────────> receiver thread: fill the WeightStage,
+             (or a WeightReceiver)                then post "staged" to cmd_q
+    out_q <── ready / results / reply / fatal ──  both
+
+The decode loop only handles messages between two steps, so a swap (triggered by
+the "staged" message) always falls between steps and never half-way through one.
+The receiver starts a new version only after the previous one was swapped in (the
+stage is a single second copy of the weights).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing as mp
+
+from entr_megatron.rollout.decoder import BatchDecoder
+from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpdateReport
+from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
+from entr_megatron.rollout.weights import WeightStage
+
+if TYPE_CHECKING:
+    from entr_megatron.rollout.embedded import EmbeddedEngineConfig
+
+__all__ = ["run_worker"]
+
+_IDLE_WAKEUP_S = 1.0
+"""An idle worker wakes this often to notice that its parent died."""
+
+
+class _Receiver(threading.Thread):
+    """Fills the stage from weight_q while the decode loop keeps running."""
+
+    def __init__(self, stage: WeightStage, decoder: BatchDecoder, weight_q: Any, cmd_q: Any, out_q: Any):
+        super().__init__(name="weight-receiver", daemon=True)
+        self.stage, self.decoder = stage, decoder
+        self.weight_q, self.cmd_q, self.out_q = weight_q, cmd_q, out_q
+        self.swapped = threading.Event()
+        self.swapped.set()
+
+    def run(self) -> None:
+        while True:
+            msg = self.weight_q.get()
+            if msg is None:
+                return
+            kind, call_id = msg[0], msg[1]
+            if kind == "receiver":
+                _, _, version, t_call, receiver = msg
+                self._receive(call_id, version, t_call, receiver)
+            elif kind == "begin":
+                _, _, version, t_call = msg
+                self._receive(call_id, version, t_call, None)
+            else:  # a bucket or end of an update whose begin failed: already answered
+                continue
+
+    def _receive(self, call_id: int, version: int, t_call: float, receiver: WeightReceiver | None) -> None:
+        self.swapped.wait()
+        self.swapped.clear()
+        steps_at_begin = self.decoder.steps
+        error: str | None = None
+        try:
+            self.stage.begin(version)
+        except Exception:
+            error = traceback.format_exc()
+        if receiver is not None:
+            if error is None:
+                error = _try(lambda: receiver.receive(self.stage))
+        else:
+            while True:  # read to this update's end even after an error, to keep the queue aligned
+                msg = self.weight_q.get()
+                assert msg is not None and msg[1] == call_id, f"weight message {msg[:2]} inside update {call_id}"
+                if msg[0] == "end":
+                    if msg[2] is not None and error is None:
+                        error = f"the sender failed: {msg[2]}"
+                    break
+                if error is None:
+                    error = _try(lambda: self.stage.load_bucket(msg[2]))
+        if error is None:
+            error = _try(self.stage.finish)
+        if error is not None:
+            self.stage.discard()
+            self.swapped.set()
+            self.out_q.put(("reply", call_id, False, error))
+        else:
+            self.cmd_q.put(("staged", call_id, t_call, steps_at_begin))
+
+
+def _try(fn) -> str | None:
+    """None, or the message of the exception `fn()` raised (ValueErrors: just the message)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+class _Worker:
+    def __init__(self, config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: Any):
+        self.config, self.cmd_q, self.out_q = config, cmd_q, out_q
+        model = load_causal_lm(
+            config.model_dir, dtype=config.dtype, init=config.init, seed=config.seed,
+            attn_implementation=config.attn_implementation,
+        )
+        self.decoder = BatchDecoder(
+            model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
+            max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos_token_ids(model),
+            version=config.initial_version, seed=config.seed,
+        )
+        self.stage = WeightStage(model)
+        self.receiver = _Receiver(self.stage, self.decoder, weight_q, cmd_q, out_q)
+        self.paused = False
+        self.last_update: WeightUpdateReport | None = None
+        self.info = {
+            "specs": self.stage.specs,
+            "version": config.initial_version,
+            "vocab_size": self.decoder.lm.vocab_size,
+            "max_model_len": self.decoder.max_model_len,
+            "eos_token_ids": sorted(self.decoder.eos_token_ids),
+        }
+
+    def run(self) -> None:
+        self.receiver.start()
+        self.out_q.put(("ready", self.info))
+        while True:
+            idle = self.paused or not self.decoder.has_work()
+            for msg in self._drain(block=idle):
+                if msg[0] == "shutdown":
+                    return
+                self._handle(msg)
+            if not self.paused and self.decoder.has_work():
+                finished = self.decoder.step()
+                if finished:
+                    self.out_q.put(("results", finished))
+
+    def _drain(self, block: bool) -> list[tuple]:
+        msgs = []
+        if block:
+            try:
+                msgs.append(self.cmd_q.get(timeout=_IDLE_WAKEUP_S))
+            except queue.Empty:
+                parent = mp.parent_process()
+                if parent is not None and not parent.is_alive():
+                    return [("shutdown",)]
+        while True:
+            try:
+                msgs.append(self.cmd_q.get_nowait())
+            except queue.Empty:
+                return msgs
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            for request in msg[1]:
+                self.decoder.add(request)
+        elif kind == "abort":
+            results = self.decoder.abort(msg[1])
+            if results:
+                self.out_q.put(("results", results))
+        elif kind == "staged":
+            self._swap(*msg[1:])
+        elif kind == "call":
+            _, call_id, name, args = msg
+            try:
+                self.out_q.put(("reply", call_id, True, getattr(self, f"_call_{name}")(*args)))
+            except Exception:
+                self.out_q.put(("reply", call_id, False, traceback.format_exc()))
+        else:
+            raise AssertionError(f"unknown command {kind!r}")
+
+    def _swap(self, call_id: int, t_call: float, steps_at_begin: int) -> None:
+        """Install the staged weights now (we are between two steps)."""
+        t0 = time.time()
+        wait_s = t0 - self.stage.staged_at
+        self.decoder.version = self.stage.swap_into()
+        if self.config.kv_on_update == "recompute":
+            self.decoder.recompute_cache()
+        t1 = time.time()
+        report = WeightUpdateReport(
+            version=self.decoder.version, num_tensors=self.stage.num_tensors, num_bytes=self.stage.num_bytes,
+            transfer_s=self.stage.staged_at - t_call, swap_s=t1 - t0, wait_s=wait_s, total_s=t1 - t_call,
+            decode_steps_during_transfer=self.decoder.steps - steps_at_begin,
+            running_at_swap=self.decoder.num_running,
+        )
+        self.last_update = report
+        self.receiver.swapped.set()
+        self.out_q.put(("reply", call_id, True, report))
+
+    # --- calls (answered with a reply) ---------------------------------------------------
+
+    def _call_pause(self) -> None:
+        self.paused = True
+
+    def _call_resume(self) -> None:
+        self.paused = False
+
+    def _call_health(self) -> EngineHealth:
+        d = self.decoder
+        return EngineHealth(
+            alive=True, weight_version=d.version, paused=self.paused, num_running=d.num_running,
+            num_waiting=d.num_waiting, steps=d.steps, generated_tokens=d.generated_tokens,
+            last_update=self.last_update,
+        )
+
+
+def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: Any) -> None:
+    """Entry point of the engine process (spawned by `EmbeddedEngine`)."""
+    try:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        _Worker(config, cmd_q, weight_q, out_q).run()
+    except BaseException:
+        out_q.put(("fatal", traceback.format_exc()))
+        raise

@@ -1,0 +1,261 @@
+"""Start and stop SGLang servers (and optionally an sglang-router in front of them).
+
+    servers = launch_servers(
+        [SGLangServerConfig("Qwen/Qwen3-8B", port=30000 + i, tp_size=2, base_gpu_id=2 * i, dtype="bfloat16")
+         for i in range(4)],
+        log_dir="runs/x/sglang",
+    )
+    router = launch_router(RouterConfig(worker_urls=tuple(s.url for s in servers), port=29999),
+                           log_path="runs/x/sglang/router.log")
+    ...
+    router.terminate(); terminate_all(servers)
+
+Each server is `python -m sglang.launch_server --model-path ... --tp-size ... --port ...
+--dtype ... --mem-fraction-static ... [extra args]` in its own session (so terminating
+it ends its scheduler and detokenizer children too), with stdout and stderr in one
+log file. `wait_healthy` polls GET /health (503 while the server warms up) until 200,
+and fails early with the log's tail when the process exits. The flags were checked
+against SGLang 0.5.23 (srt/arg_groups/fields/*.py: model_path, tp_size, port, host,
+dtype choices, mem_fraction_static, base_gpu_id, weight_version, random_seed) and
+sglang-router 0.3.2 (sglang_router/launch_router.py, router_args.py: --worker-urls,
+--host, --port, --policy). Nothing here imports sglang.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from entr_megatron.rollout.sglang_engine import SGLangClient, SGLangError
+
+__all__ = [
+    "DTYPES",
+    "ROUTER_POLICIES",
+    "ManagedProcess",
+    "RouterConfig",
+    "SGLangServerConfig",
+    "launch_router",
+    "launch_servers",
+    "router_command",
+    "server_command",
+    "terminate_all",
+]
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+"""--dtype choices of SGLang 0.5.23."""
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+"""--policy choices of sglang-router 0.3.2."""
+LOG_TAIL_LINES = 40
+"""Lines of a failed process's log quoted in the error."""
+
+
+@dataclass(frozen=True)
+class SGLangServerConfig:
+    """One `sglang.launch_server` process."""
+
+    model_path: str
+    port: int = 30000
+    host: str = "127.0.0.1"
+    tp_size: int = 1
+    dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory for weights and KV cache; None: SGLang's default."""
+    base_gpu_id: int | None = None
+    """First GPU of this server (several servers on one node); None: SGLang's default (0)."""
+    weight_version: str | None = "0"
+    """Initial weight version label (SGLang's default is "default", which has no int value)."""
+    random_seed: int | None = None
+    extra_args: tuple[str, ...] = ()
+    """Passed through unchanged, e.g. ("--disable-radix-cache", "--sampling-mask-max-tokens", "8192")."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Added to this process's environment (e.g. CUDA_VISIBLE_DEVICES)."""
+    command_prefix: tuple[str, ...] | None = None
+    """None: (sys.executable, "-m", "sglang.launch_server"). Tests put a mock server here."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"SGLangServerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"SGLangServerConfig.tp_size must be >= 1, got {self.tp_size}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"SGLangServerConfig.port must be in 1..65535, got {self.port}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"SGLangServerConfig.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def server_command(config: SGLangServerConfig) -> list[str]:
+    """The argv of one server."""
+    c = config
+    cmd = list(c.command_prefix or (sys.executable, "-m", "sglang.launch_server"))
+    cmd += ["--model-path", c.model_path, "--host", c.host, "--port", str(c.port), "--tp-size", str(c.tp_size), "--dtype", c.dtype]
+    if c.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
+    if c.base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(c.base_gpu_id)]
+    if c.weight_version is not None:
+        cmd += ["--weight-version", str(c.weight_version)]
+    if c.random_seed is not None:
+        cmd += ["--random-seed", str(c.random_seed)]
+    return cmd + list(c.extra_args)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """One `sglang_router.launch_router` process in front of `worker_urls`."""
+
+    worker_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 29999
+    policy: str = "cache_aware"
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    command_prefix: tuple[str, ...] | None = None
+    """None: (sys.executable, "-m", "sglang_router.launch_router")."""
+
+    def __post_init__(self):
+        if not self.worker_urls:
+            raise ValueError("RouterConfig.worker_urls is empty")
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"RouterConfig.policy must be one of {ROUTER_POLICIES}, got {self.policy!r}")
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def router_command(config: RouterConfig) -> list[str]:
+    cmd = list(config.command_prefix or (sys.executable, "-m", "sglang_router.launch_router"))
+    cmd += ["--worker-urls", *config.worker_urls, "--host", config.host, "--port", str(config.port), "--policy", config.policy]
+    return cmd + list(config.extra_args)
+
+
+class ManagedProcess:
+    """A server process in its own session, logging to one file."""
+
+    def __init__(self, name: str, argv: Sequence[str], url: str, log_path: str | os.PathLike, env: Mapping[str, str] | None = None):
+        self.name, self.argv, self.url = name, list(argv), url
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})}, start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=lines))
+        except OSError as e:
+            return f"(log unreadable: {e})"
+
+    def wait_healthy(self, timeout_s: float, path: str = "/health", interval_s: float = 1.0) -> None:
+        """Poll `path` until it answers 200; raise (with the log's tail) on exit or timeout."""
+        client = SGLangClient(self.url)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                err = SGLangError(f"{self.name} exited with code {self.proc.returncode} before it was healthy", url=self.url)
+                err.add_note(f"log {self.log_path}, last lines:\n{self.log_tail()}")
+                raise err
+            left = deadline - time.monotonic()
+            if client.is_healthy(timeout=max(0.1, min(30.0, left)), path=path):
+                return
+            if time.monotonic() >= deadline:
+                err = SGLangError(f"{self.name} not healthy after {timeout_s:.0f} s ({self.url}{path})", url=self.url)
+                err.add_note(f"log {self.log_path}, last lines:\n{self.log_tail()}")
+                raise err
+            time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+
+    def terminate(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; returns the exit code. Idempotent."""
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(10)
+        # Children that outlive the leader (scheduler, detokenizer) share its session.
+        self._signal(signal.SIGKILL)
+        return self.proc.returncode
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the group this process leads (start_new_session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.terminate()
+
+
+def launch_servers(
+    configs: Sequence[SGLangServerConfig], log_dir: str | os.PathLike, startup_timeout_s: float = 1800.0,
+    interval_s: float = 2.0,
+) -> list[ManagedProcess]:
+    """Start every server at once, then wait for all to be healthy; on any failure stop them all
+    and raise (the error quotes the failed server's log). Logs: log_dir/sglang-<port>.log."""
+    ports = [c.port for c in configs]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"two servers on one port: {ports}")
+    servers: list[ManagedProcess] = []
+    try:
+        for c in configs:
+            log = Path(log_dir) / f"sglang-{c.port}.log"
+            servers.append(ManagedProcess(f"sglang server :{c.port}", server_command(c), c.url, log, c.env))
+        deadline = time.monotonic() + startup_timeout_s
+        for s in servers:
+            s.wait_healthy(max(1.0, deadline - time.monotonic()), interval_s=interval_s)
+        return servers
+    except BaseException:
+        terminate_all(servers)
+        raise
+
+
+def launch_router(
+    config: RouterConfig, log_path: str | os.PathLike, startup_timeout_s: float = 300.0, interval_s: float = 1.0,
+) -> ManagedProcess:
+    """Start the router and wait for its /health."""
+    router = ManagedProcess(f"sglang-router :{config.port}", router_command(config), config.url, log_path, config.env)
+    try:
+        router.wait_healthy(startup_timeout_s, interval_s=interval_s)
+    except BaseException:
+        router.terminate()
+        raise
+    return router
+
+
+def terminate_all(processes: Sequence[ManagedProcess], grace_s: float = 30.0) -> None:
+    """SIGTERM all at once, then reap each (SIGKILL after the grace period)."""
+    for p in processes:
+        if p.alive():
+            p._signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.terminate(max(0.0, deadline - time.monotonic()))
