@@ -1,0 +1,155 @@
+"""Configuration of the Megatron learner's training step: packing, optimizer, LR schedule.
+
+Layer L0: plain dataclasses, no torch or megatron import. The learner
+(`entr_megatron.learner.optimizer`) turns these fields into Megatron's
+``OptimizerConfig``, ``DistributedDataParallelConfig`` and
+``OptimizerParamScheduler``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam (Megatron's optimizer) with decoupled weight decay, clipping and an LR schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate (after warmup). >= 0."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of a linear/cosine decay. In [0, lr]."""
+
+    lr_warmup_init: float = 0.0
+    """Learning rate at step 0 when warming up; it rises linearly to `lr`. In [0, lr]."""
+
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup. >= 0; < lr_decay_steps when decaying."""
+
+    lr_decay_style: str = "constant"
+    """One of LR_DECAY_STYLES: 'constant' after warmup, or a 'linear'/'cosine' decay to min_lr."""
+
+    lr_decay_steps: int | None = None
+    """Step at which a linear/cosine decay reaches min_lr; required for them, > lr_warmup_steps.
+    Ignored (may be None) for 'constant'."""
+
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay; Megatron exempts biases and 1-D parameters (norms). >= 0."""
+
+    adam_beta1: float = 0.9
+    """Adam first-moment decay. In [0, 1)."""
+
+    adam_beta2: float = 0.999
+    """Adam second-moment decay. In [0, 1)."""
+
+    adam_eps: float = 1e-8
+    """Adam denominator epsilon. > 0."""
+
+    clip_grad: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping. >= 0. A step whose
+    norm is not finite is always skipped, whatever this is."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state and main weights over data-parallel ranks (Megatron's
+    DistributedOptimizer); gradients are reduce-scattered instead of all-reduced."""
+
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass (Megatron DDP)."""
+
+    def __post_init__(self) -> None:
+        _require_range("optim.lr", self.lr, low=0.0)
+        _require_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr)
+        _require_range("optim.lr_warmup_init", self.lr_warmup_init, low=0.0, high=self.lr)
+        _require_int("optim.lr_warmup_steps", self.lr_warmup_steps, low=0)
+        _require_choice("optim.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        if self.lr_decay_style != "constant" or self.lr_decay_steps is not None:
+            if self.lr_decay_steps is None:
+                raise ValueError(
+                    f"LearnerConfig.optim.lr_decay_steps=None is not valid with lr_decay_style="
+                    f"{self.lr_decay_style!r}; must be an integer > lr_warmup_steps={self.lr_warmup_steps}"
+                )
+            _require_int("optim.lr_decay_steps", self.lr_decay_steps, low=self.lr_warmup_steps + 1)
+        _require_range("optim.weight_decay", self.weight_decay, low=0.0)
+        _require_range("optim.adam_beta1", self.adam_beta1, low=0.0, high=1.0, high_open=True)
+        _require_range("optim.adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
+        _require_range("optim.adam_eps", self.adam_eps, low=0.0, low_open=True)
+        _require_range("optim.clip_grad", self.clip_grad, low=0.0)
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"LearnerConfig.optim.{name}={value!r} is not valid; must be true or false")
+
+    @property
+    def schedule_decay_steps(self) -> int:
+        """Decay steps handed to Megatron's scheduler (it needs one > warmup even when constant)."""
+        return self.lr_decay_steps if self.lr_decay_steps is not None else self.lr_warmup_steps + 1
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """The training step of the Megatron learner; validated on construction."""
+
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one packed micro-batch (sequences are never split; one longer than the
+    budget gets a micro-batch of its own). >= 1."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts: log-probs and entropy are taken of softmax(z / T),
+    the distribution the behaviour log-probs were measured under. > 0."""
+
+    vocab_size: int | None = None
+    """True (unpadded) vocabulary size; output columns beyond it (Megatron pads the vocabulary
+    to a multiple of the TP size) are excluded from the softmax. None: all columns are real."""
+
+    logprob_chunk_size: int | None = None
+    """Tokens per chunk of the vocab-parallel log-prob/entropy op (bounds its fp32 temporaries).
+    None: about 2 MiB buffers. >= 1."""
+
+    precision: str = "fp32"
+    """One of PRECISIONS: model/optimizer precision. 'bf16' needs a model built with
+    TransformerConfig(bf16=True); main weights, grads and optimizer state stay fp32."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer, clipping and LR schedule."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optim, dict):  # YAML gives a mapping
+            object.__setattr__(self, "optim", OptimConfig(**self.optim))
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"LearnerConfig.optim={self.optim!r} is not valid; must be an OptimConfig or a mapping")
+        _require_int("max_tokens_per_microbatch", self.max_tokens_per_microbatch, low=1)
+        _require_range("temperature", self.temperature, low=0.0, low_open=True)
+        if self.vocab_size is not None:
+            _require_int("vocab_size", self.vocab_size, low=1)
+        if self.logprob_chunk_size is not None:
+            _require_int("logprob_chunk_size", self.logprob_chunk_size, low=1)
+        _require_choice("precision", self.precision, PRECISIONS)
+
+
+def _require_choice(field_name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; allowed: {', '.join(allowed)}")
+
+
+def _require_int(field_name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; must be an integer >= {low}")
+
+
+def _require_range(
+    field_name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False
+) -> None:
+    rule = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    # bool is an int subclass: `lr: true` in YAML is a typo, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; must be {rule}")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; must be {rule}")

@@ -1,0 +1,213 @@
+"""The RL loss on the last pipeline stage, in the form Megatron's schedules expect.
+
+Exact normalisation over micro-batches and data-parallel ranks
+----------------------------------------------------------------
+The model is built with ``TransformerConfig.calculate_per_token_loss=True`` and
+``loss_func`` returns Megatron's 3-tuple ``(numerator, count, report)``. In
+megatron-core 0.16.1 that means:
+
+* ``pipeline_parallel/schedules.py`` ``forward_step_calc_loss`` (l. 257-263):
+  with 3 values and ``calculate_per_token_loss`` the numerator is backpropagated
+  as is: NOT divided by ``count`` nor by ``num_microbatches`` (both divisions sit
+  in the ``not calculate_per_token_loss`` branch; a 2-tuple is always divided by
+  ``num_microbatches``, l. 264-269).
+* every schedule sums the counts of its micro-batches (``total_num_tokens +=
+  num_tokens``: no pipelining l. 649/672, interleaved l. 1210, 1F1B l. 2175/2219)
+  and passes the sum to ``finalize_model_grads`` (l. 682, 1921, 2313).
+* ``distributed/distributed_data_parallel.py`` l. 254-259: with
+  ``calculate_per_token_loss`` the DP gradient reduction is a plain SUM
+  (``gradient_scaling_factor = 1.0``, dense and expert buffers alike), not a mean.
+* ``distributed/finalize_model_grads.py`` l. 484-497: the count is broadcast from
+  the last pipeline stage over the PP group, ALL-REDUCED (sum) over the
+  data-parallel x context-parallel group, and every gradient is multiplied by
+  ``1 / count`` (skipped when the global count is 0: then every numerator is 0).
+
+So the gradient is ``sum_{ranks, micro-batches} d numerator / sum count``: exact
+when each micro-batch returns its share of the global numerator and its count of
+the global denominator (``_AGGREGATION_PARTS``):
+
+===========================  ======================================  ===============================
+mode                         numerator of a micro-batch               count
+===========================  ======================================  ===============================
+token-mean                   sum of per-token losses                  response tokens
+seq-mean-token-mean          sum over sequences of their token-mean   sequences with a response token
+seq-mean-token-sum-norm      sum of per-token losses / L_max          sequences with a response token
+===========================  ======================================  ===============================
+
+with ``L_max`` the longest response span of the GLOBAL batch (all-reduced MAX
+by the caller). Sequences are never split across micro-batches, so the
+sequence-level terms are whole. The numerators come from ``compute_policy_loss``
+with unit global counts (``aggregate_loss`` divides by them). The count must be
+an integer tensor (``total_num_tokens`` is ``torch.int``); the counts here are.
+Megatron scales MoE auxiliary losses assuming ``count`` is a token count
+(``moe/router.py`` l. 456-466), which only holds for token-mean.
+
+Metrics: ``report`` carries sums, maxima and minima that the train step adds
+over micro-batches and data-parallel ranks before dividing, so the loss and the
+mismatch metrics (``mismatch_metric_stats``) are exact for the global batch; the
+correction's and policy loss's own metrics are token-weighted means of their
+per-micro-batch values (exact for those that average over all response tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from entr_megatron.algorithm import CORRECTIONS, compute_policy_loss, mismatch_metric_stats
+from entr_megatron.config.algorithm import AlgorithmConfig
+from entr_megatron.config.learner import LearnerConfig
+from entr_megatron.learner.batching import MicroBatch
+from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+
+__all__ = ["LOSS_COUNT", "LOSS_NUMERATOR", "make_logprob_loss_func", "make_policy_loss_func", "packed_logprobs_entropy"]
+
+# Report keys of the exact loss: sum of numerators / sum of counts over the global batch.
+LOSS_NUMERATOR = "loss/numerator"
+LOSS_COUNT = "loss/count"
+
+
+def packed_logprobs_entropy(logits_bsv: Tensor, mb: MicroBatch, tp_group,
+                            learner_cfg: LearnerConfig) -> tuple[Tensor, Tensor]:
+    """Per-position ``[T]`` log-prob of the next token and entropy from the vocab-sharded logits.
+
+    ``logits_bsv`` is what ``GPTModel.forward`` returns without labels: ``[b=1, s=T, V/tp]``
+    (it transposes the output layer's ``[s, b, V/tp]``). Every TP rank holds its contiguous
+    vocabulary shard; nothing is gathered. Entropy is returned detached: no loss here
+    differentiates it, so its backward is skipped.
+    """
+    if logits_bsv.dim() != 3 or logits_bsv.shape[:2] != (1, mb.length):
+        raise ValueError(f"expected logits [1, {mb.length}, V/tp] (b, s, vocab shard), got {tuple(logits_bsv.shape)}")
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits_bsv[0], mb.targets[0].to(logits_bsv.device), tp_group, learner_cfg.temperature,
+        learner_cfg.logprob_chunk_size, learner_cfg.vocab_size,
+    )
+    return logprobs, entropy.detach()
+
+
+def _token_mean_parts(mask_BT: Tensor, max_len: int) -> tuple[dict, Tensor]:
+    return {"num_tokens": 1}, mask_BT.sum()
+
+
+def _seq_mean_token_mean_parts(mask_BT: Tensor, max_len: int) -> tuple[dict, Tensor]:
+    return {"num_seqs": 1}, mask_BT.any(dim=-1).sum()
+
+
+def _seq_mean_token_sum_norm_parts(mask_BT: Tensor, max_len: int) -> tuple[dict, Tensor]:
+    return {"num_seqs": 1, "max_response_len": max(max_len, 1)}, mask_BT.any(dim=-1).sum()
+
+
+# loss_agg_mode -> (aggregate_loss kwargs that make it return this micro-batch's numerator,
+# the count Megatron sums into the global denominator). Keys: config.algorithm.LOSS_AGG_MODES.
+_AGGREGATION_PARTS: dict[str, Callable[[Tensor, int], tuple[dict, Tensor]]] = {
+    "token-mean": _token_mean_parts,
+    "seq-mean-token-mean": _seq_mean_token_mean_parts,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm_parts,
+}
+
+
+def _entropy_for_algorithm(mb: MicroBatch, learner_entropy_BT: Tensor, cfg: AlgorithmConfig) -> Tensor:
+    if cfg.entropy_source == "learner":
+        return learner_entropy_BT
+    if mb.rollout_entropy_BT is None:
+        raise ValueError("AlgorithmConfig.entropy_source='rollout' but the batch has no rollout_entropy_T "
+                         "(the engine must return per-token entropy)")
+    return mb.rollout_entropy_BT.to(learner_entropy_BT.device)
+
+
+def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, mask_BT: Tensor, old_BT,
+            cfg: AlgorithmConfig, algo_metrics: dict[str, Tensor], current_version: int | None) -> dict:
+    """Reducible metrics of one micro-batch: {'sums', 'maxima', 'minima'} of scalar tensors.
+
+    Mismatch metrics come from their exact stats; ENTR's keep mask and weights are
+    recomputed (detached, elementwise: cheap) because compute_policy_loss keeps them inside.
+    The correction's and the loss's own metrics are per-micro-batch values: they are
+    reduced as token-weighted means (``*_max`` as maxima), exact for those averaging over
+    all response tokens.
+    """
+    correction = CORRECTIONS[cfg.correction](lp_BT.detach(), blp_BT, entropy_BT, mask_BT, cfg, old_logprobs_BT=old_BT)
+    versions = None if mb.versions_BT is None else mb.versions_BT.to(lp_BT.device)
+    stats = mismatch_metric_stats(
+        lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=correction.keep_mask_BT, weight_BT=correction.weight_BT,
+        versions_BT=versions, current_version=current_version, eps=cfg.entr_eps,
+    )
+    sums = {f"mismatch_stats/{k}": v for k, v in stats.sums.items()}
+    maxima = {f"mismatch_stats/{k}": v for k, v in stats.maxima.items()}
+    minima = {f"mismatch_stats/{k}": v for k, v in stats.minima.items()}
+    tokens = mask_BT.sum().double()
+    for key, value in algo_metrics.items():
+        if key.startswith(("mismatch/", "mask/", "is/", "entropy_bin/")) or key == "policy_loss/value":
+            continue  # recomputed exactly from the stats, or replaced by the exact global loss
+        if key.endswith("_max"):
+            maxima[key] = value.detach().double() if tokens > 0 else torch.tensor(-math.inf, dtype=torch.float64)
+        else:
+            sums[f"weighted/{key}"] = value.detach().double() * tokens
+    sums["weighted/tokens"] = tokens
+    return {"sums": sums, "maxima": maxima, "minima": minima}
+
+
+def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig,
+                          max_response_len: int, old_logprobs_T: Tensor | None = None,
+                          current_version: int | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
+    """Megatron ``loss_func`` of one micro-batch: ``logits [1, T, V/tp] -> (numerator, count, report)``.
+
+    Args:
+        mb: the micro-batch the logits belong to.
+        tp_group: tensor-parallel group of the vocab shards (``groups.tp``).
+        max_response_len: longest response span of the global batch (seq-mean-token-sum-norm).
+        old_logprobs_T: recomputed old/proximal log-probs in the DP-local batch's packed
+            layout (``compute_logprobs``), required when ``algo_cfg.requires_old_logprobs``.
+        current_version: policy version being trained, for the policy-lag metrics.
+
+    See the module docstring for why (numerator, count) is exact under Megatron's schedules.
+    """
+    parts = _AGGREGATION_PARTS[algo_cfg.loss_agg_mode]
+
+    def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
+        device = logits_bsv.device
+        count_dtype = torch.int  # Megatron's total_num_tokens is torch.int
+        if mb.num_seqs == 0:
+            # Padding-only micro-batch: contributes nothing, but backward must still reach the model.
+            zero = logits_bsv.sum() * 0.0
+            return zero, torch.zeros([], dtype=count_dtype, device=device), {"sums": {}, "maxima": {}, "minima": {}}
+        if algo_cfg.requires_old_logprobs and old_logprobs_T is None:
+            # Checked here, not at construction: only the last stage has (and needs) them.
+            raise ValueError(f"AlgorithmConfig.correction={algo_cfg.correction!r} needs old log-probs: "
+                             "pass old_logprobs_T (train_step computes them)")
+        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg)
+        mask_BT = mb.response_mask_BT.to(device)
+        lp_BT = mb.to_padded(logprobs_T)
+        entropy_BT = _entropy_for_algorithm(mb, mb.to_padded(entropy_T), algo_cfg)
+        blp_BT = mb.behaviour_logprobs_BT.to(device)
+        old_BT = None if old_logprobs_T is None else mb.padded_from_batch(old_logprobs_T.to(device))
+        unit_counts, count = parts(mask_BT, max_response_len)
+        numerator, algo_metrics = compute_policy_loss(
+            lp_BT, entropy_BT, blp_BT, mb.advantages_B.to(device), mask_BT, algo_cfg,
+            old_logprobs_BT=old_BT, **unit_counts,
+        )
+        report = _report(mb, lp_BT, entropy_BT, blp_BT, mask_BT, old_BT, algo_cfg, algo_metrics, current_version)
+        report["sums"][LOSS_NUMERATOR] = numerator.detach().double()
+        report["sums"][LOSS_COUNT] = count.double()
+        return numerator, count.to(count_dtype), report
+
+    return loss_func
+
+
+def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: LearnerConfig
+                           ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
+    """Forward-only ``loss_func``: reports the micro-batch's per-position log-probs and entropy.
+
+    The report is ``{"index": index, "logprobs": [T], "entropy": [T]}`` in the micro-batch's
+    packed layout; the scalar loss is 0 (nothing is backpropagated in forward-only mode).
+    """
+
+    def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
+        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg)
+        zero = torch.zeros([], dtype=logits_bsv.dtype, device=logits_bsv.device)
+        count = torch.zeros([], dtype=torch.int, device=logits_bsv.device)
+        return zero, count, {"index": index, "logprobs": logprobs_T.detach(), "entropy": entropy_T}
+
+    return loss_func

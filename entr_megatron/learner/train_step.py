@@ -1,0 +1,324 @@
+"""One RL training step, and the log-prob-only forward, through Megatron's pipeline schedules.
+
+    TrainBatch (this DP rank's sequences)
+      -> packed micro-batches (batching.py; counts and lengths agreed over DP)
+      -> get_forward_backward_func()  (no pipelining, 1F1B, or interleaved 1F1B)
+           first stage: embeddings ... last stage: vocab-sharded logits
+           -> loss_func (loss.py): vocab-parallel log-prob + entropy -> compute_policy_loss
+      -> finalize_model_grads: DP sum, SP/qk-norm/embedding reductions, / global count
+      -> optimizer_step (optimizer.py): skip if the norm is not finite, clip, Adam, LR schedule
+
+Every rank of a data-parallel replica must pass the same batch (the first stage
+reads the tokens, the last the targets and rollout data). The micro-batch count
+is the maximum over data-parallel ranks (padding-only micro-batches fill the
+rest; a multiple of the PP size with interleaving) because expert-parallel
+all-to-alls span data-parallel ranks and must run in lockstep; with EP the
+micro-batch lengths are equalised too (Megatron's allgather dispatcher needs it).
+Pipeline stages exchange each micro-batch's shape first (``variable_seq_lengths``),
+except with interleaving, where all micro-batches are padded to one length
+(``_needs_fixed_length`` says why).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.utils import get_model_config
+from torch import Tensor
+
+from entr_megatron.algorithm import MetricStats, finalize_mismatch_metrics
+from entr_megatron.config.algorithm import AlgorithmConfig
+from entr_megatron.config.learner import LearnerConfig
+from entr_megatron.learner.batching import (
+    MicroBatch,
+    batch_counts,
+    build_microbatch,
+    padded_length,
+    plan_microbatches,
+)
+from entr_megatron.learner.loss import LOSS_COUNT, LOSS_NUMERATOR, make_logprob_loss_func, make_policy_loss_func
+from entr_megatron.learner.optimizer import check_training_config, optimizer_step
+from entr_megatron.types import TrainBatch
+
+__all__ = ["compute_logprobs", "microbatches_for_step", "required_pad_multiple", "train_step"]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _all_reduce_max(values: list[int], group, size: int) -> list[int]:
+    if size == 1 or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.long, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+# --- micro-batches ------------------------------------------------------------------------------
+
+def required_pad_multiple(config, groups) -> int:
+    """Packed length multiple the layout needs: sequence parallelism splits T over TP ranks."""
+    return groups.tp_size if config.sequence_parallel else 1
+
+
+def microbatches_for_step(batch: TrainBatch, groups, learner_cfg: LearnerConfig, config) -> list[MicroBatch]:
+    """This rank's packed micro-batches, with the count (and, under EP, the lengths) agreed over DP.
+
+    A collective over ``groups.dp``: every rank of the data-parallel group must call it.
+    """
+    pad = required_pad_multiple(config, groups)
+    plan = plan_microbatches(batch.seq_lens.tolist(), learner_cfg.max_tokens_per_microbatch, pad)
+    count = _all_reduce_max([len(plan)], groups.dp, groups.dp_size)[0]
+    if groups.vpp_size is not None:
+        # The interleaved schedule needs a multiple of the PP size (microbatch groups per VP stage).
+        count = -(-count // groups.pp_size) * groups.pp_size
+    plan += [[] for _ in range(count - len(plan))]
+    lens = batch.seq_lens.tolist()
+    lengths = [padded_length(sum(lens[i] for i in seqs), pad) for seqs in plan]
+    if groups.ep_size > 1:
+        lengths = _all_reduce_max(lengths, groups.dp, groups.dp_size)
+    if _needs_fixed_length(groups):
+        lengths = [max(lengths)] * len(lengths)
+    return [build_microbatch(batch, seqs, pad, length) for seqs, length in zip(plan, lengths)]
+
+
+def _needs_fixed_length(groups) -> bool:
+    """Whether every micro-batch must have the same length: the interleaved schedule.
+
+    With variable lengths the stages first exchange shapes, always with
+    ``batch_isend_irecv`` (``p2p_communication._communicate_shapes``). In the interleaved
+    schedule one call sends both ways; at PP=2 both neighbours are the same rank, and
+    messages matched in posting order (gloo) swap the activation and gradient shapes:
+    the run deadlocks. Equal lengths need no shape exchange.
+    """
+    return groups.vpp_size is not None
+
+
+def _on_device(mb: MicroBatch, device: torch.device) -> tuple[Tensor, Tensor, PackedSeqParams]:
+    p = mb.packed_seq_params
+    cu = p.cu_seqlens_q.to(device)
+    packed = PackedSeqParams(qkv_format=p.qkv_format, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv)
+    return mb.tokens.to(device), mb.position_ids.to(device), packed
+
+
+def _run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forward_only: bool) -> list:
+    """Megatron's forward-backward over ``micro``; ``make_loss(index, mb)`` gives each loss_func."""
+    config = get_model_config(model_chunks[0])
+    device = _device()
+
+    def forward_step(data_iterator, model):
+        index, mb = next(data_iterator)
+        tokens, positions, packed = _on_device(mb, device)
+        # attention_mask=None: causality and sequence boundaries come from the thd packing.
+        output = model(tokens, positions, None, packed_seq_params=packed)
+        return output, make_loss(index, mb)
+
+    # One iterator per model chunk: each virtual stage walks the micro-batches on its own.
+    iterators = [iter(list(enumerate(micro))) for _ in model_chunks]
+    p2p = P2PCommunicator(pp_group=groups.pp, config=config) if groups.pp_size > 1 else None
+    fwd_bwd = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size)
+    return fwd_bwd(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+        num_microbatches=len(micro),
+        # Shapes the p2p buffers when lengths are fixed (all equal then); ignored otherwise.
+        seq_length=max(mb.length for mb in micro),
+        micro_batch_size=1,
+        forward_only=forward_only,
+        p2p_communicator=p2p,
+        pg_collection=groups.pg_collection,
+    )
+
+
+def _check_layout(groups) -> None:
+    if groups.cp_size > 1:
+        # Each CP rank would count the same sequences (seq-mean counts x cp) and thd packing under
+        # CP needs every sequence padded to a multiple of 2 * cp: not implemented yet.
+        raise ValueError(f"context parallel size {groups.cp_size}: the learner's packed micro-batches need cp=1")
+
+
+def _prepare_config(config, groups) -> None:
+    # Packed micro-batches differ in length: pipeline stages exchange shapes before activations
+    # (except under interleaving, where all micro-batches get one length: _needs_fixed_length).
+    config.variable_seq_lengths = groups.pp_size > 1 and not _needs_fixed_length(groups)
+
+
+# --- metrics ----------------------------------------------------------------------------------------
+
+def _merge(into: dict, new: dict, op) -> None:
+    for key, value in new.items():
+        into[key] = value if key not in into else op(into[key], value)
+
+
+def _reduce_reports(reports: list[dict], groups) -> tuple[dict, dict, dict]:
+    """Sums / maxima / minima of the micro-batch reports of every DP rank, as Python floats."""
+    sums, maxima, minima = {}, {}, {}
+    for r in reports:
+        _merge(sums, r["sums"], torch.add)
+        _merge(maxima, r["maxima"], torch.maximum)
+        _merge(minima, r["minima"], torch.minimum)
+
+    def to_floats(d: dict) -> dict:
+        if not d:
+            return {}
+        values = torch.stack([v.reshape(()).double() for v in d.values()]).tolist()  # one device sync
+        return dict(zip(d, values))
+
+    local = (to_floats(sums), to_floats(maxima), to_floats(minima))
+    if groups.dp_size == 1:
+        return local
+    # Keys can differ (a rank with only padding micro-batches reports none): merge as objects.
+    everyone = [None] * groups.dp_size
+    dist.all_gather_object(everyone, local, group=groups.dp)
+    out = ({}, {}, {})
+    for rank_dicts in everyone:
+        for merged, d, op in zip(out, rank_dicts, (lambda a, b: a + b, max, min)):
+            _merge(merged, d, op)
+    return out
+
+
+def _finalize_metrics(sums: dict, maxima: dict, minima: dict) -> dict[str, float]:
+    prefix = "mismatch_stats/"
+
+    def strip(d: dict) -> dict:
+        return {k[len(prefix):]: torch.tensor(v, dtype=torch.float64) for k, v in d.items() if k.startswith(prefix)}
+
+    metrics: dict[str, float] = {}
+    count = sums.get(LOSS_COUNT, 0.0)
+    metrics["loss"] = sums.get(LOSS_NUMERATOR, 0.0) / count if count > 0 else 0.0
+    metrics["loss/count"] = count
+    if any(k.startswith(prefix) for k in sums):
+        stats = MetricStats(strip(sums), strip(maxima), strip(minima))
+        metrics.update({k: float(v) for k, v in finalize_mismatch_metrics(stats).items()})
+    tokens = sums.get("weighted/tokens", 0.0)
+    for key, value in sums.items():
+        if key.startswith("weighted/") and key != "weighted/tokens":
+            metrics[key[len("weighted/"):]] = value / tokens if tokens > 0 else 0.0
+    for key, value in maxima.items():
+        if not key.startswith(prefix):
+            metrics[key] = value if math.isfinite(value) else 0.0
+    return metrics
+
+
+def _from_last_stage(metrics: dict, groups) -> dict:
+    """The last pipeline stage's metrics on every stage of the pipeline."""
+    if groups.pp_size == 1:
+        return metrics
+    box = [metrics]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+    return box[0]
+
+
+# --- public API ---------------------------------------------------------------------------------------
+
+def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, groups,
+               algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, current_version: int | None = None
+               ) -> dict[str, float]:
+    """One optimizer step of the RL loss on ``batch`` (this data-parallel rank's sequences).
+
+    Args:
+        model_chunks: this rank's model chunks wrapped by ``optimizer.wrap_model_chunks``
+            (one per virtual pipeline stage).
+        optimizer, scheduler: from ``optimizer.build_optimizer``.
+        batch: this DP rank's share of the global batch (``batching.split_for_data_parallel``),
+            the same on every TP/PP rank of the replica.
+        groups: the ``ParallelGroups`` of the layout.
+        current_version: the policy version being trained (policy-lag metrics).
+
+    Returns the same metrics on every rank: ``loss`` (exact: global numerator / global
+    count), the mismatch metrics (mismatch/*, mask/fraction, is/ess, entropy_bin/*,
+    policy_lag/* with versions), the correction's and loss's metrics (token-weighted over
+    micro-batches and DP), ``optim/grad_norm``, ``optim/skipped`` (1.0 when the non-finite
+    norm skipped the step), ``optim/lr`` and ``batch/microbatches``.
+    """
+    config = get_model_config(model_chunks[0])
+    check_training_config(config, learner_cfg)
+    _check_layout(groups)
+    if not all(isinstance(c, DistributedDataParallel) for c in model_chunks):
+        raise ValueError("train_step needs DDP-wrapped model chunks: call learner.optimizer.wrap_model_chunks first")
+    _prepare_config(config, groups)
+    config.finalize_model_grads_func = finalize_model_grads
+
+    old_logprobs = None
+    if algo_cfg.requires_old_logprobs:
+        old_logprobs = compute_logprobs(model_chunks, batch, groups, learner_cfg)[0]
+    micro = microbatches_for_step(batch, groups, learner_cfg, config)
+    max_response_len = _all_reduce_max([batch_counts(batch).max_response_len], groups.dp, groups.dp_size)[0]
+
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    last = groups.is_last_stage()
+
+    def make_loss(index: int, mb: MicroBatch):
+        return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, max_response_len,
+                                     old_logprobs_T=old_logprobs, current_version=current_version)
+
+    reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
+    step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad)
+
+    metrics = _finalize_metrics(*_reduce_reports(reports, groups)) if last else {}
+    metrics = _from_last_stage(metrics, groups)
+    metrics.update({
+        "optim/grad_norm": step.grad_norm,
+        "optim/skipped": 0.0 if step.applied else 1.0,
+        "optim/lr": step.lr,
+        "batch/microbatches": float(len(micro)),
+    })
+    return metrics
+
+
+def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg: LearnerConfig
+                     ) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    """Log-probs and entropy of every target position of ``batch`` under the current weights.
+
+    Forward only (no gradients, modules in eval mode), through the same packing and
+    pipeline schedule as ``train_step``. Returns float32 ``[T]`` tensors in ``batch``'s
+    packed layout (position j of a sequence: log p(token j+1 | tokens 0..j); 0 at each
+    sequence's last position) on the LAST pipeline stage, ``(None, None)`` elsewhere.
+    Used for the old/proximal policy of corrections that need one and for scoring.
+    """
+    config = get_model_config(model_chunks[0])
+    _check_layout(groups)
+    _prepare_config(config, groups)
+    micro = microbatches_for_step(batch, groups, learner_cfg, config)
+    was_training = [c.training for c in model_chunks]
+    for c in model_chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            reports = _run_schedule(
+                model_chunks, micro, groups,
+                partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg), forward_only=True,
+            )
+    finally:
+        for c, training in zip(model_chunks, was_training):
+            c.train(training)
+    if not groups.is_last_stage():
+        return None, None
+    total = batch.tokens_T.numel()
+    logprobs = torch.zeros(total, dtype=torch.float32)
+    entropy = torch.zeros(total, dtype=torch.float32)
+    for report in reports:
+        mb = micro[report["index"]]
+        real = mb.source_index >= 0
+        logprobs[mb.source_index[real]] = report["logprobs"].float().cpu()[real]
+        entropy[mb.source_index[real]] = report["entropy"].float().cpu()[real]
+    last_positions = batch.cu_seqlens[1:] - 1  # no next token there
+    logprobs[last_positions] = 0.0
+    entropy[last_positions] = 0.0
+    return logprobs, entropy
+
+
+def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig):
+    return make_logprob_loss_func(mb, index, groups.tp, learner_cfg)

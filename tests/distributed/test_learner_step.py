@@ -1,0 +1,400 @@
+"""One learner training step under TP / PP / VPP / EP / DP layouts against an independent single-rank reference.
+
+The reference (per model and algorithm config) is the same model at TP=PP=EP=DP=1,
+run WITHOUT any of the code under test: each sequence goes through the model on
+its own (no packing, no Megatron schedule, no DDP), log-probs and entropy come
+from ``torch.log_softmax`` over the full vocabulary, the padded response tensors
+are built by a plain loop, ``compute_policy_loss`` sees the whole global batch at
+once (its local counts ARE the global counts), and the Adam step is the closed
+form of a first AdamW step: ``p (1 - lr wd) - lr g / (|g| + eps)`` with ``g`` the
+clipped gradient (no weight decay on 1-D parameters, as Megatron's param groups).
+
+Each layout copies the reference's full weights into its shards
+(``entr_megatron.models.sharding``), gives every data-parallel rank its share of
+the same global batch, runs ``learner.train_step`` and compares: the loss, the
+gradient norm, exact-reduction metrics, every gradient (TP shards gathered into
+full tensors) and every updated weight. Launches are expensive, so each runs
+many layouts, destroying and re-initialising model parallel between them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from entr_megatron.utils.spawn import run_gloo
+
+VOCAB, MAX_SEQ = 128, 32
+SEED = 1234
+REL_TOL = 1e-5  # max |got - want| <= REL_TOL * max |want|, per tensor (fp32)
+# Adam's first step is lr * g / (|g| + eps): an eps above the gradient scale keeps it ~linear in g,
+# so fp32 noise in near-zero gradients is not blown up to full-size steps (~lr * sign(g)).
+OPTIM = dict(lr=0.5, adam_eps=0.1, weight_decay=0.1, clip_grad=0.2)
+
+
+# --- model and data -------------------------------------------------------------------------------
+
+def model_config(tp=1, pp=1, ep=1, vpp=None, sp=False, moe=False, num_layers=4):
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(
+        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+        ffn_hidden_size=96, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1, calculate_per_token_loss=True,
+    )
+    if moe:
+        kw.update(
+            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0] + [1] * (num_layers - 1),
+            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+        )
+    return TransformerConfig(**kw)
+
+
+def make_global_batch(num_seqs=7, nan_advantage=False):
+    """Variable-length prompt + response samples: tool tokens (loss mask off) inside responses,
+    one empty response, behaviour log-probs a noisy ~uniform policy, rollout entropy, versions."""
+    from entr_megatron.types import Sample, TrainBatch
+
+    g = torch.Generator().manual_seed(11)
+    samples = []
+    for i in range(num_seqs):
+        p = int(torch.randint(1, 5, (1,), generator=g))
+        r = 0 if i == 2 else int(torch.randint(2, 11, (1,), generator=g))
+        samples.append(Sample(
+            prompt_ids=torch.randint(0, VOCAB, (p,), generator=g).tolist(),
+            response_ids=torch.randint(0, VOCAB, (r,), generator=g).tolist(),
+            # The tiny random model is near uniform (log 1/128 = -4.85): deviations of ~0.3
+            # put some tokens on each side of ENTR's threshold and PPO's clip range.
+            behaviour_logprobs=(-math.log(VOCAB) + 0.3 * torch.randn(r, generator=g)).tolist(),
+            versions=[3 + (k > r // 2) for k in range(r)],
+            rollout_entropy=(4.8 + 0.05 * torch.randn(r, generator=g)).tolist(),
+            loss_mask=(torch.rand(r, generator=g) > 0.2).tolist(),
+        ))
+    advantages = torch.randn(num_seqs, generator=g)
+    if nan_advantage:
+        advantages[0] = float("nan")
+    return TrainBatch.from_samples(samples, advantages)
+
+
+def algo_config(**overrides):
+    from entr_megatron.config.algorithm import AlgorithmConfig
+
+    # tau small enough that ENTR masks some tokens of this near-uniform model.
+    return AlgorithmConfig(**{"correction": "entr", "tau": 0.02, **overrides})
+
+
+def learner_config(max_tokens=24, distributed_optimizer=False):
+    from entr_megatron.config.learner import LearnerConfig, OptimConfig
+
+    return LearnerConfig(max_tokens_per_microbatch=max_tokens, temperature=0.9,
+                         optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer))
+
+
+def close(got, want, what, tol=REL_TOL, floor=1e-6, atol=0.0):
+    """max |got - want| <= tol * max(max |want|, floor) + atol."""
+    got, want = torch.as_tensor(got).double(), torch.as_tensor(want).double()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    assert err <= tol * max(scale, floor) + atol, f"{what}: max error {err:.3g}, max |want| {scale:.3g}"
+
+
+# --- the independent single-rank reference ----------------------------------------------------------
+
+def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4):
+    """Loss, metrics, logprobs, weights, gradients, grad norm and AdamW-updated weights at TP=PP=EP=DP=1."""
+    from entr_megatron.algorithm import compute_policy_loss
+    from entr_megatron.learner.model import build_gpt_model
+    from entr_megatron.parallel.groups import initialize_model_parallel
+
+    groups = initialize_model_parallel(1, 1, seed=SEED)
+    model = build_gpt_model(model_config(moe=moe, num_layers=num_layers), VOCAB, MAX_SEQ, groups=groups)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rows, all_logprobs = [], []
+    for i in range(batch.num_seqs):
+        s = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]))
+        tokens = batch.tokens_T[s]
+        logits = model(tokens[None], torch.arange(tokens.numel())[None], None)[0]
+        logp = torch.log_softmax(logits.float() / learner_cfg.temperature, dim=-1)[:-1]
+        lp = logp.gather(-1, tokens[1:, None])[:, 0]  # position j predicts token j + 1
+        ent = -(logp.exp() * logp).sum(-1)
+        all_logprobs.append(torch.cat([lp.detach(), lp.new_zeros(1)]))
+        mask = batch.loss_mask_T[s][:-1]
+        hits = mask.nonzero().flatten()
+        span = slice(int(hits[0]), int(hits[-1]) + 1) if hits.numel() else slice(0, 0)
+        rows.append(dict(lp=lp[span], ent=ent[span].detach(), mask=mask[span], blp=batch.behaviour_logprobs_T[s][span],
+                         rent=batch.rollout_entropy_T[s][span]))
+    width = max(r["mask"].numel() for r in rows)
+
+    def pad(key, fill=0.0):
+        return torch.stack([F.pad(r[key], (0, width - r[key].numel()), value=fill) for r in rows])
+
+    lp_BT, mask_BT = pad("lp"), pad("mask", False)
+    entropy_BT = pad("ent") if algo_cfg.entropy_source == "learner" else pad("rent")
+    old = lp_BT.detach() if algo_cfg.requires_old_logprobs else None  # no update before the step
+    loss, metrics = compute_policy_loss(lp_BT, entropy_BT, pad("blp"), batch.advantages_B, mask_BT, algo_cfg,
+                                        old_logprobs_BT=old)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+    o = learner_cfg.optim
+    coeff = min(1.0, o.clip_grad / (norm + 1e-6))
+    clipped = {n: coeff * g.double() for n, g in grads.items()}
+    updated = {
+        n: (params[n].double() * (1 - o.lr * (0.0 if params[n].dim() == 1 else o.weight_decay))
+            - o.lr * g / (g.abs() + o.adam_eps)).float()
+        for n, g in clipped.items()
+    }
+    return dict(loss=loss.item(), metrics={k: float(v) for k, v in metrics.items()}, params=params,
+                clipped=clipped, norm=norm, coeff=coeff, updated=updated, logprobs=torch.cat(all_logprobs))
+
+
+# --- resharding the reference into a layout and gathering back ---------------------------------------------
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(chunk, name, groups, cfg):
+    """The reference (TP=PP=EP=1) name of local parameter ``name`` of a model chunk."""
+    from entr_megatron.models import expert_global_name, is_expert_param, offset_layer
+
+    m = _LAYER.match(name)
+    if m:
+        local = int(m.group(1))
+        name = offset_layer(name, chunk.decoder.layers[local].layer_number - 1 - local)
+    if is_expert_param(name):
+        name = expert_global_name(name, groups.ep_rank, cfg.num_moe_experts, groups.ep_size)
+    return name
+
+
+def tp_coords(gname, groups):
+    from entr_megatron.models import is_expert_param
+
+    if is_expert_param(gname):
+        return groups.expert_tp, groups.expert_tp_rank, groups.expert_tp_size
+    return groups.tp, groups.tp_rank, groups.tp_size
+
+
+def load_reference(chunks, ref, groups, cfg):
+    from entr_megatron.models import shard
+
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            gname = global_name(chunk, name, groups, cfg)
+            _, rank, size = tp_coords(gname, groups)
+            with torch.no_grad():
+                p.copy_(shard(gname, ref["params"][gname], rank, size))
+
+
+def gather_full(gname, local, groups):
+    """The full tensor of a parameter (or its gradient) from this rank's TP shard."""
+    from entr_megatron.models import TpSplit, tp_split, unshard
+
+    if tp_split(gname) is TpSplit.REPLICATED:
+        return local
+    group, _, size = tp_coords(gname, groups)
+    if size == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return unshard(gname, shards)
+
+
+def compare_weights_and_grads(ddp_chunks, ref, groups, cfg, where, grads=True):
+    seen = set()
+    for ddp in ddp_chunks:
+        chunk = ddp.module
+        for name, p in chunk.named_parameters():
+            gname = global_name(chunk, name, groups, cfg)
+            if grads:
+                close(gather_full(gname, p.main_grad, groups), ref["clipped"][gname], f"{where}: clipped grad {gname}")
+            p0 = ref["params"][gname]
+            step = gather_full(gname, p.detach(), groups) - p0
+            # Updated weights are fp32: allow their rounding (2 ulp of the largest weight) on top.
+            ulps = 2 * torch.finfo(torch.float32).eps * p0.abs().max().item()
+            close(step, ref["updated"][gname] - p0, f"{where}: update of {gname}", atol=ulps)
+            seen.add(gname)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(seen))
+    missing = set(ref["params"]) - set().union(*map(set, everyone))
+    assert not missing, f"{where}: parameters never compared: {sorted(missing)}"
+
+
+# --- one layout --------------------------------------------------------------------------------------------
+
+EXACT_METRICS = ("mismatch/", "mask/fraction", "is/ess", "entropy_bin/", "entr/mask_fraction", "entr/score_mean")
+
+
+def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4, learner_cfg=None):
+    from entr_megatron.learner.model import build_model_chunks
+    from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
+    from entr_megatron.parallel.groups import initialize_model_parallel
+
+    groups = initialize_model_parallel(tp, pp, ep=ep, vpp=vpp, seed=SEED + 1)  # weights come from ref
+    cfg = model_config(tp, pp, ep, vpp, sp, moe, num_layers)
+    chunks = build_model_chunks(cfg, VOCAB, MAX_SEQ, groups)
+    load_reference(chunks, ref, groups, cfg)
+    ddp = wrap_model_chunks(chunks, groups, learner_cfg)
+    optimizer, scheduler = build_optimizer(ddp, learner_cfg)
+    return groups, cfg, ddp, optimizer, scheduler
+
+
+def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4,
+               check_logprobs=False):
+    from entr_megatron.learner.batching import split_for_data_parallel
+    from entr_megatron.learner.train_step import compute_logprobs, train_step
+
+    t0 = time.perf_counter()
+    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp, pp, vpp, ep, sp, moe, num_layers, learner_cfg)
+    where = (f"tp={tp} pp={pp} vpp={vpp} ep={ep} dp={groups.dp_size} sp={sp} moe={moe} "
+             f"{algo_cfg.loss_agg_mode} {algo_cfg.correction} H={algo_cfg.entropy_source} "
+             f"budget={learner_cfg.max_tokens_per_microbatch} distopt={learner_cfg.optim.use_distributed_optimizer}")
+    shares = split_for_data_parallel(batch, groups.dp_size)
+    local = shares[groups.dp_rank]
+    if check_logprobs:  # the log-prob-only forward scores every target position
+        logprobs, _ = compute_logprobs(ddp, local, groups, learner_cfg)
+        if groups.is_last_stage():
+            start = sum(s.tokens_T.numel() for s in shares[:groups.dp_rank])
+            want = ref["logprobs"][start:start + local.tokens_T.numel()]
+            close(logprobs, want, f"{where}: compute_logprobs")
+    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg, current_version=5)
+    assert metrics["optim/skipped"] == 0.0, f"{where}: step skipped"
+    close(metrics["loss"], ref["loss"], f"{where}: loss")
+    close(metrics["optim/grad_norm"], ref["norm"], f"{where}: grad norm")
+    assert ref["coeff"] < 1.0, "the clipping path must run"
+    for key, want in ref["metrics"].items():
+        if key.startswith(EXACT_METRICS):
+            # Means of +-deviations nearly cancel: judge them on the scale of 1, not of their value.
+            close(metrics[key], want, f"{where}: metric {key}", floor=1.0)
+    assert metrics["policy_lag/max"] == 2.0 and metrics["policy_lag/min"] == 1.0
+    # Weights and clipped gradients; the distributed optimizer keeps only a DP shard of reduced grads.
+    compare_weights_and_grads(ddp, ref, groups, cfg, where, grads=not learner_cfg.optim.use_distributed_optimizer)
+    if dist.get_rank() == 0:
+        print(f"  ok {where}: {int(metrics['batch/microbatches'])} micro-batches "
+              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return metrics
+
+
+def check_nonfinite_step_is_skipped(ref, learner_cfg, tp=1):
+    """A NaN advantage makes the gradient norm NaN: no weight moves, the LR schedule does not
+    advance, the step is reported skipped; the next finite step is applied normally."""
+    from entr_megatron.learner.batching import split_for_data_parallel
+    from entr_megatron.learner.train_step import train_step
+
+    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
+    algo_cfg = algo_config()
+    before = [p.detach().clone() for c in ddp for p in c.parameters()]
+    bad = split_for_data_parallel(make_global_batch(nan_advantage=True), groups.dp_size)[groups.dp_rank]
+    metrics = train_step(ddp, optimizer, scheduler, bad, groups, algo_cfg, learner_cfg)
+    assert metrics["optim/skipped"] == 1.0 and not math.isfinite(metrics["optim/grad_norm"]), metrics
+    assert scheduler.num_steps == 0
+    for p, p0 in zip((p for c in ddp for p in c.parameters()), before):
+        assert torch.equal(p.detach(), p0), "a skipped step changed a weight"
+    good = split_for_data_parallel(make_global_batch(), groups.dp_size)[groups.dp_rank]
+    metrics = train_step(ddp, optimizer, scheduler, good, groups, algo_cfg, learner_cfg)
+    assert metrics["optim/skipped"] == 0.0 and scheduler.num_steps == 1
+    close(metrics["loss"], ref["loss"], "step after a skipped one: loss")  # grads were reset
+    compare_weights_and_grads(ddp, ref, groups, cfg, "step after a skipped one")
+    if dist.get_rank() == 0:
+        print(f"  ok non-finite grad norm skipped (tp={tp} dp={groups.dp_size})", flush=True)
+
+
+def check_lr_schedule(ref):
+    """Megatron's scheduler as configured: linear warmup from lr_warmup_init, cosine to min_lr, then
+    min_lr; decoupled weight decay on matrices only."""
+    from entr_megatron.config.learner import LearnerConfig, OptimConfig
+
+    optim = OptimConfig(lr=1e-3, min_lr=1e-5, lr_warmup_init=1e-4, lr_warmup_steps=2, lr_decay_style="cosine",
+                        lr_decay_steps=6, weight_decay=0.1)
+    _, _, ddp, optimizer, scheduler = build_layout(ref, learner_cfg=LearnerConfig(optim=optim))
+    got = []
+    for _ in range(8):
+        got.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=1)
+    cosine = [1e-5 + (1e-3 - 1e-5) * 0.5 * (math.cos(math.pi * (k - 2) / 4) + 1) for k in (3, 4, 5)]
+    close(torch.tensor(got), torch.tensor([1e-4, 5.5e-4, 1e-3, *cosine, 1e-5, 1e-5]), "lr schedule")
+    decays = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    for p in (p for c in ddp for p in c.parameters()):
+        assert decays[id(p)] == (0.0 if p.dim() == 1 else 0.1)
+    if dist.get_rank() == 0:
+        print("  ok lr schedule and weight-decay groups", flush=True)
+
+
+# --- launches ----------------------------------------------------------------------------------------------
+
+def _two_ranks(rank, world):
+    from entr_megatron.learner.compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    batch = make_global_batch()
+    algo, small = algo_config(), learner_config(max_tokens=24)
+    dense = reference(batch, algo, small)
+    run_layout(dense, batch, algo, small, tp=2, sp=True, check_logprobs=True)
+    run_layout(dense, batch, algo, small, pp=2, check_logprobs=True)
+    run_layout(dense, batch, algo, small, pp=2, vpp=2)
+    # DP=2; the micro-batch count must not change the loss: one per rank, then several.
+    one = run_layout(dense, batch, algo, learner_config(max_tokens=10_000))
+    many = run_layout(dense, batch, algo, learner_config(max_tokens=10))  # 3 on one rank, 2 + padding on the other
+    assert one["batch/microbatches"] == 1 and many["batch/microbatches"] >= 3
+    close(many["loss"], one["loss"], "loss with 1 vs many micro-batches")
+    for mode, source in (("seq-mean-token-mean", "rollout"), ("seq-mean-token-sum-norm", "learner")):
+        cfg = algo_config(loss_agg_mode=mode, entropy_source=source)
+        run_layout(reference(batch, cfg, small), batch, cfg, learner_config(max_tokens=12))
+    distopt = learner_config(max_tokens=12, distributed_optimizer=True)
+    run_layout(dense, batch, algo, distopt)
+    decoupled = algo_config(correction="decoupled")  # needs the old-policy forward pass
+    run_layout(reference(batch, decoupled, small), batch, decoupled, small, pp=2)
+    moe = reference(batch, algo, small, moe=True, num_layers=2)
+    # Two micro-batches per rank of different lengths: the all-to-alls run in lockstep all the same.
+    run_layout(moe, batch, algo, learner_config(max_tokens=12), ep=2, moe=True, num_layers=2)
+    check_nonfinite_step_is_skipped(dense, small, tp=2)
+    check_lr_schedule(dense)
+
+
+def _four_ranks(rank, world):
+    from entr_megatron.learner.compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    batch = make_global_batch()
+    algo, small = algo_config(), learner_config(max_tokens=24)
+    dense = reference(batch, algo, small)
+    run_layout(dense, batch, algo, small, tp=2, pp=2)
+    run_layout(dense, batch, algo, learner_config(max_tokens=12), tp=2, sp=True)  # TP=2 x DP=2
+
+
+def test_train_step_layouts_on_two_ranks_match_single_rank_reference():
+    run_gloo(_two_ranks, 2, timeout_s=400)
+
+
+def test_train_step_layouts_on_four_ranks_match_single_rank_reference():
+    run_gloo(_four_ranks, 4, timeout_s=400)
+
+
+def test_learner_config_errors_name_the_field_and_the_allowed_values():
+    import pytest
+
+    from entr_megatron.config.learner import LearnerConfig, OptimConfig
+
+    cases = [
+        (dict(max_tokens_per_microbatch=0), r"max_tokens_per_microbatch=0 .* integer >= 1"),
+        (dict(temperature=0.0), r"temperature=0.0 .* \(0, inf\]"),
+        (dict(precision="fp16"), r"precision='fp16' .* allowed: fp32, bf16"),
+        (dict(optim={"lr_decay_style": "cosine"}), r"optim.lr_decay_steps=None .* lr_decay_style='cosine'"),
+        (dict(optim={"lr": 1e-3, "min_lr": 1e-2}), r"optim.min_lr=0.01 .* \[0, 0.001\]"),
+        (dict(optim={"lr_decay_style": "step"}), r"optim.lr_decay_style='step' .* constant, linear, cosine"),
+        (dict(optim={"adam_beta2": 1.0}), r"optim.adam_beta2=1.0 .* \[0, 1\)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LearnerConfig(**kwargs)
+    cfg = LearnerConfig(optim={"lr": 2e-6, "lr_warmup_steps": 3})  # a YAML mapping becomes an OptimConfig
+    assert cfg.optim == OptimConfig(lr=2e-6, lr_warmup_steps=3) and cfg.optim.schedule_decay_steps == 4
