@@ -1,0 +1,192 @@
+"""Benchmark: learner training-step throughput and where the step's time goes.
+
+Builds a small Qwen3-style model (random weights) on spawned gloo ranks at each
+requested TP size, runs ENTR training steps on synthetic rollouts and prints:
+
+  tokens/s              tokens (prompt + response) trained per second of step time
+  loss share            fraction of step time in the loss: the loss function on the
+                        last stage (vocab-parallel log-prob/entropy forward, the
+                        correction, the policy loss, metrics) plus the op's backward
+  op / algorithm        the same split into the vocab-parallel op (fwd+bwd) and the rest
+
+TP=1 runs one rank with all cores; TP=2 runs two ranks with a core each, so the
+two rows compare the same machine, not the same per-rank resources.
+
+    python tools/bench_learner.py                         # TP=1 and TP=2, default sizes
+    python tools/bench_learner.py --tp 2 --vocab 151936 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from entr_megatron.utils.spawn import run_gloo
+
+
+class _Timers:
+    """Wall time accumulated inside wrapped functions of this process."""
+
+    def __init__(self):
+        self.op = 0.0
+        self.loss = 0.0
+
+
+def _install_timers(timers: _Timers) -> None:
+    """Wrap the loss function factory and the vocab-parallel op's backward with timers."""
+    from entr_megatron.learner import train_step as ts
+    from entr_megatron.parallel import vocab_parallel as vp
+
+    fn_cls = vp._VocabParallelLogProbEntropy
+    fwd, bwd = fn_cls.forward, fn_cls.backward
+
+    def timed_forward(ctx, *args):
+        t0 = time.perf_counter()
+        try:
+            return fwd(ctx, *args)
+        finally:
+            timers.op += time.perf_counter() - t0
+
+    def timed_backward(ctx, *grads):
+        t0 = time.perf_counter()
+        try:
+            return bwd(ctx, *grads)
+        finally:
+            dt = time.perf_counter() - t0
+            timers.op += dt
+            timers.loss += dt
+
+    fn_cls.forward, fn_cls.backward = staticmethod(timed_forward), staticmethod(timed_backward)
+
+    make = ts.make_policy_loss_func
+
+    def timed_make(*args, **kwargs):
+        loss_func = make(*args, **kwargs)
+
+        def timed_loss(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return loss_func(*a, **k)
+            finally:
+                timers.loss += time.perf_counter() - t0
+
+        return timed_loss
+
+    ts.make_policy_loss_func = timed_make
+
+
+def synthetic_batch(num_seqs: int, prompt_len: int, response_len: int, vocab: int, seed: int):
+    from entr_megatron.algorithm import grpo_advantages
+    from entr_megatron.types import Sample, TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(num_seqs):
+        r = int(torch.randint(response_len // 2, response_len + 1, (1,), generator=g))
+        samples.append(Sample(
+            prompt_ids=torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+            response_ids=torch.randint(0, vocab, (r,), generator=g).tolist(),
+            behaviour_logprobs=(-torch.rand(r, generator=g) * 12).tolist(),
+            versions=[0] * r,
+            reward=float(torch.rand(1, generator=g) > 0.5),
+            group_id=i // 8,
+        ))
+    rewards = torch.tensor([s.reward for s in samples])
+    groups = torch.tensor([s.group_id for s in samples])
+    return TrainBatch.from_samples(samples, grpo_advantages(rewards, groups))
+
+
+def worker(rank, world, args, results_path):
+    warnings.filterwarnings("ignore")
+    from entr_megatron.config.algorithm import AlgorithmConfig
+    from entr_megatron.config.learner import LearnerConfig, OptimConfig
+    from entr_megatron.learner.build import build_learner_model_from_hf
+    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
+    from entr_megatron.learner.train_step import train_step
+    from entr_megatron.parallel.groups import destroy, initialize_model_parallel
+
+    enable_cpu_compat()
+    timers = _Timers()
+    _install_timers(timers)
+    groups = initialize_model_parallel(tp=world)
+    hf_config = {
+        "model_type": "qwen3", "vocab_size": args.vocab, "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 3, "num_hidden_layers": args.layers,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": args.hidden // 8,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+    }
+    chunks, spec = build_learner_model_from_hf(
+        hf_config, groups, load_weights=False, config_overrides={"calculate_per_token_loss": True}
+    )
+    learner_cfg = LearnerConfig(max_tokens_per_microbatch=args.microbatch_tokens, vocab_size=spec.vocab_size,
+                                optim=OptimConfig(lr=1e-5))
+    ddp = wrap_model_chunks(chunks, groups, learner_cfg)
+    optimizer, scheduler = build_optimizer(ddp, learner_cfg)
+    algo_cfg = AlgorithmConfig(correction="entr")
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+
+    rows = []
+    for step in range(args.warmup + args.steps):
+        batch = synthetic_batch(args.seqs, args.prompt_len, args.response_len, args.vocab, seed=step)
+        timers.op = timers.loss = 0.0
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg)
+        dt = time.perf_counter() - t0
+        if step >= args.warmup:
+            rows.append((dt, timers.loss, timers.op, int(batch.tokens_T.numel())))
+    destroy()
+    times = torch.tensor([[r[0], r[1], r[2]] for r in rows], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    if rank == 0:
+        step_s = statistics.median(times[:, 0].tolist())
+        loss_s = statistics.median(times[:, 1].tolist())
+        op_s = statistics.median(times[:, 2].tolist())
+        tokens = int(statistics.median(r[3] for r in rows))
+        with open(results_path, "a") as f:
+            f.write(repr((world, n_params * world, tokens, step_s, loss_s, op_s)) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seqs", type=int, default=16, help="sequences per step")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--response-len", type=int, default=192, help="responses are 1/2 to 1x this long")
+    ap.add_argument("--microbatch-tokens", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args(argv)
+    results = f"/tmp/bench_learner.{os.getpid()}.txt"
+    open(results, "w").close()
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores; qwen3-style hidden {args.hidden}, "
+          f"{args.layers} layers, vocab {args.vocab}; {args.seqs} sequences/step", flush=True)
+    for tp in args.tp:
+        print(f"TP={tp} ...", flush=True)
+        run_gloo(worker, tp, args, results, timeout_s=3600)
+    with open(results) as f:
+        rows = [ast.literal_eval(line) for line in f if line.strip()]
+    os.unlink(results)
+    print()
+    print("| TP | params | tokens/step | step time | tokens/s | loss share | op (fwd+bwd) share | algorithm share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world, n_params, tokens, step_s, loss_s, op_s in rows:
+        print(f"| {world} | {n_params / 1e6:.1f} M | {tokens} | {step_s:.2f} s | {tokens / step_s:.0f} | "
+              f"{loss_s / step_s:.1%} | {op_s / step_s:.1%} | {(loss_s - op_s) / step_s:.1%} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
