@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from entr_megatron import __version__
-from entr_megatron.cli import demo, score
+from entr_megatron.cli import demo, generate, score
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)
     score.add_parser(sub)
+    generate.add_parser(sub)
     return parser
 
 

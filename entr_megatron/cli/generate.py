@@ -1,0 +1,404 @@
+"""`entr-megatron generate`: samples from a rollout engine, with the log-probs ENTR needs.
+
+    entr-megatron generate --model HF_DIR --input prompts.jsonl --output samples.jsonl \\
+        --temperature 1 --n 4 --seed 0 [--dtype bfloat16] [--engine sglang --tp 2]
+
+Engines: "embedded" (default; HF transformers in its own process, CPU or GPU) or
+"sglang" (launches `python -m sglang.launch_server` with --tp/--port/--mem-fraction
+and --sglang-args="...", or drives running servers given with --sglang-url; --model
+is then optional and only supplies the tokenizer and the vocabulary check).
+
+Input: JSONL, one object per line with "input_ids": [token ids] or "prompt": "text"
+(tokenized with --model's tokenizer as `tokenizer(prompt)` does: special tokens such
+as BOS included, no chat template). A line with both uses "input_ids". Blank lines
+are skipped. Every line is checked before the engine starts; errors name the line.
+
+Output: --n lines per input line, in input order and then sample order, each with all
+the input's fields plus
+  "sample_index":     0 .. n-1
+  "prompt_ids":       the tokenized prompt (only for "prompt" lines, and with --emit-score-input)
+  "output_ids":       the sampled tokens (a stop/EOS token that ended the sample included)
+  "output_text":      their decoding (special tokens skipped), when the model has a tokenizer
+  "rollout_logprobs": log q(token) per output token under the distribution it was sampled
+                      from: softmax(logits / T) truncated by top-k/top-p; greedy: 0 (point mass)
+  "entropy":          H(q) per output token, when the engine reports it (SGLang does not)
+  "finish_reason":    "stop" (stop/EOS token) or "length" (--max-new-tokens or context)
+  "weight_version":   the newest weight version that produced a token; "weight_versions":
+                      the version of each output token
+Per-sample seeds derive from (--seed, line position, sample index): the same --seed and
+input give the same tokens whatever the batching (the log-probs agree to fp32 rounding:
+batch shapes change it); SGLang honours seeds only on servers started with
+--enable-deterministic-inference. Without --seed one is drawn and printed.
+
+Train-inference mismatch with `score`: score reads the LAST len(rollout_logprobs)
+tokens of "input_ids" as the response, so its input must be input_ids = prompt +
+output_ids. --emit-score-input writes exactly that ("prompt_ids" keeps the prompt,
+and "entropy" becomes "rollout_entropy" so score's own "entropy" does not overwrite it):
+
+    entr-megatron generate --model M --input p.jsonl --output s.jsonl --temperature 1 --emit-score-input
+    entr-megatron score --model M --input s.jsonl --output scored.jsonl --temperature 1
+
+(or from plain output: jq -c '.input_ids = (.prompt_ids // .input_ids) + .output_ids',
+where score then replaces "entropy" with its own).
+Score compares against the full softmax(logits / T): use the same temperature, no
+top-k/top-p (their log-probs refer to the truncated q) and not greedy (log q = 0).
+
+Progress goes to stderr; the output file appears atomically when every sample is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import secrets
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from entr_megatron.cli.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
+from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+
+ENGINES = ("embedded", "sglang")
+DTYPES = ("float32", "bfloat16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+PROGRESS_EVERY_S = 5.0
+SGLANG_ONLY = ("tp", "port", "mem_fraction", "sglang_args", "sglang_log_dir", "sglang_url")
+"""Flags that mean nothing to the embedded engine (refused there rather than ignored)."""
+LAUNCH_ONLY = ("tp", "port", "mem_fraction", "sglang_args", "sglang_log_dir")
+"""Flags that only shape a server we launch (refused with --sglang-url)."""
+
+
+# --- the model directory and its tokenizer ------------------------------------------------------
+
+
+class LazyTokenizer:
+    """The model's tokenizer, loaded on first use (importing transformers takes seconds)."""
+
+    def __init__(self, source: str | None):
+        self.source = source
+        self._tokenizer: Any = None
+        self.missing: str | None = None
+        """Why there is no tokenizer (None: one is there, or may be: a hub id)."""
+        if source is None:
+            self.missing = "no --model was given"
+        elif os.path.isdir(source) and not any(os.path.exists(os.path.join(source, f)) for f in TOKENIZER_FILES):
+            self.missing = f"--model {source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+
+    def get(self) -> Any:
+        """The transformers tokenizer, or None (see `missing`)."""
+        if self._tokenizer is None and self.missing is None:
+            try:
+                import transformers
+
+                self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.source)
+            except Exception as e:  # any loading failure means: no tokenizer, with the reason
+                self.missing = f"the tokenizer of --model {self.source} does not load ({type(e).__name__}: {e})"
+        return self._tokenizer
+
+
+def _model_config(model: str | None) -> dict[str, Any]:
+    """config.json of a local model directory ({} for a hub id or no --model)."""
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        return {}
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    return {**(cfg.get("text_config") or {}), **cfg}
+
+
+# --- input --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    """One validated input line."""
+
+    index: int
+    """Position among the non-blank lines (seeds and output order)."""
+    where: str
+    fields: dict[str, Any]
+    prompt_ids: list[int]
+    from_text: bool
+
+
+def read_prompts(path: str, vocab_size: int | None, tokenizer: LazyTokenizer, max_len: int | None) -> list[Prompt]:
+    """Every non-blank line, validated and tokenized; ValueError names the file and line.
+    `max_len`: the engine's context length (a prompt must leave room for one token)."""
+    prompts = []
+    for lineno, where, obj in read_jsonl_objects(path):
+        if "input_ids" in obj:
+            ids, from_text = check_token_ids(obj["input_ids"], where, "input_ids", vocab_size), False
+        elif "prompt" in obj:
+            text = obj["prompt"]
+            if not isinstance(text, str) or not text:
+                raise ValueError(f'{where}: "prompt" must be a non-empty string, got {text!r}')
+            tok = tokenizer.get()
+            if tok is None:
+                raise ValueError(f'{where}: "prompt" needs the model\'s tokenizer, but {tokenizer.missing}; '
+                                 'give "input_ids" instead')
+            ids = list(tok(text)["input_ids"])
+            if not ids:
+                raise ValueError(f'{where}: "prompt" {text!r} tokenizes to no tokens')
+            ids, from_text = check_token_ids(ids, where, "tokenized prompt", vocab_size), True
+        else:
+            raise ValueError(f'{where}: needs "input_ids" (token ids) or "prompt" (text); has {sorted(obj)}')
+        if max_len is not None and len(ids) >= max_len:
+            raise ValueError(f"{where}: the prompt has {len(ids)} tokens; the model's context is {max_len} "
+                             "(max_position_embeddings), which leaves no room to generate")
+        prompts.append(Prompt(len(prompts), where, obj, [int(t) for t in ids], from_text))
+    return prompts
+
+
+def line_seed(seed: int, index: int) -> int:
+    """Seed of the request of input line `index` (hashed: seed s, line 1 vs seed s + 1, line 0 differ)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:line{index}".encode(), digest_size=7).digest(), "little")
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def output_line(p: Prompt, r: GenerateResult, *, tokenizer: Any, score_input: bool, version: int) -> dict[str, Any]:
+    """The output object of one sample (module docstring)."""
+    obj = dict(p.fields)
+    obj["sample_index"] = r.sample_index
+    if score_input:
+        obj["prompt_ids"] = list(r.prompt_ids)
+        obj["input_ids"] = list(r.prompt_ids) + list(r.output_ids)
+    elif p.from_text:
+        obj["prompt_ids"] = list(r.prompt_ids)
+    obj["output_ids"] = list(r.output_ids)
+    if tokenizer is not None:
+        obj["output_text"] = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+    if r.output_ids or not score_input:  # score refuses an empty rollout_logprobs
+        obj["rollout_logprobs"] = list(r.logprobs)
+    if r.entropy is not None:
+        obj["rollout_entropy" if score_input else "entropy"] = list(r.entropy)
+    obj["finish_reason"] = r.finish_reason
+    obj["weight_version"] = max(r.versions) if r.versions else version  # the newest that produced a token
+    obj["weight_versions"] = list(r.versions)
+    return obj
+
+
+class OrderedWriter:
+    """Writes samples as soon as every earlier one (input order, then sample index) is written."""
+
+    def __init__(self, out, prompts: list[Prompt], n: int, **line_kw: Any):
+        self.out, self.prompts, self.n, self.line_kw = out, prompts, n, line_kw
+        self.pending: dict[tuple[int, int], GenerateResult] = {}
+        self.next = (0, 0)
+        self.written = 0
+
+    def add(self, index: int, result: GenerateResult) -> None:
+        assert 0 <= result.sample_index < self.n, result.sample_index
+        self.pending[(index, result.sample_index)] = result
+        while self.next in self.pending:
+            r = self.pending.pop(self.next)
+            self.out.write(json.dumps(output_line(self.prompts[self.next[0]], r, **self.line_kw)) + "\n")
+            self.written += 1
+            i, s = self.next
+            self.next = (i, s + 1) if s + 1 < self.n else (i + 1, 0)
+
+
+# --- engines ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def open_engine(args) -> Iterator[RolloutEngine]:
+    """The engine the flags ask for, shut down (and any server we launched stopped) on exit."""
+    if args.engine == "embedded":
+        from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+        config = EmbeddedEngineConfig(model_dir=args.model, dtype=args.dtype or "float32", init="pretrained",
+                                      seed=args.seed, max_batch_size=args.max_batch_size or 32)
+        with EmbeddedEngine(config) as engine:
+            yield engine
+        return
+    from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from entr_megatron.rollout.sglang_launcher import SGLangServerConfig, launch_servers, terminate_all
+
+    servers = []
+    if args.sglang_url:
+        urls = tuple(args.sglang_url)
+    else:
+        log_dir = args.sglang_log_dir or tempfile.mkdtemp(prefix="entr-generate-sglang-")
+        server = SGLangServerConfig(
+            model_path=args.model, port=args.port or 30000, tp_size=args.tp or 1, dtype=args.dtype or "auto",
+            mem_fraction_static=args.mem_fraction, random_seed=args.seed,
+            extra_args=tuple(shlex.split(args.sglang_args or "")),
+        )
+        print(f"launching SGLang (tp={server.tp_size}, port {server.port}), log in {log_dir}",
+              file=sys.stderr, flush=True)
+        servers = launch_servers([server], log_dir=log_dir, startup_timeout_s=args.startup_timeout)
+        urls = tuple(s.url for s in servers)
+    try:
+        with SGLangEngine(SGLangEngineConfig(urls=urls)) as engine:
+            yield engine
+    finally:
+        terminate_all(servers)
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def sampling_params(args, vocab_size: int | None) -> SamplingParams:
+    """SamplingParams of every request, with errors that name the flag."""
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < -1:
+        raise ValueError(f"--top-k must be -1 or 0 (off) or >= 1, got {args.top_k}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    for t in args.stop_token_ids:
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"--stop-token-ids: {t} is outside the model's vocabulary [0, {vocab_size})")
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(args.stop_token_ids),
+                          ignore_eos=args.ignore_eos, n=args.n)
+
+
+def check_engine_flags(args) -> None:
+    """Refuse flags the chosen engine would ignore, and a --model it cannot use."""
+    given = [f for f in SGLANG_ONLY if getattr(args, f) is not None]
+    if args.engine == "embedded":
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} applies to --engine sglang only")
+        if args.max_batch_size is not None and args.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+        from entr_megatron.rollout.hf_model import has_weights
+
+        if args.model is None:
+            raise ValueError("--model is required with --engine embedded")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ValueError(f"--model {args.model!r} is not an HF model directory (no config.json)")
+        if not has_weights(args.model):
+            raise ValueError(f"--model {args.model!r} has a config.json but no checkpoint (model.safetensors, ...)")
+        return
+    if args.max_batch_size is not None:
+        raise ValueError("--max-batch-size applies to --engine embedded only (SGLang batches by itself)")
+    if args.sglang_url:
+        launch = [f for f in (*LAUNCH_ONLY, "dtype") if getattr(args, f) is not None]
+        if launch:
+            raise ValueError(f"--{launch[0].replace('_', '-')} shapes a server this command launches; "
+                             "it cannot apply to one given with --sglang-url")
+        bad = [u for u in args.sglang_url if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"--sglang-url must start with http:// or https://, got {bad[0]!r}")
+        return
+    if args.model is None:
+        raise ValueError("--model is required to launch SGLang (or give --sglang-url)")
+    if args.tp is not None and args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.mem_fraction is not None and not 0.0 < args.mem_fraction < 1.0:
+        raise ValueError(f"--mem-fraction must be in (0, 1), got {args.mem_fraction}")
+
+
+def run(args) -> None:
+    """Validate everything, generate, write the output atomically."""
+    try:
+        _run(args)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        notes = "".join(f"\n{n}" for n in getattr(e, "__notes__", ()))
+        sys.exit(f"entr-megatron generate: error: {e}{notes}")
+
+
+def _run(args) -> None:
+    check_engine_flags(args)
+    config = _model_config(args.model)
+    vocab_size = config.get("vocab_size")
+    params = sampling_params(args, vocab_size)
+    if args.seed is None:
+        args.seed = secrets.randbelow(2**31)
+        print(f"seed {args.seed} (pass --seed {args.seed} to reproduce)", file=sys.stderr, flush=True)
+    elif args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    check_output_path(args.output)
+    tokenizer = LazyTokenizer(args.model)
+    max_len = config.get("max_position_embeddings") if args.engine == "embedded" else None
+    prompts = read_prompts(args.input, vocab_size, tokenizer, max_len)
+    if not prompts:
+        raise ValueError(f"{args.input}: no input lines")
+    text_tokenizer = None if args.no_output_text else tokenizer.get()
+    if text_tokenizer is None and not args.no_output_text:
+        print(f"no output_text: {tokenizer.missing}", file=sys.stderr, flush=True)
+    if args.emit_score_input and (params.greedy or params.top_p < 1.0 or params.top_k > 0):
+        print("warning: --emit-score-input with greedy or top-k/top-p sampling: rollout_logprobs refer to that "
+              "distribution (greedy: 0), not the full softmax score compares with", file=sys.stderr, flush=True)
+
+    total = len(prompts) * params.n
+    print(f"generating {total} samples ({len(prompts)} prompts x n={params.n}, "
+          f"{sum(len(p.prompt_ids) for p in prompts)} prompt tokens) with the {args.engine} engine from "
+          f"{args.model or ', '.join(args.sglang_url)}", file=sys.stderr, flush=True)
+    with open_engine(args) as engine, atomic_output(args.output) as out:
+        started = time.monotonic()
+        requests = [GenerateRequest(p.prompt_ids, dataclasses.replace(params, seed=line_seed(args.seed, p.index)))
+                    for p in prompts]
+        writer = OrderedWriter(out, prompts, params.n, tokenizer=text_tokenizer, score_input=args.emit_score_input,
+                               version=engine.weight_version)
+        # Unique ids from the engine: another client of the same SGLang server cannot collide with them.
+        index = {rid: i for i, rid in enumerate(engine.submit(requests))}
+        done, tokens, last = 0, 0, started
+        while done < total:
+            for r in engine.poll(timeout=1.0):
+                writer.add(index[r.request_id], r)
+                done, tokens = done + 1, tokens + len(r.output_ids)
+            now = time.monotonic()
+            if now - last >= PROGRESS_EVERY_S and done < total:
+                last = now
+                print(f"  {done}/{total} samples ({done / total:.0%}), {tokens / (now - started):.0f} tokens/s",
+                      file=sys.stderr, flush=True)
+        assert writer.written == total and not writer.pending, (writer.written, len(writer.pending))
+    elapsed = time.monotonic() - started
+    print(f"generated {total} samples ({tokens} tokens) in {elapsed:.1f} s -> {args.output}")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample from a rollout engine (embedded or SGLang) with behaviour log-probs",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="DIR",
+                   help="HF model directory (config.json + safetensors, tokenizer for \"prompt\" lines); "
+                        "optional with --sglang-url")
+    p.add_argument("--input", required=True, metavar="FILE.jsonl",
+                   help='lines {"input_ids": [...]} or {"prompt": "..."}')
+    p.add_argument("--output", required=True, metavar="FILE.jsonl", help="written atomically when done")
+    p.add_argument("--engine", choices=ENGINES, default="embedded", help="default: embedded")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus truncation, in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (default -1: off)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--n", type=int, default=1, help="samples per input line (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="default: drawn at random and printed")
+    p.add_argument("--stop-token-ids", type=int, nargs="+", default=[], metavar="ID",
+                   help="end a sample when one of these is sampled (kept in output_ids); EOS always does")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token(s)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="engine numerics (default: float32 embedded, the checkpoint's with SGLang)")
+    p.add_argument("--emit-score-input", action="store_true",
+                   help="input_ids = prompt + output_ids, ready for `entr-megatron score` (see above)")
+    p.add_argument("--no-output-text", action="store_true", help="do not decode output_ids into output_text")
+    p.add_argument("--max-batch-size", type=int, default=None, help="embedded: samples decoded together (default 32)")
+    g = p.add_argument_group("SGLang (--engine sglang)")
+    g.add_argument("--sglang-url", nargs="+", metavar="URL", default=None,
+                   help="use these running servers instead of launching one")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel size of the launched server (default 1)")
+    g.add_argument("--port", type=int, default=None, help="port of the launched server (default 30000)")
+    g.add_argument("--mem-fraction", type=float, default=None, help="--mem-fraction-static of the launched server")
+    g.add_argument("--sglang-args", default=None, metavar='"ARGS"',
+                   help='more sglang.launch_server flags, one string: --sglang-args="--disable-radix-cache"')
+    g.add_argument("--sglang-log-dir", default=None, metavar="DIR", help="server log (default: a new temp dir)")
+    g.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="seconds to wait for the launched server (default 1800)")
+    p.set_defaults(func=run)
