@@ -1,0 +1,263 @@
+"""RunConfig from a YAML file plus dotted command-line overrides, and back to YAML.
+
+    cfg = load_config("examples/cpu_demo.yaml", ["controller.mode=sync", "algorithm.tau=0.3"])
+
+Values are parsed with YAML scalar rules (`true`, `1e-6`, `[1, 2]`, `null`). Unknown keys,
+in the file or in an override, fail with the valid keys at that level and a "did you
+mean". Everything is validated here, before any process starts. Layer L0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from entr_megatron.config.run import PRECISION_OF_DTYPE, RunConfig
+
+# Messages of the reused sections name their class; a run names the dotted path.
+_PREFIXES = {"AlgorithmConfig.": "algorithm.", "LearnerConfig.": "learner."}
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-6` as a float (YAML 1.1 wants `1.0e-6`) and refuses duplicate keys."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+            seen[key] = True
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings `_Loader` would read as floats (e.g. "1e-6")."""
+
+
+_FLOAT = (
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+_Loader.add_implicit_resolver(*_FLOAT)
+_Dumper.add_implicit_resolver(*_FLOAT)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """The validated RunConfig of a YAML file (None: the defaults) with `key.path=value` overrides applied.
+
+    Raises ValueError naming the file, the dotted field, the bad value and what is allowed;
+    FileNotFoundError when `path` does not exist."""
+    overrides = list(overrides)
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(os.fspath(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    _fill_learner_from_run(raw)
+    try:
+        return config_from_dict(raw)
+    except ValueError as e:
+        where = [f"file {os.fspath(path)}"] if path is not None else []
+        where += [f"overrides {overrides}"] if overrides else []
+        raise ValueError(f"{e}{'  [' + '; '.join(where) + ']' if where else ''}") from None
+
+
+def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
+    """The validated RunConfig of a nested mapping (the parsed YAML), unknown keys refused."""
+    return _build(RunConfig, data, "")
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The YAML text of `cfg`; `load_config` of it gives back an equal RunConfig."""
+    return yaml.dump(_plain(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value with YAML scalar rules: `true`, `1e-6`, `[1, 2]`, `null`, `sync`."""
+    try:
+        return yaml.load(text, Loader=_Loader) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"cannot parse {text!r} as a YAML value: {e}") from None
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        line = text.splitlines()[mark.line] if mark is not None and mark.line < len(text.splitlines()) else ""
+        problem = getattr(e, "problem", None) or str(e)
+        context = f"\n    {line}" if line else ""
+        raise ValueError(f"{path}{at}: YAML syntax error: {problem}{context}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _fill_learner_from_run(raw: dict[str, Any]) -> None:
+    """learner.temperature and learner.precision restate rollout.sampling.temperature and
+    model.dtype; copy them over when the config leaves the learner's unset (RunConfig checks they agree)."""
+    learner = raw.get("learner", {})
+    if not isinstance(learner, dict):
+        return
+    sampling = (raw.get("rollout") or {}).get("sampling") if isinstance(raw.get("rollout"), dict) else None
+    model = raw.get("model")
+    filled = dict(learner)
+    if isinstance(sampling, dict) and "temperature" in sampling and "temperature" not in learner:
+        filled["temperature"] = sampling["temperature"]
+    if isinstance(model, dict) and model.get("dtype") in PRECISION_OF_DTYPE and "precision" not in learner:
+        filled["precision"] = PRECISION_OF_DTYPE[model["dtype"]]
+    if filled != learner:
+        raw["learner"] = filled
+
+
+# ---------------------------------------------------------------- schema
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+def _section_type(hint: Any) -> tuple[type | None, bool]:
+    """(the dataclass a field holds or None, whether None is allowed)."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    optional = type(None) in args
+    classes = [a for a in args if dataclasses.is_dataclass(a)]
+    return (classes[0] if classes else None), optional
+
+
+def _is_mapping_field(hint: Any) -> bool:
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return any(typing.get_origin(a) is dict or a is dict for a in args)
+
+
+def _is_float_field(hint: Any) -> bool:
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return float in args and int not in args
+
+
+def _unknown_key(key: Any, cls: type, path: str, context: str = "") -> ValueError:
+    valid = list(_hints(cls))
+    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+    hint = f": did you mean {close[0]!r}?" if close else "."
+    where = f"'{path}'" if path else "the top level"
+    return ValueError(f"unknown key {key!r} at {where}{context}{hint} Valid keys: {', '.join(valid)}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        keys = ", ".join(_hints(cls))
+        raise ValueError(f"{path or 'config'}={data!r} is not valid; must be a mapping with keys: {keys}")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise _unknown_key(key, cls, path)
+        sub = f"{path}.{key}" if path else key
+        section, optional = _section_type(hints[key])
+        if section is not None:
+            if value is None and optional:
+                kwargs[key] = None
+            else:
+                kwargs[key] = _build(section, {} if value is None else value, sub)
+        elif _is_float_field(hints[key]) and isinstance(value, int) and not isinstance(value, bool):
+            kwargs[key] = float(value)
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        for prefix, replacement in _PREFIXES.items():
+            if message.startswith(prefix):
+                message = replacement + message[len(prefix):]
+        raise ValueError(message) from None
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"override {item!r} is not valid; must be key.path=value, e.g. controller.mode=sync")
+    parts = key.split(".")
+    cls: type | None = RunConfig
+    node = raw
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i])
+        last = i == len(parts) - 1
+        seed: dict[str, Any] = {}
+        if cls is not None:
+            seed = _mapping_default(cls, part)
+            if part not in _hints(cls):
+                raise _unknown_key(part, cls, prefix, f" in override {item!r}")
+            hint = _hints(cls)[part]
+            section, _ = _section_type(hint)
+            if section is None and not last and not _is_mapping_field(hint):
+                value_path = ".".join(parts[: i + 1])
+                raise ValueError(f"override {item!r} is not valid; {value_path} is a value, not a section")
+            cls = section
+        if last:
+            node[part] = parse_value(text)
+        else:
+            if not isinstance(node.get(part), dict):
+                node[part] = seed  # model.architecture.x=1 edits the default architecture
+            node = node[part]
+
+
+def _mapping_default(cls: type, name: str) -> dict[str, Any]:
+    """A copy of the default of a free-form mapping field (e.g. model.architecture); {} otherwise."""
+    if name not in _hints(cls) or not _is_mapping_field(_hints(cls)[name]):
+        return {}
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return dict(default) if isinstance(default, dict) else {}
+
+
+# ---------------------------------------------------------------- dumping
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
