@@ -1,0 +1,77 @@
+"""What every task offers the controller: prompts by split, and a reward per sample.
+
+    task = make_task("arithmetic", digits=3)
+    batch = task.prompts("train", n=64, seed=step)      # [(prompt_ids, reference), ...]
+    sample.reward = task.reward(sample, reference)      # 0.0 .. 1.0
+
+Single-turn tasks hand prompts straight to a `RolloutEngine`; multi-turn tasks
+(tools) also return an `Environment` from `new_environment()`, driven by
+`agent_loop.run_episodes`. `prompts` is a pure function of (split, n, seed), so
+a run that resumes at step k asks for `seed=k` and gets the same problems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from entr_megatron.types import Sample
+
+if TYPE_CHECKING:
+    from entr_megatron.rollout.tasks.environment import Environment
+
+__all__ = ["SPLITS", "Task", "check_split", "decode_response", "split_of", "stable_hash"]
+
+SPLITS = ("train", "test")
+"""Every task has a training split and a held-out split that never share a problem."""
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A source of prompts with a verifiable reward."""
+
+    name: str
+    tokenizer: Any
+    """The HF tokenizer the prompt ids belong to (also what `reward` decodes with)."""
+
+    def prompts(self, split: str, n: int, seed: int) -> list[tuple[list[int], Any]]:
+        """`n` (prompt token ids, reference answer) pairs of `split`, a pure function of the arguments."""
+        ...
+
+    def reward(self, sample: Sample, reference: Any) -> float:
+        """Reward of a finished sample against the reference of its prompt."""
+        ...
+
+    def new_environment(self) -> Environment | None:
+        """A fresh environment for one multi-turn episode, or None for a single-turn task."""
+        ...
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that is the same in every process and Python version (unlike `hash`)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def split_of(key: str, test_fraction: float, split_seed: int) -> str:
+    """Which split a problem belongs to, decided by its text alone: splits are disjoint by
+    construction and do not depend on how many problems were drawn or in which order."""
+    return "test" if stable_hash(f"{split_seed}:{key}") % 1_000_000 < test_fraction * 1_000_000 else "train"
+
+
+def decode_response(tokenizer: Any, response_ids: list[int], stop_ids: tuple[int, ...] = ()) -> str:
+    """Text of a response up to (not including) its first EOS/stop token: junk the engine
+    produced after the end of the answer never counts."""
+    ends = set(stop_ids)
+    if tokenizer.eos_token_id is not None:
+        ends.add(tokenizer.eos_token_id)
+    ids = list(response_ids)
+    for i, t in enumerate(ids):
+        if t in ends:
+            ids = ids[:i]
+            break
+    return tokenizer.decode(ids, skip_special_tokens=True)
