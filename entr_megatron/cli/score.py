@@ -4,9 +4,14 @@ Useful on its own to diagnose train-inference mismatch: score what an inference
 engine sampled and compare with the log-probs the engine reported.
 
     entr-megatron score --model HF_DIR --tp 2 --input rollouts.jsonl --output scored.jsonl
+    entr-megatron score --model CKPT_ROOT [--step N] --tp 2 --input rollouts.jsonl --output scored.jsonl
 
---model is an HF model directory (config.json + safetensors). Learner (Megatron
-dist) checkpoints are not accepted yet.
+--model is an HF model directory (config.json + safetensors), or a learner
+checkpoint root (the directory passed to save_checkpoint: a `latest` file and
+iter_NNNNNNN/ directories). A checkpoint root must hold model_config.json (the HF
+config, written by save_checkpoint(..., model_config=...)); the model is built
+from it and the weights of step --step (default: the step `latest` names) are
+loaded. Dist checkpointing reshards: --tp/--pp need not be the saving run's.
 
 Input: JSONL, one object per line with "input_ids": [token ids]. Output: every
 line with all its fields, in the same order, plus
@@ -45,6 +50,7 @@ import torch.multiprocessing as mp
 
 from entr_megatron import models
 from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, mismatch_metrics
+from entr_megatron.learner import checkpoint_dir
 from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
 from entr_megatron.utils.spawn import free_port
@@ -57,6 +63,9 @@ class _Job:
     """What each spawned rank needs (pickled to the ranks)."""
 
     model_dir: str
+    # A learner checkpoint: its HF config and the step to load (None: an HF model directory).
+    model_config: dict | None
+    step: int | None
     tp: int
     pp: int
     sequences_path: str
@@ -207,7 +216,16 @@ def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> Non
     try:
         enable_cpu_compat()  # a no-op with CUDA
         groups = initialize_model_parallel(job.tp, job.pp)
-        chunks, spec = build_learner_model_from_hf(job.model_dir, groups)
+        if job.model_config is None:
+            chunks, spec = build_learner_model_from_hf(job.model_dir, groups)
+        else:
+            from entr_megatron.learner.checkpoint import load_checkpoint
+
+            # No random init: every weight comes from the checkpoint (a strict load).
+            chunks, spec = build_learner_model_from_hf(job.model_config, groups, load_weights=False,
+                                                       config_overrides={"perform_initialization": False})
+            # cleanup=False: a training run may be saving into this root right now.
+            load_checkpoint(job.model_dir, chunks, step=job.step, cleanup=False)
         data = torch.load(job.sequences_path)
         sequences = torch.split(data["input_ids"], data["lengths"].tolist())
         started, last = time.monotonic(), [0.0]
@@ -272,6 +290,42 @@ def run(args) -> None:
         sys.exit(f"entr-megatron score: error: {e}")
 
 
+def _is_learner_checkpoint(path: str) -> bool:
+    """A learner checkpoint root: a `latest` file or iter_NNNNNNN/ directories (``checkpoint_dir``'s layout)."""
+    return (os.path.isfile(os.path.join(path, checkpoint_dir.LATEST_FILE))
+            or bool(checkpoint_dir.list_steps(path)))
+
+
+def _resolve_model(path: str, step: int | None) -> tuple[dict | None, int | None, str]:
+    """``(model_config, step, description)`` of --model: ``(None, None, ...)`` for an HF model directory,
+    the checkpoint root's HF config and the (checked) step to load for a learner checkpoint."""
+    if step is not None and step < 0:
+        raise ValueError(f"--step must be >= 0, got {step}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if step is not None:
+            raise ValueError(f"--step {step}: --model {path!r} is an HF model directory (config.json); "
+                             "--step selects the step of a learner checkpoint")
+        return None, None, path
+    if not _is_learner_checkpoint(path):
+        hint = ""
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(os.path.abspath(path)).startswith("iter_") and _is_learner_checkpoint(parent):
+            hint = f" (this looks like one step of the checkpoint root {parent}: pass --model {parent} --step N)"
+        raise ValueError(f"--model {path!r} is neither an HF model directory (config.json + safetensors) nor a "
+                         f"learner checkpoint root (a '{checkpoint_dir.LATEST_FILE}' file and iter_NNNNNNN/ "
+                         f"directories){hint}")
+    config = checkpoint_dir.read_model_config(path)
+    if config is None:
+        raise ValueError(
+            f"learner checkpoint {path!r} has no {os.path.join(path, checkpoint_dir.MODEL_CONFIG_FILE)}: it was "
+            "saved without model_config, so it does not say which model it holds. Save with "
+            "save_checkpoint(..., model_config=read_hf_config(HF_DIR)), or copy the HF config.json of the "
+            f"model it was trained from to {os.path.join(path, checkpoint_dir.MODEL_CONFIG_FILE)}")
+    # Fails here, naming the steps there, rather than in every rank.
+    step, _ = checkpoint_dir.resolve_checkpoint_dir(path, step)
+    return config, step, f"learner checkpoint {path} (step {step})"
+
+
 def _run(args) -> None:
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
@@ -284,23 +338,22 @@ def _run(args) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
         raise ValueError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise ValueError(f"--model {args.model!r} is not an HF model directory (no config.json); only HF model "
-                         "directories (config.json + safetensors) are accepted; learner checkpoints are not supported yet")
-    spec = models.model_spec(read_hf_config(args.model))
+    model_config, step, what = _resolve_model(args.model, args.step)
+    spec = models.model_spec(model_config if model_config is not None else read_hf_config(args.model))
     _check_layout(spec, args.tp, args.pp)
-    with HfCheckpoint(args.model) as ckpt:
-        check_hf_checkpoint(ckpt, spec)
+    if model_config is None:
+        with HfCheckpoint(args.model) as ckpt:
+            check_hf_checkpoint(ckpt, spec)
     lines = read_input(args.input, spec.vocab_size)
     if not lines:
         raise ValueError(f"{args.input}: no input lines")
     world = args.tp * args.pp
     n_tokens = sum(len(line.input_ids) for line in lines)
-    print(f"scoring {len(lines)} sequences ({n_tokens} tokens) with {spec.model_type} from {args.model} "
+    print(f"scoring {len(lines)} sequences ({n_tokens} tokens) with {spec.model_type} from {what} "
           f"on {world} rank(s): tp={args.tp} pp={args.pp}", file=sys.stderr, flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="entr-score-") as tmp:
-        job = _Job(args.model, args.tp, args.pp, os.path.join(tmp, "sequences.pt"), os.path.join(tmp, "results.pt"),
+        job = _Job(args.model, model_config, step, args.tp, args.pp, os.path.join(tmp, "sequences.pt"), os.path.join(tmp, "results.pt"),
                    args.temperature, args.batch_tokens)
         torch.save({"input_ids": torch.tensor([t for line in lines for t in line.input_ids], dtype=torch.long),
                     "lengths": torch.tensor([len(line.input_ids) for line in lines], dtype=torch.long)},
@@ -317,10 +370,14 @@ def _run(args) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("score", help="per-token log-probs and entropy of token sequences under an HF model (TP/PP ranks)",
+    p = sub.add_parser("score", help="per-token log-probs and entropy of token sequences under an HF model "
+                       "or a learner checkpoint (TP/PP ranks)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="DIR",
-                   help="HF model directory (config.json + safetensors); learner checkpoints are not supported yet")
+                   help="HF model directory (config.json + safetensors), or a learner checkpoint root "
+                        "(with model_config.json, as save_checkpoint(model_config=...) writes)")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="learner checkpoint only: the step to load (default: the one its 'latest' file names)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (default 1)")
     p.add_argument("--input", required=True, metavar="FILE.jsonl", help='lines {"input_ids": [...], ...}')

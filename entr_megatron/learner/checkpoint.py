@@ -22,6 +22,10 @@ step, extra     the step and the caller's ``extra_state`` (rank 0's; anything pi
 layout          world size and TP/PP/VPP/CP/EP/expert-TP sizes of the saving run
 ==============  =======================================================================
 
+With ``model_config=`` (the HF config dict) the root also holds ``model_config.json``
+(``read_model_config``): the model the checkpoints belong to, so a tool can build it
+from the root alone (``entr-megatron score --model ckpt_root``).
+
 RNG across layouts: the RNG streams are per rank and only mean something in the
 layout that produced them, so they are restored only when the loading layout
 (world size and every parallel size) equals the saved one. Otherwise the
@@ -58,7 +62,12 @@ from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.utils import unwrap_model
 
 from entr_megatron.learner import checkpoint_dir
-from entr_megatron.learner.checkpoint_dir import CheckpointError, CheckpointNotFoundError, latest_step
+from entr_megatron.learner.checkpoint_dir import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    latest_step,
+    read_model_config,
+)
 from entr_megatron.learner.compat import enable_cpu_compat
 
 __all__ = [
@@ -67,6 +76,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "latest_step",
     "load_checkpoint",
+    "read_model_config",
     "save_checkpoint",
 ]
 
@@ -267,6 +277,11 @@ def _on_rank0(fn, *args):
     return box[0]
 
 
+def _check_model_config(config) -> None:
+    if config is not None:
+        checkpoint_dir.model_config_text(config)  # raises CheckpointError when it cannot be written
+
+
 def _check_ready(chunks) -> list:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: checkpoints are written and read by all ranks")
@@ -294,6 +309,7 @@ def save_checkpoint(
     *,
     keep_last: int | None = None,
     distributed_optimizer_format: str = "fully_reshardable",
+    model_config: dict | None = None,
 ) -> Path:
     """Save a checkpoint of ``step`` atomically on all ranks; returns ``ckpt_root/iter_<step>``.
 
@@ -309,6 +325,11 @@ def save_checkpoint(
         keep_last: afterwards keep only the checkpoints of the ``keep_last`` highest
             steps, and always this one (None: keep all).
         distributed_optimizer_format: one of ``DISTRIBUTED_OPTIMIZER_FORMATS``.
+        model_config: the HF config dict of the model (e.g. ``hf_load.read_hf_config(hf_dir)``);
+            rank 0's value is written as ``ckpt_root/model_config.json`` (atomically,
+            before ``latest`` moves; ``read_model_config`` reads it), so the root alone
+            says how to build the model (``entr-megatron score --model ckpt_root``).
+            None: the file is left as it is.
 
     Writes into ``.tmp_iter_<step>``; rank 0 renames it into place and updates
     ``latest`` only after every rank has finished, so a crash leaves the last
@@ -326,6 +347,8 @@ def save_checkpoint(
     root = Path(ckpt_root)
     # Common (rank-0) entries must agree on every rank: rank 0's extra state goes everywhere.
     extra = _on_rank0(pickle.dumps, extra_state)
+    # Fail (on every rank) before writing anything when rank 0's model_config cannot be written.
+    _on_rank0(_check_model_config, model_config)
     tmp = _on_rank0(checkpoint_dir.prepare_tmp_dir, root, step)
 
     metadata = _sharding_metadata(optimizer, distributed_optimizer_format)
@@ -346,6 +369,7 @@ def save_checkpoint(
         "extra_state": extra,
     }
     _write(state, tmp, metadata)
+    _on_rank0(checkpoint_dir.write_model_config, root, model_config)
     final = _on_rank0(checkpoint_dir.commit, root, step, keep_last)
     if dist.get_rank() == 0:
         logger.info("saved checkpoint of step %d to %s", step, final)

@@ -2,6 +2,7 @@
 
     ckpt_root/
       latest                  the step of the last complete checkpoint (text)
+      model_config.json       the HF config of the model saved here (optional: ``save_checkpoint(model_config=)``)
       iter_0000100/           a complete checkpoint (Megatron dist checkpointing, torch_dist)
       iter_0000200/
       .tmp_iter_0000300/      a save in progress, or the leftovers of one that crashed
@@ -19,6 +20,7 @@ rank (rank 0 for anything that writes) and the caller synchronises ranks.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -30,18 +32,25 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "LATEST_FILE",
+    "MODEL_CONFIG_FILE",
     "clean_stale",
     "commit",
     "iter_dir",
     "latest_step",
     "list_steps",
+    "model_config_text",
     "prepare_tmp_dir",
+    "read_model_config",
     "resolve_checkpoint_dir",
+    "write_model_config",
 ]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
+# The HF config.json contents of the model the checkpoints of a root belong to
+# (so tools can build the model from the root alone, e.g. `entr-megatron score`).
+MODEL_CONFIG_FILE = "model_config.json"
 # Written by Megatron's torch_dist save: the common (rank-0) state, the DCP
 # metadata, and metadata.json, which dist checkpointing writes last.
 COMPLETE_MARKERS = ("common.pt", ".metadata", "metadata.json")
@@ -228,3 +237,55 @@ def commit(root: str | os.PathLike, step: int, keep_last: int | None = None) -> 
             if old != step:
                 _remove_checkpoint(root, old)
     return final
+
+
+def model_config_text(config) -> str:
+    """``config`` (an HF config dict or transformers config) as the text of ``model_config.json``.
+
+    Raises ``CheckpointError`` when it is not a JSON-serialisable mapping.
+    """
+    if callable(getattr(config, "to_dict", None)):  # a transformers config
+        config = config.to_dict()
+    try:
+        return json.dumps(dict(config), indent=2) + "\n"
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"model_config must be a JSON-serialisable HF config dict: {e}") from None
+
+
+def write_model_config(root: str | os.PathLike, config) -> None:
+    """Write ``config`` (an HF config dict) as ``root/model_config.json``, atomically (rank 0); None: nothing.
+
+    Written to ``.tmp_model_config.json`` first and renamed, so readers see the
+    old file or the new one, never a partial one.
+    """
+    if config is None:
+        return
+    text = model_config_text(config)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{_TMP}{MODEL_CONFIG_FILE}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / MODEL_CONFIG_FILE)
+    _fsync_dir(root)
+
+
+def read_model_config(root: str | os.PathLike) -> dict | None:
+    """The HF config dict in ``root/model_config.json``, or None when the root has none.
+
+    Raises ``CheckpointError`` naming the file when it is not a JSON object.
+    """
+    path = Path(root) / MODEL_CONFIG_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object (an HF config), found {type(config).__name__}")
+    return config

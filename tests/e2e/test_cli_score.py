@@ -114,12 +114,12 @@ def test_invalid_lines_are_named(hf_model, tmp_path, capsys, bad_line, message):
     assert not out.exists()
 
 
-def test_learner_checkpoint_or_unsplittable_layout_is_refused(hf_model, tmp_path, capsys):
+def test_unknown_model_dir_or_unsplittable_layout_is_refused(hf_model, tmp_path, capsys):
     path, _ = hf_model
     inp, out = tmp_path / "in.jsonl", str(tmp_path / "o.jsonl")
     inp.write_text('{"input_ids": [1, 2, 3]}\n')
     err = score_in_process(capsys, "--model", str(tmp_path), "--input", str(inp), "--output", out)
-    assert "not an HF model directory" in err and "learner checkpoints are not supported yet" in err, err
+    assert "neither an HF model directory" in err and "learner checkpoint root" in err, err
     err = score_in_process(capsys, "--model", path, "--tp", "4", "--input", str(inp), "--output", out)
     assert "--tp 4 does not divide the model's num_key_value_heads=2" in err, err
     err = score_in_process(capsys, "--model", path, "--input", str(tmp_path / "missing.jsonl"), "--output", out)
