@@ -1,0 +1,133 @@
+"""Flat weight buckets on the wire: which tensors go together, where each one sits, its header.
+
+    for layout, tensors in plan_buckets(named_tensors, bucket_bytes=512 << 20, dtype=torch.bfloat16):
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.fill(flat, tensors)              # copies (and casts) every tensor into its slot
+        header = layout.to_bytes()              # names, dtypes, shapes as JSON
+    BucketLayout.from_bytes(header).views(flat)     # the receiver's (name, tensor) views
+
+The layout is SGLang's "flattened_bucket" (`rollout.sglang_engine.pack_flattened_bucket`):
+the tensors' bytes back to back without padding, larger elements first so that every
+offset is a multiple of its element size. Buckets are cut the way
+`iter_flattened_buckets` cuts them: a tensor that would overflow the bucket starts the
+next one, and a tensor larger than `bucket_bytes` travels alone in a bucket of its own
+size. Our receivers and SGLang's unpack the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from entr_megatron.rollout.weights import BucketEntry
+
+__all__ = ["BucketLayout", "dtype_from_name", "dtype_name", "plan_buckets"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch dtype -> its name without "torch." (SGLang's spelling: getattr(torch, name))."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Names, dtypes and shapes of a bucket's tensors, in wire order; offsets follow from them."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        assert len(self.names) == len(self.dtypes) == len(self.shapes) > 0, "a bucket holds at least one tensor"
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, offset = [], 0
+        for dtype, shape in zip(self.dtypes, self.shapes):
+            assert offset % dtype.itemsize == 0, f"unaligned {dtype} at byte {offset}"
+            out.append(offset)
+            offset += _numel(shape) * dtype.itemsize
+        return tuple(out)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return self.offsets[-1] + _numel(self.shapes[-1]) * self.dtypes[-1].itemsize
+
+    def entries(self) -> tuple[BucketEntry, ...]:
+        """The same slots as `rollout.weights` entries (for `WeightBucket` / `WeightStage.load_bucket`)."""
+        return tuple(BucketEntry(n, d, s, o) for n, d, s, o in zip(self.names, self.dtypes, self.shapes, self.offsets))
+
+    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor view into `flat`) for each slot; `flat` is uint8 with at least `nbytes`."""
+        assert flat.dtype == torch.uint8 and flat.numel() >= self.nbytes, "flat bucket too small"
+        return [
+            (n, flat[o:o + _numel(s) * d.itemsize].view(d).view(s))
+            for n, d, s, o in zip(self.names, self.dtypes, self.shapes, self.offsets)
+        ]
+
+    def fill(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy `tensors` (wire order, any dtype: cast on copy) into their slots of `flat`."""
+        assert len(tensors) == len(self.names)
+        for (_, view), t in zip(self.views(flat), tensors):
+            view.copy_(t.detach())
+
+    def to_bytes(self) -> bytes:
+        """The header receivers decode with `from_bytes` (JSON, SGLang's dtype names)."""
+        body = {"names": list(self.names), "dtypes": [dtype_name(d) for d in self.dtypes],
+                "shapes": [list(s) for s in self.shapes]}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BucketLayout:
+        body = json.loads(data)
+        return cls(tuple(body["names"]), tuple(dtype_from_name(d) for d in body["dtypes"]),
+                   tuple(tuple(int(x) for x in s) for s in body["shapes"]))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None,
+) -> Iterator[tuple[BucketLayout, list[torch.Tensor]]]:
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (see the module docstring).
+
+    dtype: floating tensors travel as this dtype (cast while `fill` copies); None: as given.
+    Yields (layout, the tensors in wire order); the tensors are the inputs (not yet copied).
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    pending: list[tuple[str, torch.Tensor, torch.dtype]] = []
+    size = 0
+
+    def flush():
+        order = sorted(pending, key=lambda p: -p[2].itemsize)  # stable: equal sizes keep their order
+        layout = BucketLayout(tuple(n for n, _, _ in order), tuple(d for _, _, d in order),
+                              tuple(tuple(t.shape) for _, t, _ in order))
+        return layout, [t for _, t, _ in order]
+
+    for name, tensor in named_tensors:
+        wire = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * wire.itemsize
+        if pending and size + nbytes > bucket_bytes:
+            yield flush()
+            pending, size = [], 0
+        pending.append((name, tensor, wire))
+        size += nbytes
+    if pending:
+        yield flush()

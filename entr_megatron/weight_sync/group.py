@@ -1,0 +1,167 @@
+"""The broadcast group of one pipeline stage: its learner sender (rank 0) and every engine rank.
+
+    groups = stage_groups("10.0.0.1", 29600, pp_size=2, engine_ranks=(1,))   # one WeightGroup per stage
+    group = BroadcastGroup.join(groups[pp_rank], rank=0)                      # blocks until all ranks joined
+    group.broadcast(flat_uint8)                                               # from rank 0
+    group.close()
+
+Built directly from a `TCPStore` (rank 0 hosts it) and the backend class,
+independent of any default process group: the learner's stays untouched and the
+engines' processes need none. The store keys are laid out the way SGLang's
+`init_custom_process_group` lays out its side (prefixes `group_name`,
+`"<group_name>/"`, `"<device>/"`), so a learner-side group pairs with SGLang
+servers' ranks. NCCL on GPU, gloo on CPU, the same code: only the device of the
+tensors on the wire changes (`BroadcastGroup.device`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from entr_megatron.rollout.sglang_engine import WeightGroup
+
+__all__ = ["BACKENDS", "BroadcastGroup", "default_backend", "stage_groups"]
+
+BACKENDS = ("gloo", "nccl")
+# Devices of the backends `_new_process_group_helper` creates for one backend name (SGLang's side
+# creates all of them, and each one's rendezvous waits for every rank: ours must too).
+_BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def stage_groups(
+    master_address: str,
+    base_port: int,
+    pp_size: int,
+    engine_ranks: Sequence[int] = (1,),
+    *,
+    backend: str | None = None,
+    group_name: str = "entr_weights",
+) -> tuple[WeightGroup, ...]:
+    """One `WeightGroup` per pipeline stage: stage p on port `base_port + p`, named `<group_name>_pp<p>`.
+
+    engine_ranks: the ranks each engine holds in every group (the learner sender is rank 0;
+    an embedded engine holds one rank, an SGLang server `tp_size` consecutive ones); the
+    group's size is 1 + their total.
+    """
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+    if not engine_ranks or min(engine_ranks) < 1:
+        raise ValueError(f"engine_ranks must give every engine at least one rank, got {tuple(engine_ranks)}")
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    offsets = tuple(1 + sum(engine_ranks[:i]) for i in range(len(engine_ranks)))
+    world = 1 + sum(engine_ranks)
+    return tuple(
+        WeightGroup(master_address, base_port + p, world, f"{group_name}_pp{p}", backend, offsets)
+        for p in range(pp_size)
+    )
+
+
+class BroadcastGroup:
+    """One rank's membership of a weight broadcast group (see the module docstring).
+
+    Thread use: one thread at a time issues collectives (the sender thread, or the
+    receiving thread of one group); `broadcast` also serves as SGLang's `WeightSender`.
+    """
+
+    def __init__(self, spec: WeightGroup, rank: int, backends: dict, store, device: torch.device):
+        self.spec, self.rank, self.device = spec, rank, device
+        self._backends, self._store = backends, store
+        self._pg = backends[device.type]
+        self._staging: torch.Tensor | None = None  # device copy of host tensors (NCCL)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def join(cls, spec: WeightGroup, rank: int, *, timeout_s: float = 600.0) -> BroadcastGroup:
+        """Create this rank's side; blocks until every rank of the group has joined (or `timeout_s`)."""
+        if spec.backend not in BACKENDS:
+            raise ValueError(f"WeightGroup.backend must be one of {BACKENDS}, got {spec.backend!r}")
+        if not 0 <= rank < spec.world_size:
+            raise ValueError(f"rank {rank} is outside the group {spec.group_name!r} of size {spec.world_size}")
+        if spec.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError(f"group {spec.group_name!r}: backend nccl needs CUDA; use gloo on CPU")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            spec.master_address, spec.master_port, spec.world_size, rank == 0, timeout, multi_tenant=True,
+        )
+        group_store = dist.PrefixStore(f"{spec.group_name}/", dist.PrefixStore(spec.group_name, store))
+        backends = {}
+        for device in _BACKEND_DEVICES[spec.backend]:
+            device_store = dist.PrefixStore(f"{device}/", group_store)
+            if spec.backend == "gloo":
+                backends[device] = dist.ProcessGroupGloo(device_store, rank, spec.world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options.is_high_priority_stream = False
+                options._timeout = timeout
+                backends[device] = dist.ProcessGroupNCCL(device_store, rank, spec.world_size, options)
+        device = torch.device("cpu") if spec.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        return cls(spec, rank, backends, store, device)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast `tensor` (contiguous) from group rank `src`, in place on the others; returns when done.
+        A tensor not on the wire's device goes through a device staging copy."""
+        assert tensor.is_contiguous(), "broadcast needs a contiguous tensor"
+        if tensor.device == self.device or (self.device.type == "cpu" and tensor.device.type == "cpu"):
+            self._wait(self._pg.broadcast([tensor], _broadcast_options(src)))
+            return
+        staged = self._staging_view(tensor)
+        if self.rank == src:
+            staged.copy_(tensor, non_blocking=True)
+        self._wait(self._pg.broadcast([staged], _broadcast_options(src)))
+        if self.rank != src:
+            tensor.copy_(staged)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def all_reduce_sum(self, value: int) -> int:
+        """Sum of one integer over every rank (the end-of-version acknowledgement)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self._wait(self._pg.allreduce([t]))
+        return int(t.item())
+
+    def _wait(self, work) -> None:
+        work.wait()
+        if self.device.type == "cuda":  # the NCCL stream, not only the host, must be done with the buffer
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _staging_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._staging[:nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def close(self) -> None:
+        """Drop the backends and the store connection (idempotent)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            for pg in self._backends.values():
+                shutdown = getattr(pg, "shutdown", None)
+                if shutdown is not None and self.spec.backend == "nccl":
+                    shutdown()
+            self._backends.clear()
+            self._pg = self._store = self._staging = None
+
+
+def _broadcast_options(src: int):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return opts

@@ -1,0 +1,205 @@
+"""Engine side: join the stage groups and receive one version's buckets into the engine's staging copy.
+
+    groups = stage_groups("10.0.0.1", 29600, pp_size=2)          # the learner uses the same
+    report = engine.update_weights(BroadcastReceiver(groups, rank=1), version=v)   # while the learner pushes v
+
+`BroadcastReceiver` is the `WeightReceiver` an engine runs on its weight thread
+(the embedded engine: inside its process, while it keeps decoding). It receives
+from every stage's group at once (one thread per group), and a loader thread
+copies each received bucket into the `WeightStage` while the next one is on the
+wire (two receive buffers per group, reused across versions). The engine swaps
+the stage in only after `receive` returned and the stage is complete, so a
+version is atomic whatever happened on the wire.
+
+Groups stay joined in the engine process between versions (the first update
+joins them: the learner joins on its first push), like SGLang's
+`/init_weights_update_group`. A transport failure leaves the group, so that a
+later update joins afresh.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from entr_megatron.rollout.engine import WeightReceiver
+from entr_megatron.rollout.sglang_engine import WeightGroup
+from entr_megatron.rollout.weights import WeightBucket, WeightStage
+from entr_megatron.weight_sync.buckets import BucketLayout
+from entr_megatron.weight_sync.group import BroadcastGroup
+from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, recv_control
+from entr_megatron.weight_sync.snapshot import BufferPool
+
+__all__ = ["BroadcastReceiver", "joined_group", "leave_all_groups", "receiver_for"]
+
+_RECEIVE_BUFFERS = 2
+"""Per group: one on the wire while the loader copies the other into the stage."""
+
+
+class _Member:
+    """This process's rank in one group, and its receive buffers."""
+
+    def __init__(self, group: BroadcastGroup):
+        self.group = group
+        self.buffers = BufferPool(max_buffers=_RECEIVE_BUFFERS)
+
+
+_JOINED: dict[tuple, _Member] = {}
+_JOINED_LOCK = threading.Lock()
+
+
+def _member(spec: WeightGroup, rank: int, timeout_s: float) -> _Member:
+    key = (spec.master_address, spec.master_port, spec.group_name, rank)
+    with _JOINED_LOCK:
+        member = _JOINED.get(key)
+    if member is None:
+        member = _Member(BroadcastGroup.join(spec, rank, timeout_s=timeout_s))
+        with _JOINED_LOCK:
+            _JOINED[key] = member
+    return member
+
+
+def joined_group(spec: WeightGroup, rank: int, *, timeout_s: float = 600.0) -> BroadcastGroup:
+    """This process's member of `spec` as `rank`, joined by an earlier update or now (for
+    receivers that read the group themselves)."""
+    return _member(spec, rank, timeout_s).group
+
+
+def _leave(spec: WeightGroup, rank: int) -> None:
+    with _JOINED_LOCK:
+        member = _JOINED.pop((spec.master_address, spec.master_port, spec.group_name, rank), None)
+    if member is not None:
+        member.group.close()
+
+
+def leave_all_groups() -> None:
+    """Close every group this process joined (e.g. before the learner re-creates them)."""
+    with _JOINED_LOCK:
+        members = list(_JOINED.values())
+        _JOINED.clear()
+    for m in members:
+        m.group.close()
+
+
+class _Loader(threading.Thread):
+    """Copies received buckets into the stage, one at a time, and gives their buffers back."""
+
+    def __init__(self, stage: WeightStage):
+        super().__init__(name="weight-loader", daemon=True)
+        self.stage = stage
+        self.q: queue.Queue = queue.Queue()
+        self.error: str | None = None
+        self.num_buckets = 0
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                self.q.task_done()
+                return
+            layout, buf, pool = item
+            try:
+                if self.error is None:
+                    self.stage.load_bucket(WeightBucket(layout.entries(), buf.tensor[: layout.nbytes]))
+                    self.num_buckets += 1
+            except ValueError as e:
+                self.error = str(e)
+            except Exception as e:  # noqa: BLE001 - reported to the learner and the engine
+                self.error = f"loading a weight bucket failed: {e!r}"
+            finally:
+                pool.release(buf)
+                self.q.task_done()
+
+
+@dataclass(frozen=True)
+class BroadcastReceiver(WeightReceiver):
+    """Receives a version from the learner stages' broadcast groups (see the module docstring)."""
+
+    groups: tuple[WeightGroup, ...]
+    """One group per learner pipeline stage (`stage_groups`); the version is complete once
+    every stage's buckets arrived."""
+    rank: int
+    """This engine's rank in every group (its `rank_offsets` entry; the learner is rank 0)."""
+    timeout_s: float = 600.0
+    """Joining a group, and each message (gloo / NCCL timeout)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not self.groups:
+            raise ValueError("BroadcastReceiver.groups is empty: give one WeightGroup per learner pipeline stage")
+        if self.rank < 1:
+            raise ValueError(f"BroadcastReceiver.rank must be >= 1 (rank 0 is the learner), got {self.rank}")
+
+    def receive(self, stage: WeightStage) -> None:
+        """Receive `stage.version` from every group into `stage`; raises if any group failed or
+        an engine refused a tensor (the engine then discards the partial stage)."""
+        loader = _Loader(stage)
+        loader.start()
+        errors: list[BaseException | None] = [None] * len(self.groups)
+        threads = [
+            threading.Thread(target=self._run_group, args=(i, spec, stage.version, loader, errors),
+                             name=f"weight-recv-{spec.group_name}", daemon=True)
+            for i, spec in enumerate(self.groups)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        loader.q.put(None)
+        loader.join()
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+
+    def _run_group(self, index: int, spec: WeightGroup, version: int, loader: _Loader, errors: list) -> None:
+        try:
+            _receive_version(_member(spec, self.rank, self.timeout_s), version, loader)
+        except (ValueError, _Aborted) as e:
+            errors[index] = e
+        except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
+            _leave(spec, self.rank)
+            errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
+
+
+class _Aborted(ValueError):
+    """The learner aborted the version (its message says why)."""
+
+
+def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
+    """Read one version's messages on one group, to its end, whatever goes wrong meanwhile."""
+    group, name = member.group, member.group.spec.group_name
+    problem: str | None = None
+    while True:
+        control, header = recv_control(group)
+        if control.kind == ABORT:
+            raise _Aborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
+        if control.kind == END:
+            loader.q.join()  # every bucket of this version is in the stage (or failed)
+            problem = problem or loader.error
+            group.all_reduce_sum(1 if problem else 0)
+            if problem:
+                raise ValueError(problem)
+            return
+        assert control.kind == BUCKET
+        layout = BucketLayout.from_bytes(header)
+        if layout.nbytes != control.data_len:
+            raise RuntimeError(f"{name!r}: bucket header describes {layout.nbytes} bytes, the control says {control.data_len}")
+        buf = member.buffers.acquire(control.data_len)
+        try:
+            group.broadcast(buf.tensor[: control.data_len])
+        except BaseException:
+            member.buffers.release(buf)
+            raise
+        if problem is None and control.version != version:
+            problem = f"the learner sent weight version {control.version} on {name!r}, the engine expects {version}"
+        if problem is None and loader.error is None:
+            loader.q.put((layout, buf, member.buffers))
+        else:
+            member.buffers.release(buf)  # keep reading to the end: the wire stays aligned
+
+
+def receiver_for(groups: Sequence[WeightGroup], engine_index: int, **kwargs) -> BroadcastReceiver:
+    """The receiver of engine `engine_index` (its rank is `rank_offsets[engine_index]` of the groups)."""
+    return BroadcastReceiver(tuple(groups), groups[0].rank_offsets[engine_index], **kwargs)

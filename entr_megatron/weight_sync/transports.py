@@ -1,0 +1,214 @@
+"""How a learner stage's snapshot reaches the engines: our bucket protocol, or SGLang's HTTP handshake.
+
+    BucketTransport(groups[pp_rank])                   # engines run BroadcastReceiver (embedded engine)
+    BucketTransport(groups[0], engines=[(engine, receiver_for(groups, 0))])   # ...and drive them from here
+    SGLangTransport(sglang_engine, "10.0.0.1", 29600)  # SGLang servers (PP = 1)
+
+A transport runs on the stage's sender rank, in the sender thread: `send(version,
+stream)` takes the snapshot buckets in order and returns once every engine holds
+the version (with the engines' reports where it drives them). The group is
+joined by the first `send` (or `connect`), which waits for the engines to join.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
+from entr_megatron.rollout.sglang_engine import SGLangEngine, WeightGroup
+from entr_megatron.weight_sync.group import BroadcastGroup, default_backend
+from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, send_control
+from entr_megatron.weight_sync.snapshot import SnapshotFailed, SnapshotStream
+
+__all__ = ["BucketTransport", "SGLangTransport", "Transport", "WeightSyncError"]
+
+
+class WeightSyncError(RuntimeError):
+    """A version did not reach every engine (the message says where it failed)."""
+
+
+class Transport(Protocol):
+    """What `WeightSync` needs from a transport."""
+
+    layout: str
+    """HF layout the engines load: "transformers" (model.state_dict() names) or "checkpoint"."""
+
+    def requirements(self) -> dict[str, Any]:
+        """`WeightSyncConfig` fields whose values the engines dictate (empty: none)."""
+        ...
+
+    def connect(self) -> None:
+        """Join the group (blocks until the engines joined)."""
+        ...
+
+    def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
+        """Send every bucket of `stream` as `version`; returns once the engines hold it."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class _Call(threading.Thread):
+    """A call on its own thread, its result or exception kept."""
+
+    def __init__(self, fn, *args):
+        super().__init__(name="weight-engine-call", daemon=True)
+        self.fn, self.args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+            self.error = e
+
+
+class BucketTransport:
+    """Our versioned bucket protocol (`protocol.py`) over one stage's group, rank 0.
+
+    engines: (engine, receiver) pairs that this process drives: `send` calls
+    `engine.update_weights(receiver, version)` concurrently with the broadcasts and
+    returns their reports (an engine receiving from several stages is driven by one
+    stage only). Without them, whoever holds the engines calls that themselves.
+    """
+
+    layout = "transformers"
+
+    def __init__(self, group: WeightGroup, *, engines: Sequence[tuple[RolloutEngine, WeightReceiver]] = (),
+                 timeout_s: float = 600.0):
+        self.spec, self.engines, self.timeout_s = group, tuple(engines), timeout_s
+        self.group: BroadcastGroup | None = None
+
+    def requirements(self) -> dict[str, Any]:
+        return {}
+
+    def connect(self) -> None:
+        if self.group is None:
+            self.group = BroadcastGroup.join(self.spec, 0, timeout_s=self.timeout_s)
+
+    def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
+        calls = [_Call(engine.update_weights, receiver, version) for engine, receiver in self.engines]
+        error: BaseException | None = None
+        try:
+            self.connect()
+            self._broadcast(version, stream)
+        except BaseException as e:  # noqa: BLE001 - raised below, after the engines answered
+            error = e
+        reports = []
+        for call in calls:
+            call.join()
+            if call.error is not None and error is None:
+                error = call.error
+            reports.append(call.result)
+        if error is not None:
+            raise error
+        return reports
+
+    def _broadcast(self, version: int, stream: SnapshotStream) -> None:
+        group, num_buckets = self.group, 0
+        try:
+            try:
+                for bucket in stream:
+                    try:
+                        send_control(group, BUCKET, version, bucket.layout.to_bytes(), bucket.layout.nbytes)
+                        group.broadcast(bucket.flat)
+                    finally:
+                        bucket.release()
+                    num_buckets += 1
+            except SnapshotFailed as e:  # the wire is fine: tell the engines to drop the version
+                send_control(group, ABORT, version, str(e).encode())
+                raise
+            send_control(group, END, version, b"", num_buckets)
+            refused = group.all_reduce_sum(0)
+        except SnapshotFailed:
+            raise
+        except BaseException:
+            self.close()  # the wire is out of step: the next version joins afresh
+            raise
+        if refused:
+            raise WeightSyncError(
+                f"{refused} engine rank(s) of {self.spec.group_name!r} refused weight version {version} "
+                "(the engines' update_weights says why)"
+            )
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class SGLangTransport:
+    """SGLang servers through `SGLangEngine`: its handshake (group, session, one
+    `/update_weights_from_distributed` per flattened bucket, version on the last one),
+    with a `BroadcastGroup` at rank 0 as its `WeightSender`.
+
+    The engine cuts buckets itself (`iter_flattened_buckets`): the snapshot is cut the
+    same way (`requirements`: its bucket size and dtype), so each of our buffers is
+    released as soon as the engine has packed that bucket. Servers pause for the whole
+    transfer (SGLang has no staging copy), so the transfer starts only once the snapshot
+    is complete or has filled its buffers. One learner stage only (PP = 1): `SGLangEngine` holds one
+    group, and two stages updating it independently would each pause and resume the servers.
+    """
+
+    layout = "checkpoint"
+
+    def __init__(self, engine: SGLangEngine, master_address: str, master_port: int, *,
+                 backend: str | None = None, timeout_s: float = 600.0):
+        self.engine, self.master_address, self.master_port = engine, master_address, int(master_port)
+        self.backend, self.timeout_s = backend or default_backend(), timeout_s
+        self.group: BroadcastGroup | None = None
+
+    def requirements(self) -> dict[str, Any]:
+        return {"bucket_bytes": self.engine.config.weight_bucket_bytes, "dtype": self.engine.config.weight_dtype}
+
+    def connect(self) -> None:
+        if self.group is None:
+            self.engine.init_weights_update_group(
+                self.master_address, self.master_port, backend=self.backend, join=self._join
+            )
+            self.engine.set_weight_sender(self.group)
+
+    def _join(self, spec: WeightGroup) -> None:
+        self.group = BroadcastGroup.join(spec, 0, timeout_s=self.timeout_s)
+
+    def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
+        self.connect()
+        stream.wait_settled()
+        tensors = _tensors(stream)
+        try:
+            return [self.engine.update_weights(tensors, version)]
+        finally:
+            tensors.close()  # gives back the last buffer also when the engine stopped early
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.engine.destroy_weights_update_group()
+            except EngineError:
+                pass  # the servers may be gone already
+            self.group.close()
+            self.group = None
+
+
+def _tensors(stream: SnapshotStream) -> Iterator[tuple[str, Any]]:
+    """(name, view) of each snapshot bucket. `iter_flattened_buckets` packs (copies) a bucket
+    when it receives the first tensor of the next one: once we are resumed after yielding
+    that tensor, the buckets before it are free."""
+    held = []
+    try:
+        for bucket in stream:
+            held.append(bucket)
+            for i, item in enumerate(bucket.layout.views(bucket.flat)):
+                yield item
+                if i == 0:
+                    for old in held[:-1]:
+                        old.release()
+                    del held[:-1]
+    finally:
+        for b in held:
+            b.release()
