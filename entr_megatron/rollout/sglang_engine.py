@@ -75,6 +75,11 @@ closes the session and continues. Generation stops for the whole transfer (SGLan
 has no staging copy); requests stay. A bucket is SGLang's "flattened_bucket": the
 tensors' bytes back to back in one uint8 tensor, no padding, every offset a
 multiple of the tensor's element size (`pack_flattened_bucket`).
+
+Not yet run against a real SGLang server (no GPU here); to confirm there:
+pydantic's handling of our control bodies, `/health` as a readiness check, the
+router's `/health`, and that `output_token_sampling_logprobs` is present for every
+sample of a batch with top-p/top-k.
 """
 
 from __future__ import annotations
