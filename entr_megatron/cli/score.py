@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 
 from entr_megatron import models
 from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, mismatch_metrics
+from entr_megatron.cli.jsonl import atomic_output, check_token_ids, read_jsonl_objects
 from entr_megatron.learner import checkpoint_dir
 from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
@@ -86,23 +87,10 @@ class Line:
     rollout_logprobs: list[float] | None
 
 
-def _parse_line(text: str, where: str, vocab_size: int) -> Line:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    ids = obj.get("input_ids")
-    if ids is None:
+def _parse_line(obj: dict, where: str, vocab_size: int) -> Line:
+    if obj.get("input_ids") is None:
         raise ValueError(f'{where}: missing "input_ids"')
-    if not isinstance(ids, list) or not ids:
-        raise ValueError(f'{where}: "input_ids" must be a non-empty list of token ids')
-    for k, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise ValueError(f'{where}: input_ids[{k}]={t!r} is not an integer token id')
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{where}: input_ids[{k}]={t} is outside the model's vocabulary [0, {vocab_size})")
+    ids = check_token_ids(obj["input_ids"], where, "input_ids", vocab_size)
     rollout = obj.get("rollout_logprobs")
     if rollout is not None:
         if not isinstance(rollout, list) or not 1 <= len(rollout) <= len(ids) - 1:
@@ -118,16 +106,10 @@ def _parse_line(text: str, where: str, vocab_size: int) -> Line:
 def read_input(path: str, vocab_size: int) -> list[Line]:
     """Every non-blank line of a JSONL file, validated; ValueError names the file and line."""
     lines = []
-    try:
-        f = open(path)
-    except OSError as e:
-        raise ValueError(f"--input: cannot read {path}: {e.strerror}") from None
-    with f:
-        for lineno, text in enumerate(f, start=1):
-            if text.strip():
-                line = _parse_line(text, f"{path}:{lineno}", vocab_size)
-                line.lineno = lineno
-                lines.append(line)
+    for lineno, where, obj in read_jsonl_objects(path):
+        line = _parse_line(obj, where, vocab_size)
+        line.lineno = lineno
+        lines.append(line)
     return lines
 
 
@@ -173,27 +155,15 @@ def write_output(in_path, out_path, lines, logprobs, entropy, tau) -> str | None
     """Write every input line back with the scores, atomically; returns the mismatch summary (or None)."""
     by_lineno = {line.lineno: i for i, line in enumerate(lines)}
     mism_lp, mism_mu, mism_ent = [], [], []
-    directory = os.path.dirname(os.path.abspath(out_path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out_path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out, open(in_path) as f:
-            for lineno, text in enumerate(f, start=1):
-                i = by_lineno.get(lineno)
-                if i is None:
-                    continue  # blank line
-                obj = json.loads(text)
-                obj["logprobs"] = logprobs[i].tolist()
-                obj["entropy"] = entropy[i].tolist()
-                if lines[i].rollout_logprobs is not None:
-                    lp, mu, ent, obj["mismatch"] = _line_mismatch(logprobs[i], entropy[i], lines[i].rollout_logprobs, tau)
-                    mism_lp.append(lp), mism_mu.append(mu), mism_ent.append(ent)
-                out.write(json.dumps(obj) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_output(out_path) as out:
+        for lineno, _, obj in read_jsonl_objects(in_path):
+            i = by_lineno[lineno]
+            obj["logprobs"] = logprobs[i].tolist()
+            obj["entropy"] = entropy[i].tolist()
+            if lines[i].rollout_logprobs is not None:
+                lp, mu, ent, obj["mismatch"] = _line_mismatch(logprobs[i], entropy[i], lines[i].rollout_logprobs, tau)
+                mism_lp.append(lp), mism_mu.append(mu), mism_ent.append(ent)
+            out.write(json.dumps(obj) + "\n")
     return _summary(mism_lp, mism_mu, mism_ent, len(mism_lp), tau) if mism_lp else None
 
 
