@@ -9,16 +9,18 @@ initialised from a Llama config written here, no HF hub) and a real `EmbeddedEng
 join one weight group over 127.0.0.1 (gloo). Each repetition times, in turn:
 
 * weight sync: `WeightSync.push(v)` -> `handle.wait()`: gathers (none at TP=1), HF names,
-  snapshot into host buffers, one broadcast per bucket, the engine's receiver copies
-  each bucket into its staging copy, acknowledgement; the engine then swaps the version in.
+  snapshot into host buffers, one broadcast per bucket straight into the engine's staging
+  copy (`WeightStage.bucket_buffer`: no copy on the engine side), acknowledgement; the
+  engine then swaps the version in.
   Time = `transfer_s` (push call until every engine rank holds the version).
 * bare: the same bytes as ONE flat uint8 buffer, prepared beforehand, in one
   broadcast on the same group, then the same one-integer acknowledgement. (The engine
   then loads that buffer too, untimed, so every repetition installs a real version.)
 
 Two context rows: the bare broadcast until the engine has copied it into its staging
-copy (what any receiver into the engine's `WeightStage` costs at least), and the
-learner's copy of the model into a warm host buffer alone (what any snapshot costs).
+copy (what a receiver that copies each bucket into the engine's `WeightStage` costs at
+least), and the learner's copy of the model into a warm host buffer alone (what any
+snapshot costs).
 
 The first push and the first bare broadcast warm up (page faults of fresh buffers)
 and are not counted; the table gives medians over `--reps`. Learner blocked =

@@ -12,12 +12,15 @@ swap, never for the transfer. Memory: one extra copy of the model (allocated by
 the first update), plus the buckets in flight.
 
 Transports plug in at the stage: the embedded engine's own queue transport calls
-`load_bucket`; a broadcast transport can receive straight into `buffer(name)` or
-into a flat bucket and call `load_bucket`.
+`load_bucket`; a broadcast transport can receive straight into `buffer(name)`, or a
+whole flat bucket straight into `bucket_buffer(entries)` (the staged tensors of those
+entries re-laid out as one flat buffer in the bucket's layout, then `commit_bucket`:
+no copy on the engine side), or into a flat bucket of its own and call `load_bucket`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -151,6 +154,7 @@ class WeightStage:
             self._slot[name] = key
             self._names[key].append(name)
         self._staged: list[torch.Tensor] | None = None  # allocated by the first begin()
+        self._lock = threading.Lock()  # bookkeeping: several receiving threads may fill the stage (one per group)
         self._written = [False] * len(self._targets)
         self.version: int | None = None
         self.ready = False
@@ -189,8 +193,9 @@ class WeightStage:
         """Copy one tensor into the stage (cast to the engine's dtype)."""
         slot = self._slot_of(name, tuple(tensor.shape))
         self._staged[slot].copy_(tensor.detach())
-        self._written[slot] = True
-        self.num_bytes += tensor.numel() * tensor.element_size()
+        with self._lock:
+            self._written[slot] = True
+            self.num_bytes += tensor.numel() * tensor.element_size()
 
     def load_bucket(self, bucket: WeightBucket) -> None:
         """Copy every tensor of a bucket into the stage."""
@@ -200,9 +205,78 @@ class WeightStage:
     def buffer(self, name: str) -> torch.Tensor:
         """The staged tensor for `name`, for a transport that receives in place; counts as written."""
         slot = self._slot_of(name, self.specs[name].shape if name in self.specs else ())
-        self._written[slot] = True
-        self.num_bytes += self._staged[slot].numel() * self._staged[slot].element_size()
+        with self._lock:
+            self._written[slot] = True
+            self.num_bytes += self._staged[slot].numel() * self._staged[slot].element_size()
         return self._staged[slot]
+
+    def bucket_buffer(self, entries: tuple[BucketEntry, ...], nbytes: int) -> torch.Tensor | None:
+        """A uint8 tensor of `nbytes` whose bytes ARE the staged tensors of `entries` (each at its
+        offset, in its dtype), for a transport that receives a whole flat bucket in place (no
+        copy); `commit_bucket(entries)` once the bytes arrived. Not written until then.
+
+        The first time (for this layout, and once more for the storage the following swap
+        hands back) the stage re-lays those tensors out as views of one new flat buffer of the
+        bucket's layout; later versions with the same layout land in it directly. None when
+        the bucket cannot land in place (a name or shape the engine does not know, a dtype it
+        stores differently, two names of one tied tensor, padding between the tensors as
+        `pack_buckets` leaves it): receive it elsewhere and `load_bucket` it (which reports
+        what is wrong)."""
+        with self._lock:
+            if self.version is None or self._staged is None or not entries:
+                return None
+            slots = []
+            for e in entries:
+                slot, spec = self._slot.get(e.name), self.specs.get(e.name)
+                if slot is None or spec.shape != tuple(e.shape) or spec.dtype != e.dtype or e.offset % e.dtype.itemsize:
+                    return None
+                slots.append(slot)
+            if len(set(slots)) != len(slots):
+                return None
+            end = 0  # the entries must tile the buffer (no gaps, no padding): its bytes are theirs alone
+            for e in sorted(entries, key=lambda e: e.offset):
+                if e.offset != end:
+                    return None
+                end += e.nbytes
+            if end != nbytes:
+                return None
+            flat = self._flat_of(slots, entries, nbytes)
+            if flat is None:  # lay them out afresh (their old staged storage is dropped)
+                flat = torch.empty(nbytes, dtype=torch.uint8)
+                for slot, e in zip(slots, entries):
+                    self._staged[slot] = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            return flat
+
+    def _flat_of(self, slots: list[int], entries: tuple[BucketEntry, ...], nbytes: int) -> torch.Tensor | None:
+        """The flat uint8 view over the staged tensors of `slots` if they already sit in one
+        storage at the entries' offsets, else None. Only parameters count: a buffer's staged
+        tensor stays put when the swap copies it, so it is pointed back into the flat buffer."""
+        anchors = [i for i, slot in enumerate(slots) if isinstance(self._targets[slot], torch.nn.Parameter)]
+        anchors = anchors or list(range(len(slots)))
+        first, e0 = self._staged[slots[anchors[0]]], entries[anchors[0]]
+        storage = first.untyped_storage()
+        base = first.data_ptr() - e0.offset
+        start = base - storage.data_ptr()
+        if start < 0 or start + nbytes > storage.nbytes():
+            return None
+        for i in anchors:
+            t, e = self._staged[slots[i]], entries[i]
+            if (t.data_ptr() != base + e.offset or not t.is_contiguous() or t.dtype != e.dtype
+                    or t.untyped_storage().data_ptr() != storage.data_ptr()):
+                return None
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
+        for slot, e in zip(slots, entries):
+            t = self._staged[slot]
+            if t.data_ptr() != base + e.offset or t.untyped_storage().data_ptr() != storage.data_ptr():
+                self._staged[slot] = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        return flat
+
+    def commit_bucket(self, entries: tuple[BucketEntry, ...]) -> None:
+        """The bytes of a `bucket_buffer` arrived: its tensors count as written."""
+        with self._lock:
+            for e in entries:
+                self._written[self._slot[e.name]] = True
+                self.num_bytes += e.nbytes
 
     def finish(self) -> None:
         """Check the version is complete and mark it ready for `swap_into`."""

@@ -5,9 +5,12 @@
 
 `BroadcastReceiver` is the `WeightReceiver` an engine runs on its weight thread
 (the embedded engine: inside its process, while it keeps decoding). It receives
-from every stage's group at once (one thread per group), and a loader thread
-copies each received bucket into the `WeightStage` while the next one is on the
-wire (two receive buffers per group, reused across versions). The engine swaps
+from every stage's group at once (one thread per group). Each bucket is broadcast
+straight into the `WeightStage` (`WeightStage.bucket_buffer`: the staged tensors
+laid out as the bucket is, so the engine copies nothing) whenever its tensors
+travel in the engine's dtypes; otherwise (e.g. a cast on receipt) it lands in a
+receive buffer and a loader thread copies it into the stage while the next one is
+on the wire (two receive buffers per group, reused across versions). The engine swaps
 the stage in only after `receive` returned and the stage is complete, so a
 version is atomic whatever happened on the wire.
 
@@ -186,6 +189,13 @@ def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
         layout = BucketLayout.from_bytes(header)
         if layout.nbytes != control.data_len:
             raise RuntimeError(f"{name!r}: bucket header describes {layout.nbytes} bytes, the control says {control.data_len}")
+        if problem is None and loader.error is None and control.version == version:
+            entries = layout.entries()
+            target = loader.stage.bucket_buffer(entries, layout.nbytes)
+            if target is not None:  # in place: no receive buffer, no copy
+                group.broadcast(target)
+                loader.stage.commit_bucket(entries)
+                continue
         buf = member.buffers.acquire(control.data_len)
         try:
             group.broadcast(buf.tensor[: control.data_len])

@@ -463,3 +463,71 @@ def test_buckets_and_stage_swap_atomically_without_copies():
         stage.write("norm", torch.zeros(6))
     stage.discard()
     torch.testing.assert_close(model.state_dict(), before, atol=0, rtol=0)
+
+
+
+def _wire_bucket(named, bucket_bytes=1 << 20):
+    """(entries, flat) of each bucket as the weight-sync wire packs it (no padding)."""
+    from entr_megatron.weight_sync.buckets import plan_buckets
+
+    out = []
+    for layout, tensors in plan_buckets(named, bucket_bytes):
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.fill(flat, tensors)
+        out.append((layout.entries(), flat))
+    return out
+
+
+def test_buckets_land_in_the_stage_in_place():
+    """`bucket_buffer`: a flat bucket received straight into the staged tensors (no copy); from the
+    third version on, the same layout reuses the storage the swap handed back; versions stay atomic."""
+    model = TiedModule()
+    stage = WeightStage(model)
+    flats = []
+    for version in (1, 2, 3, 4):
+        new = {"emb.weight": torch.randn(7, 3), "norm": torch.randn(5).bfloat16(), "scale": torch.randn(3)}
+        before = {n: t.clone() for n, t in model.state_dict().items()}
+        stage.begin(version)
+        [(entries, flat)] = _wire_bucket(new.items())
+        target = stage.bucket_buffer(entries, flat.numel())
+        assert target is not None and target.dtype == torch.uint8 and target.numel() == flat.numel()
+        target.copy_(flat)  # what the broadcast does
+        with pytest.raises(ValueError, match="incomplete"):
+            stage.finish()  # not written before commit_bucket
+        stage.begin(version)
+        again = stage.bucket_buffer(entries, flat.numel())
+        assert again.data_ptr() == target.data_ptr()  # the layout is kept
+        again.copy_(flat)
+        stage.commit_bucket(entries)
+        torch.testing.assert_close(model.state_dict(), before, atol=0, rtol=0)  # staged, not installed
+        stage.finish()
+        assert stage.swap_into() == version
+        assert model.out.weight is model.emb.weight
+        torch.testing.assert_close(model.emb.weight.data, new["emb.weight"], atol=0, rtol=0)
+        torch.testing.assert_close(model.norm.data, new["norm"], atol=0, rtol=0)
+        torch.testing.assert_close(model.scale, new["scale"], atol=0, rtol=0)
+        flats.append(target.data_ptr())
+    assert flats[2] == flats[0] and flats[3] == flats[1] and flats[0] != flats[1]  # two flat copies alternate
+    # Buckets that cannot land in place: the caller copies them (`load_bucket` reports what is wrong).
+    stage.begin(5)
+    cases = [
+        _wire_bucket([("norm", torch.randn(5))]),  # fp32 on the wire, bf16 staged
+        _wire_bucket([("emb.weight", torch.randn(7, 3)), ("out.weight", torch.randn(7, 3))]),  # one tied tensor twice
+        _wire_bucket([("nope", torch.randn(2))]),
+        _wire_bucket([("scale", torch.randn(4))]),
+        [(b.entries, b.flat) for b in pack_buckets([("emb.weight", torch.randn(7, 3)), ("scale", torch.randn(3))], 1 << 20)],
+    ]
+    for [(entries, flat)] in cases:
+        assert stage.bucket_buffer(entries, flat.numel()) is None
+    stage.load_bucket(WeightBucket(*cases[0][0]))
+    with pytest.raises(ValueError, match="unknown tensor"):
+        stage.load_bucket(WeightBucket(*cases[2][0]))
+    stage.discard()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    stage.begin(6)  # a partial version in place: discarded, the model untouched
+    [(entries, flat)] = _wire_bucket([("emb.weight", torch.zeros(7, 3))])
+    stage.bucket_buffer(entries, flat.numel()).copy_(flat)
+    stage.commit_bucket(entries)
+    with pytest.raises(ValueError, match="incomplete"):
+        stage.finish()
+    torch.testing.assert_close(model.state_dict(), before, atol=0, rtol=0)

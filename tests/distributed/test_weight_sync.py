@@ -481,7 +481,8 @@ def test_sglang_adapter_drives_the_handshake_over_gloo():
         sync = WeightSync(lambda: named(source), transport, config)
         from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
 
-        engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=60))])
+        # Long enough (5 s at 5 ms a token) that the update lands mid-generation even on a loaded machine.
+        engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=1000))])
         wait_for(lambda: a.live and len(next(iter(a.live.values())).output_ids) >= 5, what="tokens")
         report = sync.push(1).wait(timeout=60)
         assert engine.weight_version == 1 and report.engines[0].version == 1 and report.num_buckets == 3
@@ -497,7 +498,7 @@ def test_sglang_adapter_drives_the_handshake_over_gloo():
         wait_for(lambda: results.extend(engine.poll(timeout=0.5)) or results, what="the response")
         [r] = results
         k = r.versions.index(1)
-        assert 5 <= k < 60 and r.versions == [0] * k + [1] * (60 - k)
+        assert 5 <= k < 1000 and r.versions == [0] * k + [1] * (1000 - k)
         sync.close()
         assert a.calls_to("/destroy_weights_update_group") and not a.groups
         engine.shutdown()
