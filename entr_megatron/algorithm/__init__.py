@@ -7,7 +7,8 @@ Tensors are padded [B, T] (B responses, T response positions) with a bool
 - advantages.py: GRPO, Dr.GRPO, RLOO (ADVANTAGE_ESTIMATORS)
 - correction_base.py, corrections_*.py, corrections.py: per-token weight / mask / ratio
   anchor of ENTR and the baselines (CORRECTIONS)
-- policy_losses.py: PPO-clip, REINFORCE, CISPO, GSPO per-token losses (POLICY_LOSSES)
+- policy_losses.py: PPO-clip, REINFORCE, CISPO, GSPO per-token losses and the supervised
+  NLL warm-up loss (POLICY_LOSSES)
 - aggregation.py: token-mean and sequence reductions with global counts (LOSS_AGGREGATIONS)
 - metrics.py: mismatch metrics and their reducible sums
 - objective.py: compute_policy_loss, the composition the learner calls

@@ -175,6 +175,24 @@ def gspo_loss(
     return zero_padding(x.weight_BT * loss_BT, x.active_BT), metrics
 
 
+def nll_loss(
+    logprobs_BT: Tensor,
+    anchor_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    weight_BT: Tensor,
+    keep_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Supervised negative log-likelihood l = -log pi on active tokens, for SFT warm-up
+    (run with correction "none"). Anchor, advantages, weight and the clip range are
+    unused; the gradient is -1 on each active token's log-prob before aggregation."""
+    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    # Inactive tokens hold the anchor's value (no gradient); zero_padding drops them.
+    loss_BT = zero_padding(-x.logprobs_BT, x.active_BT)
+    return loss_BT, {"policy_loss/nll_mean": masked_mean(loss_BT.detach(), x.active_BT)}
+
+
 PolicyLossFn = Callable[
     [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, AlgorithmConfig], tuple[Tensor, dict[str, Tensor]]
 ]
@@ -185,4 +203,5 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "reinforce": reinforce_loss,
     "cispo": cispo_loss,
     "gspo": gspo_loss,
+    "nll": nll_loss,
 }

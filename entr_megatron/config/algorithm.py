@@ -26,7 +26,7 @@ CORRECTION_NAMES = (
     "m2po",
     "decoupled",
 )
-POLICY_LOSS_NAMES = ("ppo_clip", "reinforce", "cispo", "gspo")
+POLICY_LOSS_NAMES = ("ppo_clip", "reinforce", "cispo", "gspo", "nll")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ENTROPY_SOURCES = ("learner", "rollout")
 
@@ -34,12 +34,14 @@ ENTROPY_SOURCES = ("learner", "rollout")
 # has its own scale: GSPO clips a sequence-level ratio, which moves far less than
 # a token ratio (GSPO paper: 3e-4 / 4e-4); CISPO (MiniMax-M1) disables the lower
 # bound (1 - 1.0 = 0) and only truncates large weights; PPO uses DAPO's
-# asymmetric clip-higher. REINFORCE does not clip; its entry keeps the table total.
+# asymmetric clip-higher. REINFORCE and NLL (supervised warm-up) do not clip; their
+# entries keep the table total.
 CLIP_RANGE_DEFAULTS: dict[str, tuple[float, float]] = {
     "ppo_clip": (0.2, 0.28),
     "reinforce": (0.2, 0.28),
     "cispo": (1.0, 0.28),
     "gspo": (3e-4, 4e-4),
+    "nll": (0.2, 0.28),
 }
 
 # Corrections that cannot run without the log-probs of a recomputed proximal/old policy.
@@ -98,7 +100,8 @@ class AlgorithmConfig:
     """decoupled (AReaL): cap of the behaviour weight min(pi_prox / mu, cap). > 0."""
 
     policy_loss: str = "ppo_clip"
-    """Per-token policy loss: one of POLICY_LOSS_NAMES."""
+    """Per-token policy loss: one of POLICY_LOSS_NAMES. "nll" is the supervised (SFT)
+    warm-up loss -log pi; pair it with correction "none"."""
 
     eps_clip_low: float | None = None
     """Lower clip width: ratio clipped below at 1 - eps_clip_low. In [0, 1]; None takes

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from entr_megatron.algorithm import POLICY_LOSSES
+from entr_megatron.algorithm import POLICY_LOSSES, compute_policy_loss
 from entr_megatron.config.algorithm import AlgorithmConfig
 
 F64 = torch.float64
@@ -103,6 +103,35 @@ def test_gspo_hand_case():
     assert metrics["policy_loss/seq_ratio_mean"].item() == pytest.approx((s0 + math.exp(6e-4) + s2) / 3)
 
 
+def test_nll_hand_case():
+    # log pi = [-0.5, -2.0 | -0.1, pad]; token (0, 1) dropped by keep. Anchor, advantages and
+    # weights must not matter: l = -log pi = 0.5 and 0.1 on the active tokens, grad -1 there.
+    log_r = [[0.3, 1.7], [-0.4, 0.0]]
+    anchor = [[-0.8, -3.7], [0.3, -1.0]]
+    keep = [[True, False], [True, True]]
+    mask = [[True, True], [True, False]]
+    adv, weight = [[-2.0, 5.0], [3.0, 0.0]], [[0.1, 9.0], [4.0, 1.0]]
+    loss, grad, metrics = _loss_and_grad("nll", log_r, adv, weight, keep, mask, anchor=anchor)
+    _close(loss, [[0.5, 0.0], [0.1, 0.0]])
+    _close(grad, [[-1.0, 0.0], [-1.0, 0.0]])
+    assert metrics["policy_loss/nll_mean"].item() == pytest.approx(0.3)
+
+
+def test_nll_through_compute_policy_loss_token_mean():
+    # SFT: correction "none" keeps every response token; token-mean over 4 response tokens
+    # gives loss = (0.25 + 1.5 + 0.75 + 3.0) / 4 and d loss / d log pi = -1/4 on each of them.
+    logprobs = torch.tensor([[-0.25, -1.5, -0.75], [-3.0, -7.0, -9.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    behaviour = torch.tensor([[-0.2, -5.0, -0.1], [-0.3, -1.0, -1.0]], dtype=F64)
+    entropy = torch.full_like(behaviour, 0.7)
+    cfg = AlgorithmConfig(policy_loss="nll", correction="none")
+    loss, metrics = compute_policy_loss(logprobs, entropy, behaviour, torch.tensor([4.0, -2.0], dtype=F64), mask, cfg)
+    assert loss.item() == pytest.approx(5.5 / 4, rel=1e-12)
+    loss.backward()
+    _close(logprobs.grad, [[-0.25, -0.25, -0.25], [-0.25, 0.0, 0.0]])
+    assert metrics["policy_loss/value"].item() == pytest.approx(5.5 / 4, rel=1e-12)
+
+
 # ---------------------------------------------------------------- masking and gradient flow
 
 
@@ -152,6 +181,8 @@ def _token_reference(name, lr, a, w, s, cfg):
     r = math.exp(lr)
     if name == "reinforce":
         return -w * r * a * (lr - 1.0), -w * r * a  # anchor is -1, so log pi = lr - 1
+    if name == "nll":
+        return -(lr - 1.0), -1.0  # -log pi; the anchor, advantage and weight play no part
     if name == "cispo":
         c = min(max(r, lo), hi)
         return -w * c * a * (lr - 1.0), -w * c * a
