@@ -1,0 +1,232 @@
+"""Many rollout engines behind one `RolloutEngine`, for the controller.
+
+    engines = EngineSet([engine_0, engine_1, engine_2])
+    ids = engines.submit(requests)      # each request goes to the engine with the fewest live samples
+    results = engines.poll(timeout=1.0)  # from whichever engines have finished samples
+    engines.weight_version              # the oldest weights any engine samples from
+
+Request ids: a request keeps the id its caller set (it must not be live anywhere in the
+set); one without gets a fresh id, as an engine would give it. The id an engine answers
+with is mapped back, so `GenerateResult.request_id` is always the id `submit` returned,
+even if two engines number their requests alike. A request is live (counted for the
+balance) until all n of its samples came back from `poll`, aborted ones included.
+
+Weights do not go through the set: the weight pusher (weight_sync layer) sends them to
+every engine itself, so `update_weights` raises. Not thread-safe: one controller thread
+drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from entr_megatron.rollout.engine import (
+    EngineHealth,
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    WeightSource,
+    WeightUpdateReport,
+)
+
+__all__ = ["POLL_SLICE_S", "EngineSet"]
+
+logger = logging.getLogger(__name__)
+
+POLL_SLICE_S = 0.02
+"""Longest wait on one engine inside `EngineSet.poll` before the next engine gets its turn."""
+
+
+@dataclass
+class _Route:
+    engine: int
+    inner_id: str
+    live_samples: int
+
+
+class EngineSet:
+    """A `RolloutEngine` over a list of engines (see the module docstring)."""
+
+    def __init__(self, engines: Sequence[RolloutEngine], poll_slice_s: float = POLL_SLICE_S) -> None:
+        if not engines:
+            raise ValueError("EngineSet needs at least one engine")
+        if not poll_slice_s > 0:
+            raise ValueError(f"EngineSet poll_slice_s must be > 0, got {poll_slice_s!r}")
+        self.engines: list[RolloutEngine] = list(engines)
+        self.poll_slice_s = float(poll_slice_s)
+        self._routes: dict[str, _Route] = {}  # outer id -> where it runs
+        self._outer: list[dict[str, str]] = [{} for _ in self.engines]  # per engine: inner id -> outer id
+        self._live: list[int] = [0] * len(self.engines)  # live samples per engine
+        self._next_first = 0  # engine that waits first in the next poll (rotates)
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def live_samples(self) -> list[int]:
+        """Samples submitted to each engine and not yet returned by `poll`."""
+        return list(self._live)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        """Place each request on the engine with the fewest live samples (ties: lowest
+        index), counting the requests placed before it; returns the requests' ids."""
+        outer_ids: list[str] = []
+        for r in requests:
+            if r.request_id is None:
+                r.request_id = uuid.uuid4().hex
+            if r.request_id in self._routes or r.request_id in outer_ids:
+                raise ValueError(f"request id {r.request_id!r} is already in flight")
+            outer_ids.append(r.request_id)
+        planned = list(self._live)
+        placement: list[list[int]] = [[] for _ in self.engines]  # per engine: positions in `requests`
+        for pos, r in enumerate(requests):
+            target = min(range(len(planned)), key=lambda i: (planned[i], i))
+            placement[target].append(pos)
+            planned[target] += r.params.n
+        for index, positions in enumerate(placement):
+            if not positions:
+                continue
+            inner_ids = self.engines[index].submit([requests[p] for p in positions])
+            if len(inner_ids) != len(positions):
+                raise RuntimeError(
+                    f"engine {index} returned {len(inner_ids)} request ids for {len(positions)} requests"
+                )
+            for pos, inner in zip(positions, inner_ids):
+                outer, n = outer_ids[pos], requests[pos].params.n
+                if inner in self._outer[index]:
+                    raise RuntimeError(f"engine {index} returned request id {inner!r}, which is already live")
+                self._routes[outer] = _Route(index, inner, n)
+                self._outer[index][inner] = outer
+                self._live[index] += n
+        return outer_ids
+
+    def poll(self, timeout: float | None = 0.0) -> list[GenerateResult]:
+        """Finished samples of every engine; waits up to `timeout` s (None: forever) for one.
+
+        Every engine is asked without waiting first. If none has anything, the engines
+        take turns waiting at most `poll_slice_s` each (the first to wait rotates between
+        calls) until one answers or the timeout is spent; then the others are asked
+        without waiting again, so a poll never favours one engine's results."""
+        results = self._poll_all()
+        if results or timeout == 0:
+            return results
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        count = len(self.engines)
+        while True:
+            first = self._next_first
+            self._next_first = (first + 1) % count
+            for step in range(count):
+                index = (first + step) % count
+                left = self.poll_slice_s if deadline is None else min(self.poll_slice_s, deadline - time.monotonic())
+                if left <= 0:
+                    return []
+                found = self._translate(index, self.engines[index].poll(timeout=left))
+                if found:
+                    others = [i for i in range(count) if i != index]
+                    return found + self._poll_all(others)
+
+    def _poll_all(self, indices: Iterable[int] | None = None) -> list[GenerateResult]:
+        indices = range(len(self.engines)) if indices is None else indices
+        out: list[GenerateResult] = []
+        for index in indices:
+            out += self._translate(index, self.engines[index].poll(timeout=0.0))
+        return out
+
+    def _translate(self, index: int, results: list[GenerateResult]) -> list[GenerateResult]:
+        """Give each result the id `submit` returned and count its sample as returned."""
+        for result in results:
+            outer = self._outer[index].get(result.request_id)
+            if outer is None:
+                logger.warning(
+                    "engine %d returned a sample of request %r, which was not submitted through this "
+                    "EngineSet; passing it on unchanged",
+                    index,
+                    result.request_id,
+                )
+                continue
+            route = self._routes[outer]
+            route.live_samples -= 1
+            self._live[index] -= 1
+            if route.live_samples <= 0:
+                del self._routes[outer]
+                del self._outer[index][route.inner_id]
+            result.request_id = outer
+        return results
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End these requests on their engines (unknown or finished ids are ignored); their
+        samples come back from `poll` with finish_reason "abort"."""
+        per_engine: list[list[str]] = [[] for _ in self.engines]
+        for outer in request_ids:
+            route = self._routes.get(outer)
+            if route is not None:
+                per_engine[route.engine].append(route.inner_id)
+        for index, inner_ids in enumerate(per_engine):
+            if inner_ids:
+                self.engines[index].abort(inner_ids)
+
+    # --- engine state --------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Pause every engine; returns once none of them runs a step."""
+        for engine in self.engines:
+            engine.pause()
+
+    def resume(self) -> None:
+        for engine in self.engines:
+            engine.resume()
+
+    def health(self) -> EngineHealth:
+        """One snapshot of the set: alive and paused only if every engine is, the lowest
+        weight version, counters summed, the last update and error of the engines that
+        lag (lowest version) or died. Per engine: `health_per_engine()`."""
+        healths = self.health_per_engine()
+        version = min(h.weight_version for h in healths)
+        errors = [f"engine {i}: {h.error or 'not alive'}" for i, h in enumerate(healths) if not h.alive]
+        behind = [h.last_update for h in healths if h.weight_version == version and h.last_update is not None]
+        return EngineHealth(
+            alive=all(h.alive for h in healths),
+            weight_version=version,
+            paused=all(h.paused for h in healths),
+            num_running=sum(h.num_running for h in healths),
+            num_waiting=sum(h.num_waiting for h in healths),
+            steps=sum(h.steps for h in healths),
+            generated_tokens=sum(h.generated_tokens for h in healths),
+            last_update=behind[0] if behind else None,
+            error="\n".join(errors) or None,
+        )
+
+    def health_per_engine(self) -> list[EngineHealth]:
+        return [engine.health() for engine in self.engines]
+
+    @property
+    def weight_version(self) -> int:
+        """The oldest weight version any engine samples from."""
+        return min(engine.weight_version for engine in self.engines)
+
+    def update_weights(self, weights: WeightSource, version: int) -> WeightUpdateReport:
+        raise NotImplementedError(
+            "EngineSet.update_weights is not supported: weights go to each engine through the weight "
+            "pusher (entr_megatron.weight_sync), which updates every engine of the set itself"
+        )
+
+    def shutdown(self) -> None:
+        """Shut every engine down (idempotent); the first failure is raised after all were tried."""
+        if self._closed:
+            return
+        self._closed = True
+        first_error: BaseException | None = None
+        for index, engine in enumerate(self.engines):
+            try:
+                engine.shutdown()
+            except Exception as exc:  # keep shutting the others down
+                logger.warning("engine %d failed to shut down: %s", index, exc)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
