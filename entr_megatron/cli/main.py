@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from entr_megatron import __version__
-from entr_megatron.cli import demo, generate, score
+from entr_megatron.cli import demo, generate, score, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="entr-megatron", description="Megatron-scale asynchronous RL with ENTR.")
     parser.add_argument("--version", action="version", version=f"entr-megatron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train.add_parsers(sub)
     demo.add_parser(sub)
     score.add_parser(sub)
     generate.add_parser(sub)

@@ -407,13 +407,23 @@ class ArithmeticTaskConfig:
     """Synthetic multi-digit arithmetic, generated locally; exact-match reward."""
 
     digits: int = 2
-    """Digits of each operand (1 .. 10^digits - 1). In [1, 18]."""
+    """Digits of each operand (1 .. 10^digits - 1). In [1, 9]."""
 
     operations: tuple[str, ...] = ("+", "-")
     """Operators drawn uniformly, from ARITHMETIC_OPERATIONS."""
 
+    reverse_answer: bool = False
+    """Write answers least significant digit first (far easier for a tiny causal model)."""
+
+    format_reward: float = 0.0
+    """Reward of a wrong but well-formed answer (an integer, then EOS). In [0, 1)."""
+
     def __post_init__(self) -> None:
-        _int("task.arithmetic.digits", self.digits, low=1, high=18)
+        _int("task.arithmetic.digits", self.digits, low=1, high=9)
+        _bool("task.arithmetic.reverse_answer", self.reverse_answer)
+        _num("task.arithmetic.format_reward", self.format_reward, 0.0, 1.0)
+        if self.format_reward >= 1.0:
+            raise _bad("task.arithmetic.format_reward", self.format_reward, "must be < 1 (a correct answer earns 1)")
         _str_tuple(self, "operations", "task.arithmetic.operations", ARITHMETIC_OPERATIONS)
         if not self.operations:
             allowed = ", ".join(ARITHMETIC_OPERATIONS)

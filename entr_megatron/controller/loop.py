@@ -97,6 +97,12 @@ class ControllerHooks:
     """Call on_checkpoint every this many steps (0: never)."""
     on_checkpoint: Callable[[Controller], None] | None = None
     """Gets the controller (drained of in-flight work): saves `state_dict()` with the model."""
+    eval_interval: int = 0
+    """Call on_eval every this many steps (0: never), drained like a checkpoint."""
+    on_eval: Callable[[Controller], dict] | None = None
+    """Gets the drained controller (engines idle, at the learner's version); its metrics join the step's."""
+    should_stop: Callable[[], bool] | None = None
+    """Checked after every step (e.g. Ctrl-C was pressed): true ends `run` after a checkpoint."""
 
 
 @dataclass
@@ -142,18 +148,26 @@ class Controller:
         self._submit_refs(self._resubmit)
         self._resubmit = []
         history = []
+        hooks = self.hooks
         for _ in range(num_steps):
             t0 = time.perf_counter()
             metrics = step_fn()
-            metrics["timing/step_s"] = time.perf_counter() - t0
+            metrics["timing/step_s"] = step_s = time.perf_counter() - t0
+            metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / step_s if step_s > 0 else 0.0
+            stop = hooks.should_stop is not None and hooks.should_stop()
+            if hooks.on_eval and hooks.eval_interval and self.step % hooks.eval_interval == 0:
+                self.drain()
+                metrics.update(hooks.on_eval(self))
             history.append(metrics)
-            for hook in self.hooks.on_step:
+            for hook in hooks.on_step:
                 hook(metrics)
-            every = self.hooks.checkpoint_interval
-            if self.hooks.on_checkpoint and every and self.step % every == 0:
+            every = hooks.checkpoint_interval
+            if hooks.on_checkpoint and (stop or (every and self.step % every == 0)):
                 if self.opt.drain_on_checkpoint:
                     self.drain()
-                self.hooks.on_checkpoint(self)
+                hooks.on_checkpoint(self)
+            if stop:
+                break
         return history
 
     def _step_sync(self) -> dict:
@@ -275,7 +289,8 @@ class Controller:
         batch = TrainBatch.from_samples(samples, self.advantage_fn(rewards_B, group_ids_B))
         metrics = {"step": self.step, "policy_version": self.version, **lag_metrics(samples, self.version),
                    "reward/mean": rewards_B.mean().item(),
-                   "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples)}
+                   "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+                   "rollout/tokens": float(batch.cu_seqlens[-1])}
         t0 = time.perf_counter()
         metrics.update(self.learner.train(batch, self.version))
         metrics["timing/train_s"] = time.perf_counter() - t0

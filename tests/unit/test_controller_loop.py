@@ -326,3 +326,40 @@ def test_bad_mode_and_lag_are_value_errors():
         ControllerOptions(mode="async")
     with pytest.raises(ValueError, match="max_policy_lag"):
         ControllerOptions(mode="fully_async", max_policy_lag=0)
+
+
+def test_should_stop_checkpoints_drained_and_ends_the_run():
+    """Ctrl-C path: after the step in which should_stop turns true, a checkpoint of a drained
+    controller is taken (off the interval) and run returns early."""
+    saved = []
+    stop_after = 3
+
+    def on_checkpoint(ctl):
+        saved.append((ctl.step, len(ctl._inflight), ctl.engine.weight_version, ctl.version))
+
+    hooks = ControllerHooks(checkpoint_interval=100, on_checkpoint=on_checkpoint)
+    ctrl, learner = make("fully_async", 2, hooks=hooks)
+    hooks.should_stop = lambda: ctrl.step >= stop_after
+    history = ctrl.run(10)
+    assert len(history) == stop_after and len(learner.records) == stop_after
+    assert saved == [(stop_after, 0, stop_after, stop_after)]  # drained; engines at the learner's version
+
+
+def test_eval_hook_runs_drained_at_its_interval_and_joins_the_metrics():
+    seen = []
+
+    def on_eval(ctl):
+        seen.append((ctl.step, len(ctl._inflight), ctl.engine.weight_version))
+        return {"eval/accuracy": 0.25 * ctl.step}
+
+    ctrl, _ = make("fully_async", 2, hooks=ControllerHooks(eval_interval=2, on_eval=on_eval))
+    history = ctrl.run(5)
+    assert seen == [(2, 0, 2), (4, 0, 4)]
+    assert [h.get("eval/accuracy") for h in history] == [None, 0.5, None, 1.0, None]
+
+
+def test_throughput_is_batch_tokens_over_step_time():
+    ctrl, learner = make("sync", 0)
+    for h, (batch, _) in zip(ctrl.run(3), learner.records):
+        assert h["rollout/tokens"] == float(batch.cu_seqlens[-1]) > 0
+        assert h["throughput/tokens_per_s"] == pytest.approx(h["rollout/tokens"] / h["timing/step_s"])

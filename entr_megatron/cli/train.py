@@ -1,0 +1,127 @@
+"""`entr-megatron train | sft | eval`: the main job, its warm-up, and held-out evaluation.
+
+    entr-megatron train --config examples/cpu_demo.yaml [--run-dir DIR] [--max-steps N] \\
+        [--launcher local|ray] [controller.mode=sync algorithm.tau=0.3 ...]
+    entr-megatron sft   --config FILE [--run-dir DIR] [--steps N] [key=value ...]
+    entr-megatron eval  --config FILE (--run-dir DIR | --model HF_DIR) [--n N] [key=value ...]
+
+The config (YAML plus dotted overrides) is validated before anything starts: a
+bad value stops the command with the field, the value and what is allowed.
+`train` runs the SFT warm-up when the config has an `sft` section and the run
+directory has no SFT model yet, then RL; it resumes a run directory where it
+stopped (see controller/job.py for the layout). Ctrl-C saves a checkpoint and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_parsers"]
+
+
+def _load(args) -> object:
+    from entr_megatron.config.loader import load_config
+
+    overrides = list(args.overrides)
+    if getattr(args, "launcher", None):
+        overrides.append(f"launcher.kind={args.launcher}")
+    try:
+        return load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"entr-megatron {args.command}: invalid config: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="FILE.yaml", help="run config (see examples/)")
+    p.add_argument("--run-dir", default=None, metavar="DIR", help="default: logging.run_dir of the config")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. controller.mode=sync rollout.sampling.n=4")
+
+
+def run_train(args) -> None:
+    from entr_megatron.controller.job import run_train as job
+
+    cfg = _load(args)
+    if args.max_steps is not None and args.max_steps < 1:
+        print("entr-megatron train: --max-steps must be >= 1", file=sys.stderr)
+        sys.exit(2)
+    result = job(cfg, args.run_dir, max_steps=args.max_steps)
+    print(json.dumps(result, default=str))
+
+
+def run_sft(args) -> None:
+    from entr_megatron.controller.job import RunPaths, _tokenizer_for, build_task, prepare_model
+    from entr_megatron.controller.job import run_sft as job
+
+    cfg = _load(args)
+    if cfg.sft is None:
+        print("entr-megatron sft: the config has no `sft` section", file=sys.stderr)
+        sys.exit(2)
+    paths = RunPaths(Path(args.run_dir or cfg.logging.run_dir))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer_for(cfg)
+    out = job(cfg, paths, prepare_model(cfg, paths, tokenizer), build_task(cfg, tokenizer), steps=args.steps)
+    print(json.dumps({"sft_model": str(out)}))
+
+
+def run_eval(args) -> None:
+    from contextlib import ExitStack
+
+    from entr_megatron.controller.job import RunPaths, _engines, _tokenizer_for, build_task, evaluate
+
+    cfg = _load(args)
+    if args.model:
+        model = Path(args.model)
+    else:
+        paths = RunPaths(Path(args.run_dir or cfg.logging.run_dir))
+        model = next((p for p in (paths.final_model, paths.sft_model, paths.model_init) if (p / "config.json").exists()),
+                     None)
+        if model is None:
+            print(f"entr-megatron eval: {paths.root} holds no model (final_model, sft/model or model_init); "
+                  "pass --model", file=sys.stderr)
+            sys.exit(2)
+    if not (model / "config.json").exists():
+        print(f"entr-megatron eval: {model} has no config.json", file=sys.stderr)
+        sys.exit(2)
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=1))
+    from entr_megatron.rollout.tasks import load_tokenizer
+
+    has_tokenizer = (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists()
+    tokenizer = load_tokenizer(str(model)) if has_tokenizer else _tokenizer_for(cfg)
+    task = build_task(cfg, tokenizer)
+    with ExitStack() as stack:
+        [engine] = _engines(cfg, model, stack)
+        metrics = evaluate(engine, task, args.n or cfg.task.eval_size, cfg.rollout.sampling.max_new_tokens,
+                           cfg.controller.seed)
+    print(json.dumps({"model": str(model), **metrics}))
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("train", help="SFT warm-up (once) then asynchronous RL with ENTR; resumable",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="stop after N more RL steps this start (default: until controller.train_steps)")
+    p.add_argument("--launcher", choices=("local", "ray"), default=None,
+                   help="learner ranks as local processes or Ray actors (default: launcher.kind)")
+    p.set_defaults(func=run_train)
+
+    p = sub.add_parser("sft", help="the supervised warm-up only (writes RUN_DIR/sft/model)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    p.add_argument("--steps", type=int, default=None, metavar="N", help="default: sft.steps")
+    p.set_defaults(func=run_sft)
+
+    p = sub.add_parser("eval", help="greedy held-out accuracy of a model on the config's task",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    p.add_argument("--model", default=None, metavar="HF_DIR",
+                   help="default: RUN_DIR/final_model, else sft/model, else model_init")
+    p.add_argument("--n", type=int, default=None, help="problems (default: task.eval_size)")
+    p.set_defaults(func=run_eval)

@@ -1,0 +1,203 @@
+"""One learner rank of a run: the Megatron model, its optimizer, checkpoints and weight pushes.
+
+    worker = LearnerWorker(LearnerWorkerSpec(run_config, model_dir, phase="rl"))   # in the rank's process
+    worker.train(batch, version)       # every rank, the same global batch (each takes its DP share)
+    worker.push(version)               # every rank; the stage senders broadcast in the background
+    worker.wait_push()                 # the engines hold `version`
+    worker.save(root, step, extra)     # Megatron dist checkpoint (model, optimizer, scheduler, RNG, extra)
+
+A `WorkerGroup` (workers.py) builds one per rank, in local processes or Ray
+actors, and calls the same method on every rank; `RemoteLearner` (remote.py)
+turns those calls into the controller's `Learner` and `WeightPusher`.
+The process must have the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) set before construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from entr_megatron.config.algorithm import AlgorithmConfig
+from entr_megatron.config.learner import LearnerConfig
+from entr_megatron.config.run import RunConfig
+from entr_megatron.types import TrainBatch
+
+__all__ = ["LearnerWorker", "LearnerWorkerSpec", "make_learner_worker", "sft_learner_config"]
+
+log = logging.getLogger(__name__)
+
+PHASES = ("rl", "sft")
+SFT_ALGORITHM = AlgorithmConfig(policy_loss="nll", correction="none", loss_agg_mode="token-mean")
+"""Supervised warm-up: the negative log-likelihood of the target tokens, through the same train step."""
+
+
+@dataclass(frozen=True)
+class LearnerWorkerSpec:
+    run: RunConfig
+    model_dir: str
+    """HF directory the weights start from (config.json + safetensors)."""
+    phase: str = "rl"
+    """"rl": the run's algorithm and optimizer; "sft": `SFT_ALGORITHM` and `sft_learner_config`."""
+
+    def __post_init__(self):
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+
+
+def sft_learner_config(run: RunConfig) -> LearnerConfig:
+    """The learner settings of the warm-up: the run's, with the `sft` section's learning rate,
+    a 10% warm-up and a cosine decay to a tenth over `sft.steps`."""
+    sft = run.sft
+    if sft is None:
+        raise ValueError("the config has no `sft` section")
+    warmup = max(sft.steps // 10, 0)
+    optim = dataclasses.replace(
+        run.learner.optim, lr=sft.lr, min_lr=sft.lr / 10, lr_warmup_steps=warmup,
+        lr_decay_style="cosine" if sft.steps > warmup + 1 else "constant",
+        lr_decay_steps=sft.steps if sft.steps > warmup + 1 else None,
+    )
+    return dataclasses.replace(run.learner, optim=optim)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LearnerWorker:
+    """One rank (see the module docstring); every public method is called on every rank."""
+
+    def __init__(self, spec: LearnerWorkerSpec):
+        from entr_megatron.learner.build import build_learner_model_from_hf, read_hf_config
+        from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
+        from entr_megatron.parallel.groups import init_distributed_from_env, initialize_model_parallel
+
+        run = spec.run
+        self.spec, self.run = spec, run
+        self.info = init_distributed_from_env()
+        if not torch.cuda.is_available():
+            from entr_megatron.learner.compat import enable_cpu_compat
+
+            enable_cpu_compat()
+        p = run.parallel
+        self.groups = initialize_model_parallel(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, vpp=p.vpp,
+                                                expert_tp=p.expert_tp, seed=run.controller.seed + 1234)
+        self.hf_config = read_hf_config(spec.model_dir)
+        overrides = {"calculate_per_token_loss": True}
+        if p.sequence_parallel:
+            overrides["sequence_parallel"] = True
+        self.chunks, self.model_spec = build_learner_model_from_hf(
+            spec.model_dir, self.groups, dtype=_torch_dtype(run.model.dtype), vp_size=p.vpp,
+            config_overrides=overrides,
+        )
+        if spec.phase == "sft":
+            self.learner_cfg, self.algo_cfg = sft_learner_config(run), SFT_ALGORITHM
+        else:
+            self.learner_cfg, self.algo_cfg = run.learner, run.algorithm
+        self.ddp = wrap_model_chunks(self.chunks, self.groups, self.learner_cfg)
+        self.optimizer, self.scheduler = build_optimizer(self.ddp, self.learner_cfg)
+        self.sync = None
+        self._push = None
+
+    # --- training ---------------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """Layout and size, for the run's log."""
+        params = sum(p.numel() for c in self.chunks for p in c.parameters())
+        g = self.groups
+        return {"rank": self.info.rank, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "ep": g.ep_size,
+                "cp": g.cp_size, "local_params": params}
+
+    def train(self, batch: TrainBatch, version: int | None = None) -> dict[str, float]:
+        """One optimizer step on the global `batch` (this rank trains its data-parallel share)."""
+        from entr_megatron.learner.batching import split_for_data_parallel
+        from entr_megatron.learner.train_step import train_step
+
+        local = batch
+        if self.groups.dp_size > 1:
+            local = split_for_data_parallel(batch, self.groups.dp_size)[self.groups.dp_rank]
+        t0 = time.perf_counter()
+        metrics = train_step(self.ddp, self.optimizer, self.scheduler, local, self.groups, self.algo_cfg,
+                             self.learner_cfg, current_version=version)
+        metrics["timing/learner_step_s"] = time.perf_counter() - t0
+        return metrics
+
+    # --- weights to the engines -------------------------------------------------------------------
+    def master_address(self) -> str:
+        """The address of global rank 0 (torch.distributed's MASTER_ADDR), where weight groups meet."""
+        return self.info.master_addr
+
+    def connect_weight_sync(self, master_address: str, base_port: int, engine_ranks: tuple[int, ...],
+                            bucket_bytes: int, dtype: str | None, timeout_s: float = 600.0) -> bool:
+        """Builds this rank's `WeightSync` (groups on `base_port + stage`); True on the stage senders."""
+        from entr_megatron.weight_sync import BucketTransport, WeightSync, WeightSyncConfig, stage_groups
+        from entr_megatron.weight_sync.sync import is_weight_sender
+
+        wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks)
+        sender = is_weight_sender(self.groups)
+        transport = BucketTransport(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
+        config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype)
+        self.sync = WeightSync.for_learner(self.chunks, self.model_spec, self.groups, transport, config)
+        return sender
+
+    def push(self, version: int) -> float:
+        """Snapshots the weights as `version`; the broadcast continues in the background.
+        Returns how long this rank was blocked (s)."""
+        if self.sync is None:
+            raise RuntimeError("connect_weight_sync first")
+        self._push = self.sync.push(version)
+        return self._push.report.blocked_s
+
+    def wait_push(self, timeout_s: float | None = None) -> dict[str, float]:
+        """Waits for the last push; its report (the senders' `transfer_s` and GB/s)."""
+        if self._push is None:
+            return {}
+        report = self._push.wait(timeout_s)
+        return {"blocked_s": report.blocked_s, "transfer_s": report.transfer_s, "bytes": float(report.num_bytes),
+                "gbytes_per_s": report.gbytes_per_s, "sender": float(report.sender)}
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save(self, root: str, step: int, extra_state: Any = None, keep_last: int | None = None) -> str:
+        from entr_megatron.learner.checkpoint import save_checkpoint
+
+        path = save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, extra_state,
+                               keep_last=keep_last, model_config=self.hf_config)
+        return os.fspath(path)
+
+    def load(self, root: str, step: int | None = None) -> tuple[int, Any]:
+        from entr_megatron.learner.checkpoint import load_checkpoint
+
+        return load_checkpoint(root, self.ddp, self.optimizer, self.scheduler, step=step)
+
+    def export_hf(self, out_dir: str) -> str:
+        """Writes the current weights as an HF directory (config.json, safetensors), atomically."""
+        from entr_megatron.learner.hf_export import save_hf_checkpoint
+
+        save_hf_checkpoint(self.chunks, self.model_spec, self.groups, out_dir, hf_config=self.hf_config)
+        return out_dir
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        from entr_megatron.parallel.groups import destroy
+
+        if self.sync is not None:
+            try:
+                self.sync.close()
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                log.warning("weight sync close failed: %s", e)
+            self.sync = None
+        destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def make_learner_worker(spec: LearnerWorkerSpec) -> LearnerWorker:
+    """Module-level factory (picklable for spawned processes and Ray actors)."""
+    return LearnerWorker(spec)
+

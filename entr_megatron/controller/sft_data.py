@@ -1,0 +1,81 @@
+"""SFT examples from JSONL files (`sft.data_files`).
+
+Each line is one example, either text or token ids:
+
+    {"prompt": "12+34=", "response": "46"}                 # tokenized; EOS appended to the response
+    {"input_ids": [1, 5, 9], "output_ids": [7, 2]}          # used as given
+
+Batches walk a seeded permutation of all examples, epoch after epoch, so step
+`s` always gets the same examples (a resumed or repeated warm-up is identical).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+__all__ = ["load_sft_file_examples", "read_sft_file"]
+
+Example = tuple[list[int], list[int]]
+
+
+def _ids(value: Any, where: str, key: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(t, int) and t >= 0 for t in value):
+        raise ValueError(f"{where}: {key!r} must be a non-empty list of token ids >= 0")
+    return value
+
+
+def read_sft_file(path: str, tokenizer: Any) -> list[Example]:
+    """All examples of one JSONL file; errors name the file and line."""
+    examples = []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise ValueError(f"sft.data_files: cannot read {path!r}: {e}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be a JSON object")
+        if "input_ids" in row or "output_ids" in row:
+            examples.append((_ids(row.get("input_ids"), where, "input_ids"), _ids(row.get("output_ids"), where, "output_ids")))
+        elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
+            prompt = tokenizer.encode(row["prompt"])
+            response = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            examples.append((prompt, response))
+        else:
+            raise ValueError(f"{where}: needs string 'prompt' and 'response', or 'input_ids' and 'output_ids' "
+                             f"lists; got keys {sorted(row)}")
+    if not examples:
+        raise ValueError(f"sft.data_files: {path!r} holds no examples")
+    return examples
+
+
+@lru_cache(maxsize=4)
+def _all_examples(paths: tuple[str, ...], tokenizer_key: int, tokenizer: Any) -> list[Example]:
+    return [e for p in paths for e in read_sft_file(p, tokenizer)]
+
+
+@lru_cache(maxsize=2)
+def _order(seed: int, epoch: int, size: int) -> list[int]:
+    order = list(range(size))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def load_sft_file_examples(paths: Sequence[str], tokenizer: Any, n: int, step: int, seed: int = 0) -> list[Example]:
+    """The `n` examples of step `step`: positions [step * n, (step + 1) * n) of the epoch permutations."""
+    examples = _all_examples(tuple(paths), id(tokenizer), tokenizer)
+    out = []
+    for position in range(step * n, (step + 1) * n):
+        epoch, index = divmod(position, len(examples))
+        out.append(examples[_order(seed, epoch, len(examples))[index]])
+    return out

@@ -1,0 +1,305 @@
+"""Worker groups: one object per learner rank, every call made on all ranks at once.
+
+    group = ProcessWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))   # local processes
+    group = RayWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))       # Ray actors, placement group
+    metrics = group.call("train", batch, version)[0]     # blocks; a list, one result per rank
+    pending = group.call_async("push", version)          # .result() later
+
+Each rank gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) before `factory(*args)` runs, so the worker joins torch.distributed
+like under torchrun. Ranks ignore SIGINT: Ctrl-C reaches the driver, which
+finishes the current call and saves (a rank killed mid-collective would hang the
+others). When a rank fails, the call raises at once with that rank's traceback
+(its peers may be stuck in a collective: `shutdown` kills them).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from entr_megatron.utils.spawn import free_port
+
+__all__ = ["ProcessWorkerGroup", "RayWorkerGroup", "WorkerError"]
+
+POLL_S = 0.5
+
+
+class WorkerError(RuntimeError):
+    """A rank raised or died; the group is unusable afterwards."""
+
+
+def _rank_env(rank: int, world_size: int, local_rank: int, local_world: int, master_addr: str, port: int) -> dict:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
+
+
+def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: tuple, conn) -> None:
+    """A local rank: build the worker, then run calls until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    if os.environ.get("MASTER_ADDR") == "127.0.0.1":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    worker = None
+    try:
+        worker = factory(*args)
+        conn.send(("ok", None))
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            method, a, kw = msg
+            try:
+                conn.send(("ok", getattr(worker, method)(*a, **kw)))
+            except BaseException:  # noqa: BLE001 - reported to the driver
+                conn.send(("error", traceback.format_exc()))
+    except (EOFError, BrokenPipeError):
+        pass  # the driver went away
+    except BaseException:  # noqa: BLE001 - construction failed
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (BrokenPipeError, OSError):
+            pass
+    finally:
+        if worker is not None and hasattr(worker, "shutdown"):
+            try:
+                worker.shutdown()
+            except BaseException:  # noqa: BLE001 - the process ends anyway
+                pass
+
+
+class _ProcessPending:
+    def __init__(self, group: ProcessWorkerGroup, what: str):
+        self.group, self.what = group, what
+        self._results: list[Any] | None = None
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        if self._results is None:
+            self._results = self.group._collect(self.what, timeout)
+        return self._results
+
+
+class ProcessWorkerGroup:
+    """Ranks as local spawned processes (the default launcher)."""
+
+    def __init__(self, world_size: int, factory: Callable, args: tuple = (), *, threads_per_rank: int | None = None,
+                 master_addr: str = "127.0.0.1", startup_timeout_s: float = 900.0, name: str = "learner"):
+        self.world_size, self.name = world_size, name
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._procs, self._conns = [], []
+        self._busy = False
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            env = _rank_env(rank, world_size, rank, world_size, master_addr, port)
+            proc = ctx.Process(target=_serve, args=(rank, env, threads_per_rank, factory, args, child),
+                               name=f"{name}-rank{rank}", daemon=False)  # Megatron's checkpoint writer forks
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._busy = True
+        try:
+            self._collect("startup", startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> _ProcessPending:
+        if self._busy:
+            raise RuntimeError(f"{self.name} group: a call is still in flight (take its result first)")
+        for conn in self._conns:
+            conn.send((method, args, kwargs))
+        self._busy = True
+        return _ProcessPending(self, method)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.call_async(method, *args, **kwargs).result()
+
+    def _collect(self, what: str, timeout: float | None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        while len(results) < self.world_size:
+            waiting = [c for r, c in enumerate(self._conns) if r not in results]
+            ready = multiprocessing.connection.wait(waiting, timeout=POLL_S)
+            for conn in ready:
+                rank = self._conns.index(conn)
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    self._dead(rank, what)
+                if status == "error":
+                    raise WorkerError(f"{self.name} rank {rank} failed in {what}:\n{payload}")
+                results[rank] = payload
+            for rank, proc in enumerate(self._procs):
+                if rank not in results and not proc.is_alive() and not self._conns[rank].poll():
+                    self._dead(rank, what)
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerError(f"{self.name} group: {what} did not finish within {timeout:.0f} s "
+                                  f"(ranks done: {sorted(results)})")
+        self._busy = False
+        return [results[r] for r in range(self.world_size)]
+
+    def _dead(self, rank: int, what: str):
+        code = self._procs[rank].exitcode
+        raise WorkerError(f"{self.name} rank {rank} died during {what} (exit code {code}; "
+                          "a negative code is the signal that killed it, e.g. -9: out of memory)")
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stops the ranks (their `shutdown` runs); kills those that do not exit in time."""
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive() and not self._busy:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + (timeout_s if not self._busy else 0)
+        for proc in self._procs:
+            proc.join(max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+
+# --- Ray ---------------------------------------------------------------------------------------
+
+
+class _RayRank:
+    """A rank as a Ray actor (wrapped with `ray.remote` when the group is built)."""
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def start(self, env: dict, threads: int | None, factory: Callable, args: tuple) -> None:
+        os.environ.update(env)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.worker = factory(*args)
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def stop(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None and hasattr(worker, "shutdown"):
+            worker.shutdown()
+        self.worker = None
+
+
+class _RayPending:
+    def __init__(self, group: RayWorkerGroup, refs: list, what: str):
+        self.group, self.refs, self.what = group, refs, what
+        self._results: list[Any] | None = None
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        if self._results is None:
+            self._results = self.group._get(self.refs, self.what, timeout)
+        return self._results
+
+
+class RayWorkerGroup:
+    """Ranks as Ray actors in one placement group (one bundle per rank, packed onto few nodes).
+
+    `ray_address`: an existing cluster ("auto", "ray://host:10001") or None to start a local one.
+    Rank 0's node address and a free port there become MASTER_ADDR / MASTER_PORT.
+    """
+
+    def __init__(self, world_size: int, factory: Callable, args: tuple = (), *, threads_per_rank: int | None = None,
+                 gpus_per_rank: float = 0.0, ray_address: str | None = None, startup_timeout_s: float = 900.0,
+                 name: str = "learner", placement_strategy: str = "PACK"):
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as e:
+            raise ImportError("launcher.kind='ray' needs Ray: pip install 'entr-megatron[cluster]'") from e
+        self.world_size, self.name = world_size, name
+        if not ray.is_initialized():
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+        cpus = float(threads_per_rank or 1)
+        bundle = {"CPU": cpus, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        self._pg = placement_group([bundle] * world_size, strategy=placement_strategy)
+        if not ray.get(self._pg.ready(), timeout=startup_timeout_s):
+            raise WorkerError(f"{name}: Ray could not place {world_size} x {bundle}")
+        actor_cls = ray.remote(_RayRank)
+        self._actors = [
+            actor_cls.options(
+                num_cpus=cpus, num_gpus=gpus_per_rank, name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+            ).remote()
+            for i in range(world_size)
+        ]
+        master = ray.get(self._actors[0].node_ip.remote(), timeout=startup_timeout_s)
+        port = ray.get(self._actors[0].free_port.remote(), timeout=startup_timeout_s)
+        ips = ray.get([a.node_ip.remote() for a in self._actors], timeout=startup_timeout_s)
+        local_rank: dict[str, int] = {}
+        refs = []
+        for rank, (actor, ip) in enumerate(zip(self._actors, ips)):
+            lr = local_rank.get(ip, 0)
+            local_rank[ip] = lr + 1
+            env = _rank_env(rank, world_size, lr, ips.count(ip), master, port)
+            refs.append(actor.start.remote(env, threads_per_rank, factory, args))
+        self._busy = False
+        try:
+            self._get(refs, "startup", startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> _RayPending:
+        return _RayPending(self, [a.call.remote(method, args, kwargs) for a in self._actors], method)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.call_async(method, *args, **kwargs).result()
+
+    def _get(self, refs: Sequence, what: str, timeout: float | None) -> list[Any]:
+        import ray
+
+        pending = list(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            for rank, ref in enumerate(refs):
+                if ref not in pending:
+                    try:
+                        ray.get(ref)
+                    except Exception as e:  # noqa: BLE001 - re-raised with the rank
+                        raise WorkerError(f"{self.name} rank {rank} failed in {what}:\n{e}") from e
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerError(f"{self.name} group: {what} did not finish within {timeout:.0f} s")
+        return ray.get(list(refs))
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get([a.stop.remote() for a in self._actors], timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - killed below
+            pass
+        for actor in self._actors:
+            ray.kill(actor)
+        self._actors = []
+        remove_placement_group(self._pg)

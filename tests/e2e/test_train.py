@@ -1,0 +1,182 @@
+"""`entr-megatron train` end to end, as a user runs it (subprocesses, real learner ranks and engines).
+
+A tiny Qwen3-style model gets a short SFT warm-up once (module fixture); every
+test then trains from it for a few steps. Checked from what the run leaves on
+disk: metrics.jsonl (the lag bound, per-token versions reaching the loss),
+checkpoints (kill -9 and resume gives the same next-step metrics as a run that
+was never interrupted), and the Ray launcher on a single-node local cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from entr_megatron.utils.run_log import read_metrics
+
+ARCH = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
+        "tie_word_embeddings": True}
+
+
+def base_config(run_dir: Path, **sections) -> dict:
+    cfg = {
+        "model": {"architecture": ARCH, "max_prompt_len": 16, "max_seq_len": 32},
+        "algorithm": {"correction": "entr", "tau": 0.5},
+        "learner": {"optim": {"lr": 2.0e-4}},
+        "rollout": {"prompts_per_step": 4, "sampling": {"max_new_tokens": 6, "n": 4},
+                    "embedded": {"num_threads": 1, "max_batch_size": 32}},
+        "controller": {"mode": "sync", "train_steps": 4, "max_policy_lag": 2, "checkpoint_interval": 0},
+        "task": {"name": "arithmetic", "eval_size": 16,
+                 "arithmetic": {"digits": 1, "operations": ["+"], "format_reward": 0.2}},
+        "launcher": {"cpu_threads_per_rank": 1},
+        "logging": {"run_dir": str(run_dir), "progress_bar": True, "log_interval": 1, "tensorboard": True},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n--- stderr (tail) ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory) -> Path:
+    """A short warm-up, so that rewards vary within groups (RL from random weights has no signal)."""
+    root = tmp_path_factory.mktemp("sft")
+    config = write_config(root / "sft.yaml", base_config(root, sft={"steps": 30, "lr": 3.0e-3, "batch_size": 32}))
+    cli("sft", "--config", str(config))
+    model = root / "sft" / "model"
+    assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
+    return model
+
+
+def rl_config(tmp: Path, sft_model: Path, name: str, **sections) -> tuple[Path, Path]:
+    run_dir = tmp / name
+    cfg = base_config(run_dir, **sections)
+    cfg["model"] = {**cfg["model"], "path": str(sft_model), "architecture": None}
+    return write_config(tmp / f"{name}.yaml", cfg), run_dir
+
+
+def assert_lag_bound(rows: list[dict], bound: int) -> None:
+    assert rows, "no metrics"
+    for row in rows:
+        for key in ("step", "policy_version", "reward/mean", "entr/mask_fraction", "policy_lag/max",
+                    "mismatch/k3", "throughput/tokens_per_s"):
+            assert key in row, f"metrics.jsonl lacks {key!r} at step {row.get('step')}"
+        assert row["policy_lag/max"] <= bound, f"step {row['step']}: policy lag {row['policy_lag/max']} > {bound}"
+
+
+@pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1), ("fully_async", 2)])
+def test_each_mode_trains_within_the_lag_bound(tmp_path, sft_model, mode, bound):
+    config, run_dir = rl_config(tmp_path, sft_model, mode, controller={"mode": mode, "max_policy_lag": max(bound, 1)})
+    proc = cli("train", "--config", str(config), "--max-steps", "4")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
+    assert_lag_bound(rows, bound)
+    if mode == "sync":
+        assert all(r["policy_lag/max"] == 0 and r["policy_lag/spread_max"] == 0 for r in rows)
+    if mode == "one_step_off":  # every step after the first trains on samples of the previous policy
+        assert all(r["policy_lag/min"] == 1 for r in rows[1:])
+    # the learner trained: weights moved (grad norm > 0 once rewards differ), the engines followed
+    assert any(r["optim/grad_norm"] > 0 for r in rows)
+    assert rows[-1]["weight_sync/version"] >= 3
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 4 and result["eval_after"]["eval/num_problems"] == 16
+    assert (run_dir / "final_model" / "config.json").exists()
+    assert any((run_dir / "tensorboard").iterdir())
+
+
+def test_fully_async_tight_bound_regenerates_instead_of_exceeding(tmp_path, sft_model):
+    """Lag bound 1 with many groups in flight: stale groups are regenerated (counted), never trained on."""
+    config, run_dir = rl_config(tmp_path, sft_model, "tight", controller={"mode": "fully_async", "max_policy_lag": 1},
+                                rollout={"prompts_per_step": 2})
+    cli("train", "--config", str(config), "--max-steps", "6", "controller.train_steps=6")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert len(rows) == 6
+    assert_lag_bound(rows, 1)
+
+
+DETERMINISTIC = ("reward/mean", "loss", "optim/grad_norm", "mismatch/k3", "entr/mask_fraction",
+                 "rollout/response_len_mean", "policy_lag/max", "policy_version")
+
+
+def _latest(run_dir: Path) -> int | None:
+    latest = run_dir / "checkpoints" / "latest"
+    try:
+        return int(latest.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def test_kill_and_resume_gives_the_same_next_steps(tmp_path, sft_model):
+    """Run A: 5 uninterrupted steps. Run B: the same config, SIGKILLed after its step-2 checkpoint,
+    then resumed. B's steps 2.. equal A's (sync mode: sampling seeds follow the data position,
+    the learner restores weights, optimizer and RNG, the engines get the checkpoint's weights)."""
+    sections = {"controller": {"mode": "sync", "train_steps": 5, "checkpoint_interval": 2}}
+    config_a, run_a = rl_config(tmp_path, sft_model, "a", **sections)
+    config_b, run_b = rl_config(tmp_path, sft_model, "b", **sections)
+    cli("train", "--config", str(config_a))
+
+    proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config_b)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while _latest(run_b) != 2:
+        assert proc.poll() is None, f"run B ended before its first checkpoint:\n{proc.stderr.read()[-4000:]}"
+        assert time.monotonic() < deadline, "no checkpoint at step 2"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only: its ranks and engine must notice and exit
+    proc.wait()
+    killed_rows = read_metrics(run_b / "metrics.jsonl")
+    assert len(killed_rows) >= 2
+
+    cli("train", "--config", str(config_b))
+    rows_a, rows_b = read_metrics(run_a / "metrics.jsonl"), read_metrics(run_b / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == [0, 1, 2, 3, 4], "resumed metrics must continue, not repeat steps"
+    assert any(rows_a[k]["optim/grad_norm"] > 0 for k in (2, 3, 4)), "a test without learning proves nothing"
+    for k in (2, 3, 4):
+        for key in DETERMINISTIC:
+            a, b = rows_a[k][key], rows_b[k][key]
+            assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), f"step {k} {key}: uninterrupted {a} vs resumed {b}"
+
+
+def test_invalid_config_fails_before_start_naming_the_field(tmp_path, sft_model):
+    config, run_dir = rl_config(tmp_path, sft_model, "bad")
+    for override, field in [("controller.max_policy_lag=-1", "controller.max_policy_lag"),
+                            ("controller.mode=semi_async", "controller.mode"),
+                            ("algorithm.tau=-1", "algorithm.tau"),
+                            ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p"),
+                            ("controller.max_polcy_lag=4", "max_policy_lag")]:
+        proc = cli("train", "--config", str(config), override, check=False, timeout=120)
+        assert proc.returncode == 2, (override, proc.stderr[-2000:])
+        assert field in proc.stderr, (override, proc.stderr[-2000:])
+    assert not run_dir.exists(), "nothing may start (or be written) before the config is valid"
+
+
+def test_ray_launcher_on_a_local_cluster(tmp_path, sft_model):
+    pytest.importorskip("ray")
+    config, run_dir = rl_config(tmp_path, sft_model, "ray", controller={"mode": "fully_async", "max_policy_lag": 2})
+    cli("train", "--config", str(config), "--max-steps", "3", "--launcher", "ray", timeout=900)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert_lag_bound(rows, 2)

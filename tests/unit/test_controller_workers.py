@@ -1,0 +1,48 @@
+"""ProcessWorkerGroup: one call on every rank, torchrun variables, failures named by rank."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers_fixture import make_broken, make_echo  # noqa: E402
+
+
+@pytest.fixture
+def group():
+    g = ProcessWorkerGroup(3, make_echo, ("t",), threads_per_rank=1, startup_timeout_s=120)
+    yield g
+    g.shutdown()
+
+
+def test_every_rank_answers_in_rank_order_with_torchrun_env(group):
+    envs = group.call("whoami")
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and all(e["WORLD_SIZE"] == "3" for e in envs)
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert group.call("add", 10, y=5) == [("t", 0, 15), ("t", 1, 16), ("t", 2, 17)]
+    pending = group.call_async("add", 1)
+    with pytest.raises(RuntimeError, match="still in flight"):
+        group.call_async("add", 2)
+    assert pending.result() == [("t", 0, 1), ("t", 1, 2), ("t", 2, 3)]
+
+
+def test_a_failing_rank_is_reported_with_its_traceback(group):
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 failed in fail_on.*ValueError: rank 1 refuses"):
+        group.call("fail_on", 1)
+
+
+def test_a_dead_rank_is_reported_without_waiting_for_its_peers(group):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 2 died during die_on \(exit code 3"):
+        group.call("die_on", 2)
+    assert time.monotonic() - t0 < 20  # peers sleep 30 s
+
+
+def test_construction_failure_names_the_rank():
+    with pytest.raises(WorkerError, match=r"(?s)rank \d failed in startup.*cannot build x"):
+        ProcessWorkerGroup(2, make_broken, ("x",), startup_timeout_s=120)

@@ -1,0 +1,35 @@
+"""Module-level worker classes for tests/unit/test_controller_workers.py (spawned processes import them)."""
+
+import os
+
+
+class EchoWorker:
+    def __init__(self, tag):
+        self.tag = tag
+        self.rank = int(os.environ["RANK"])
+
+    def whoami(self):
+        return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+    def add(self, x, y=0):
+        return self.tag, self.rank, x + y + self.rank
+
+    def fail_on(self, rank):
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} refuses")
+        return "fine"
+
+    def die_on(self, rank):
+        if self.rank == rank:
+            os._exit(3)
+        import time
+
+        time.sleep(30)  # a peer waiting in a collective that will never complete
+
+
+def make_echo(tag):
+    return EchoWorker(tag)
+
+
+def make_broken(tag):
+    raise RuntimeError(f"cannot build {tag}")
