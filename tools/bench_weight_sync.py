@@ -1,7 +1,7 @@
 """Weight-sync throughput against a bare gloo broadcast of one flat buffer, same processes, same run.
 
     python tools/bench_weight_sync.py                       # ~1.05 GB fp32 Llama-shaped model
-    python tools/bench_weight_sync.py --bucket-mb 512 64 --buffers 0 4 --reps 3
+    python tools/bench_weight_sync.py --bucket-mb 512 64 --chunk-mb 64 1024 --buffers 0 4 --reps 3
 
 Two processes: the learner (a Megatron GPTModel at TP=1 on one gloo rank, randomly
 initialised from a Llama config written here, no HF hub) and a real `EmbeddedEngine`
@@ -9,7 +9,8 @@ initialised from a Llama config written here, no HF hub) and a real `EmbeddedEng
 join one weight group over 127.0.0.1 (gloo). Each repetition times, in turn:
 
 * weight sync: `WeightSync.push(v)` -> `handle.wait()`: gathers (none at TP=1), HF names,
-  snapshot into host buffers, one broadcast per bucket straight into the engine's staging
+  snapshot into host buffers, each bucket's bytes broadcast in `--chunk-mb` chunks as soon
+  as the learner has copied them (two chunks in flight), straight into the engine's staging
   copy (`WeightStage.bucket_buffer`: no copy on the engine side), acknowledgement; the
   engine then swaps the version in.
   Time = `transfer_s` (push call until every engine rank holds the version).
@@ -30,6 +31,7 @@ and are not counted; the table gives medians over `--reps`. Learner blocked =
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -142,26 +144,26 @@ def _learner(rank, world, args, model_dir, port):
         copies = [copy_alone() for _ in range(args.reps + 1)][1:]
         del scratch
         bares, loads = [], []
-        for bucket_mb in args.bucket_mb:
-            for buffers in args.buffers:
-                config = WeightSyncConfig(bucket_bytes=bucket_mb << 20, max_buckets_in_flight=buffers or None)
-                sync = WeightSync.for_learner(chunks, spec, groups, transport, config)
-                reports, paired = [], []
-                for rep in range(args.reps + 1):
-                    version += 1
-                    report = sync.push(version).wait()
-                    assert engine.weight_version == version and report.num_bytes == total
-                    wire, load = bare()
-                    if rep:  # the first of each: warm-up (fresh buffers fault their pages in)
-                        reports.append(report)
-                        paired.append(wire)
-                        bares.append(wire)
-                        loads.append(load)
-                sync.pool.clear()
-                rows.append((bucket_mb, buffers, reports, paired))
-                med = statistics.median
-                print(f"  bucket {bucket_mb} MiB, buffers {buffers or 'all'}: sync {med(r.transfer_s for r in reports):.3f} s, "
-                      f"bare {med(paired):.3f} s", flush=True)
+        for chunk_mb, bucket_mb, buffers in itertools.product(args.chunk_mb, args.bucket_mb, args.buffers):
+            transport.chunk_bytes = chunk_mb << 20
+            config = WeightSyncConfig(bucket_bytes=bucket_mb << 20, max_buckets_in_flight=buffers or None)
+            sync = WeightSync.for_learner(chunks, spec, groups, transport, config)
+            reports, paired = [], []
+            for rep in range(args.reps + 1):
+                version += 1
+                report = sync.push(version).wait()
+                assert engine.weight_version == version and report.num_bytes == total
+                wire, load = bare()
+                if rep:  # the first of each: warm-up (fresh buffers fault their pages in)
+                    reports.append(report)
+                    paired.append(wire)
+                    bares.append(wire)
+                    loads.append(load)
+            sync.pool.clear()
+            rows.append((chunk_mb, bucket_mb, buffers, reports, paired))
+            med = statistics.median
+            print(f"  chunk {chunk_mb} MiB, bucket {bucket_mb} MiB, buffers {buffers or 'all'}: sync {med(r.transfer_s for r in reports):.3f} s, "
+                  f"bare {med(paired):.3f} s", flush=True)
     finally:
         transport.close()
         engine.shutdown()
@@ -180,19 +182,20 @@ def _table(rows, total, bares, loads, copies, args):
     print()
     print(f"weight sync, {total / GB:.3f} GB fp32 Llama-shaped model ({args.layers} layers, hidden {args.hidden}, "
           f"vocab {args.vocab}), learner Megatron TP=1 -> EmbeddedEngine process, gloo over 127.0.0.1, "
-          f"median of {args.reps}, {os.cpu_count()} CPU cores")
-    print("| transfer | bucket | snapshot buffers | buckets | time (s) | GB/s | vs bare | learner blocked (s) | engine blocked (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| bare gloo broadcast, one flat buffer | - | - | 1 | {bare_s:.3f} | {total / bare_s / GB:.2f} | 1.00 | - | - |")
-    for bucket_mb, buffers, reports, paired in rows:
+          f"median of {args.reps}, {os.cpu_count()} CPU cores, "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
+    print("| transfer | bucket | chunk | snapshot buffers | buckets | time (s) | GB/s | vs bare | learner blocked (s) | engine blocked (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| bare gloo broadcast, one flat buffer | - | - | - | 1 | {bare_s:.3f} | {total / bare_s / GB:.2f} | 1.00 | - | - |")
+    for chunk_mb, bucket_mb, buffers, reports, paired in rows:
         t = med(r.transfer_s for r in reports)
         ratio = med(b / r.transfer_s for r, b in zip(reports, paired))  # each with the bare run next to it
-        print(f"| weight sync | {bucket_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} | {t:.3f} | "
+        print(f"| weight sync | {bucket_mb} MiB | {chunk_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} | {t:.3f} | "
               f"{total / t / GB:.2f} | {ratio:.2f} | {med(r.blocked_s for r in reports):.3f} | "
               f"{med(r.engine_blocked_s for r in reports):.4f} |")
-    print(f"| (context) bare broadcast, then the engine copies it into its stage | - | - | 1 | {med(loads):.3f} | "
+    print(f"| (context) bare broadcast, then the engine copies it into its stage | - | - | - | 1 | {med(loads):.3f} | "
           f"{total / med(loads) / GB:.2f} | {bare_s / med(loads):.2f} | - | - |")
-    print(f"| (context) the learner's copy of the model into a warm buffer, alone | - | - | - | {med(copies):.3f} | "
+    print(f"| (context) the learner's copy of the model into a warm buffer, alone | - | - | - | - | {med(copies):.3f} | "
           f"{total / med(copies) / GB:.2f} | - | - | - |")
     print("(vs bare: per repetition, bare time / sync time of the runs next to each other; goal >= 0.8)")
 
@@ -206,6 +209,8 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=36000)
     p.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 64])
+    p.add_argument("--chunk-mb", type=int, nargs="+", default=[64],
+                   help="MiB per broadcast of a bucket's data (>= the bucket: one broadcast per bucket, sent once copied)")
     p.add_argument("--buffers", type=int, nargs="+", default=[0], help="snapshot buffers (0: all, one copy of the model)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")

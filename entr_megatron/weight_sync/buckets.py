@@ -78,9 +78,26 @@ class BucketLayout:
 
     def fill(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy `tensors` (wire order, any dtype: cast on copy) into their slots of `flat`."""
-        assert len(tensors) == len(self.names)
-        for (_, view), t in zip(self.views(flat), tensors):
-            view.copy_(t.detach())
+        for _ in self.fill_slices(flat, tensors, slice_bytes=1 << 62):
+            pass
+
+    def fill_slices(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                    slice_bytes: int) -> Iterator[int]:
+        """`fill`, a piece of at most `slice_bytes` at a time (a non-contiguous tensor in one piece):
+        yields after each piece how many leading bytes of `flat` are final (slots are in offset order)."""
+        assert len(tensors) == len(self.names) and slice_bytes > 0
+        for (_, view), t, offset, dtype in zip(self.views(flat), tensors, self.offsets, self.dtypes):
+            t = t.detach()
+            step = max(1, slice_bytes // dtype.itemsize)
+            if not t.is_contiguous() or t.numel() <= step:
+                view.copy_(t)
+                yield offset + view.numel() * dtype.itemsize
+                continue
+            src, dst = t.view(-1), view.view(-1)
+            for start in range(0, t.numel(), step):
+                end = min(t.numel(), start + step)
+                dst[start:end].copy_(src[start:end])
+                yield offset + end * dtype.itemsize
 
     def to_bytes(self) -> bytes:
         """The header receivers decode with `from_bytes` (JSON, SGLang's dtype names)."""

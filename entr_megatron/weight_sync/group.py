@@ -3,6 +3,7 @@
     groups = stage_groups("10.0.0.1", 29600, pp_size=2, engine_ranks=(1,))   # one WeightGroup per stage
     group = BroadcastGroup.join(groups[pp_rank], rank=0)                      # blocks until all ranks joined
     group.broadcast(flat_uint8)                                               # from rank 0
+    group.broadcast_chunks(flat_uint8, 64 << 20)                              # the same, in pipelined slices
     group.close()
 
 Built directly from a `TCPStore` (rank 0 hosts it) and the backend class,
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,8 @@ from entr_megatron.rollout.sglang_engine import WeightGroup
 __all__ = ["BACKENDS", "BroadcastGroup", "default_backend", "stage_groups"]
 
 BACKENDS = ("gloo", "nccl")
+CHUNKS_IN_FLIGHT = 2
+"""`broadcast_chunks`: slices issued at once (gloo runs two collectives at a time per group)."""
 # Devices of the backends `_new_process_group_helper` creates for one backend name (SGLang's side
 # creates all of them, and each one's rendezvous waits for every rank: ours must too).
 _BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
@@ -128,6 +132,39 @@ class BroadcastGroup:
         if self.rank != src:
             tensor.copy_(staged)
         torch.cuda.current_stream(self.device).synchronize()
+
+    def broadcast_chunks(self, flat: torch.Tensor, chunk_bytes: int, src: int = 0,
+                         ready: Callable[[int], object] | None = None) -> None:
+        """Broadcast a flat uint8 tensor as consecutive slices of `chunk_bytes` (<= 0: one), with
+        `CHUNKS_IN_FLIGHT` of them issued at once: a receiver has posted the next slice before
+        the current one ends, so the stream does not stall between them (with one at a time it
+        does, each slice paying several thread wake-ups on both sides). On rank `src`,
+        `ready(end)` is called before sending the slice that ends at byte `end` (e.g. to wait
+        until it is written). Every rank must use the same `chunk_bytes`."""
+        assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.is_contiguous(), "broadcast_chunks needs flat uint8"
+        n = flat.numel()
+        chunk = n if chunk_bytes <= 0 else max(1, min(chunk_bytes, n))
+        on_wire = flat.device == self.device or (self.device.type == "cpu" and flat.device.type == "cpu")
+        pending: deque = deque()
+        try:
+            for start in range(0, max(n, 1), chunk):
+                end = min(n, start + chunk)
+                if ready is not None and self.rank == src:
+                    ready(end)
+                if not on_wire:  # through the device staging copy: one at a time
+                    self.broadcast(flat[start:end], src)
+                    continue
+                pending.append(self._pg.broadcast([flat[start:end]], _broadcast_options(src)))
+                if len(pending) >= CHUNKS_IN_FLIGHT:
+                    self._wait(pending.popleft())
+            while pending:
+                self._wait(pending.popleft())
+        finally:
+            for work in pending:  # after an error: do not leave the buffer to a collective in flight
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
 
     def all_reduce_sum(self, value: int) -> int:
         """Sum of one integer over every rank (the end-of-version acknowledgement)."""

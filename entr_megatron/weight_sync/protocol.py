@@ -2,16 +2,20 @@
 
 One version on one group, every message a broadcast from rank 0:
 
-    per bucket:  control int64[4] = (BUCKET, version, header bytes, data bytes)
+    per bucket:  control int64[5] = (BUCKET, version, header bytes, data bytes, chunk bytes)
                  header  uint8[header bytes]  = BucketLayout JSON (names, dtypes, shapes)
-                 data    uint8[data bytes]    = the flat bucket (SGLang's flattened layout)
-    at the end:  control (END, version, 0, number of buckets), then an all-reduce of one
+                 data    uint8[data bytes]    = the flat bucket (SGLang's flattened layout), as
+                         consecutive broadcasts of `chunk bytes` each (the last one shorter)
+    at the end:  control (END, version, 0, number of buckets, 0), then an all-reduce of one
                  int64: each engine rank adds 1 if it could not take the version
-    on failure:  control (ABORT, version, header bytes, 0) + header = the learner's error (UTF-8)
+    on failure:  control (ABORT, version, header bytes, 0, 0) + header = the learner's error (UTF-8)
 
 Metadata goes first so that receivers allocate (or reuse) a buffer of the right size
-before the bytes come; a bucket is one broadcast whatever the number of tensors in
-it. The closing all-reduce tells the learner that every engine holds the complete
+before the bytes come; a bucket's bytes travel in a few large chunks whatever the
+number of tensors in it. Both sides keep two chunks in flight
+(`BroadcastGroup.broadcast_chunks`): each receiver has posted the next chunk before
+the current one ends, so the stream does not stall between chunks, and the sender
+sends a chunk as soon as the learner has copied it. The closing all-reduce tells the learner that every engine holds the complete
 version (its transfer time ends there), or that one refused it.
 """
 
@@ -36,18 +40,21 @@ class Control(NamedTuple):
     version: int
     header_len: int
     data_len: int
+    chunk_len: int
+    """Data bytes per broadcast (0: the data in one)."""
 
 
-def send_control(group: BroadcastGroup, kind: int, version: int, header: bytes = b"", data_len: int = 0) -> None:
+def send_control(group: BroadcastGroup, kind: int, version: int, header: bytes = b"", data_len: int = 0,
+                 chunk_len: int = 0) -> None:
     """Rank 0: broadcast a control message and its header (the data, if any, follows separately)."""
-    group.broadcast(torch.tensor([kind, version, len(header), data_len], dtype=torch.int64))
+    group.broadcast(torch.tensor([kind, version, len(header), data_len, chunk_len], dtype=torch.int64))
     if header:
         group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
 
 def recv_control(group: BroadcastGroup) -> tuple[Control, bytes]:
     """An engine rank: the next control message and its header."""
-    ctrl = torch.empty(4, dtype=torch.int64)
+    ctrl = torch.empty(len(Control._fields), dtype=torch.int64)
     group.broadcast(ctrl)
     control = Control(*(int(x) for x in ctrl.tolist()))
     if control.kind not in KINDS:

@@ -2,24 +2,28 @@
 
     pool = BufferPool(max_buffers=4, pin_memory=torch.cuda.is_available())
     stream = SnapshotStream()
-    # learner thread                               # sender thread
-    buf = pool.acquire(layout.nbytes, stream)      for bucket in stream:        # in order
-    layout.fill(buf.tensor, tensors)                   send(bucket.layout, bucket.flat)
-    stream.put(SnapshotBucket(layout, buf, pool))      bucket.release()          # the buffer is free again
-    stream.finish()
+    # learner thread                                     # sender thread
+    buf = pool.acquire(layout.nbytes, stream)            for bucket in stream:            # in order
+    bucket = SnapshotBucket(layout, buf, pool, filling=True)  send(bucket.layout)          # header
+    stream.put(bucket)                                       for each slice of bucket.flat:
+    bucket.fill(tensors)   # copies, piece by piece              bucket.wait_filled(end)   # copied?
+    stream.finish()                                              send(slice)
+                                                             bucket.release()             # free again
 
-A push returns once every tensor is copied into a buffer, so the learner may
-change its weights right away. Memory is bounded by `max_buffers` (None: as
-many as one version needs, i.e. one copy of the stage's weights); with fewer,
-the learner waits for the sender to free one (reported as buffer wait). Buffers
-are kept and reused by later pushes (same bucket sizes every version).
+The sender gets each bucket before it is copied, so it sends the first bytes of a
+bucket while the learner copies the rest (the copy and the wire overlap at the
+granularity of a slice, whatever the bucket size). A push returns once every
+tensor is copied into a buffer, so the learner may change its weights right away.
+Memory is bounded by `max_buffers` (None: as many as one version needs, i.e. one
+copy of the stage's weights); with fewer, the learner waits for the sender to
+free one (reported as buffer wait). Buffers are kept and reused by later pushes
+(same bucket sizes every version).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
@@ -101,18 +105,57 @@ class BufferPool:
             self._free.clear()
 
 
-@dataclass
-class SnapshotBucket:
-    """One bucket of the snapshot: its layout and the host buffer holding its bytes."""
+_FILL_SLICE_BYTES = 8 << 20
+"""The learner copies a bucket this many bytes at a time, publishing its progress after each piece."""
 
-    layout: BucketLayout
-    _buffer: PoolBuffer
-    _pool: BufferPool
-    _released: bool = field(default=False, repr=False)
+
+class SnapshotBucket:
+    """One bucket of the snapshot: its layout and the host buffer holding its bytes.
+
+    A bucket made with `filling=True` is handed to the sender before its bytes are copied:
+    the learner's thread then calls `fill`, and the sender waits for the bytes it is about to
+    send with `wait_filled` (so it sends the start of a bucket while the rest is copied).
+    """
+
+    def __init__(self, layout: BucketLayout, buffer: PoolBuffer, pool: BufferPool, *, filling: bool = False):
+        self.layout, self._buffer, self._pool = layout, buffer, pool
+        self._released = False
+        self._cond = threading.Condition()
+        self._filled = 0 if filling else layout.nbytes  # leading bytes of `flat` that are final
+        self._abandoned = False
+
+    def __repr__(self) -> str:
+        return f"SnapshotBucket({self.layout.nbytes} bytes, {len(self.layout.names)} tensors, filled {self._filled})"
 
     @property
     def flat(self) -> torch.Tensor:
         return self._buffer.tensor[: self.layout.nbytes]
+
+    def fill(self, tensors, stop=None, slice_bytes: int = _FILL_SLICE_BYTES) -> None:
+        """The learner's thread: copy `tensors` into the buffer, publishing progress. `stop()`
+        true (the sender failed) ends it with `TransferBroken`; any error abandons the bucket
+        (the sender then stops waiting for it)."""
+        try:
+            for end in self.layout.fill_slices(self.flat, tensors, slice_bytes):
+                with self._cond:
+                    self._filled = end
+                    self._cond.notify_all()
+                if stop is not None and stop():
+                    raise TransferBroken("the weight sender failed")
+        except BaseException:
+            with self._cond:
+                self._abandoned = True
+                self._cond.notify_all()
+            raise
+
+    def wait_filled(self, nbytes: int | None = None) -> bool:
+        """The sender: until the first `nbytes` (None: all) are copied; False if the learner
+        abandoned the bucket first (it then fails the stream: the version is aborted)."""
+        need = self.layout.nbytes if nbytes is None else min(nbytes, self.layout.nbytes)
+        with self._cond:
+            while self._filled < need and not self._abandoned:
+                self._cond.wait()
+            return self._filled >= need
 
     def release(self) -> None:
         """Give the buffer back (idempotent); `flat` must not be used afterwards."""

@@ -9,9 +9,16 @@
 
 What happens on each rank of a pipeline stage, on the learner's thread:
 
-    iter_hf_weights (TP / EP gathers, HF names)  ->  plan_buckets  ->  copy into a snapshot buffer
+    iter_hf_weights (TP / EP gathers, HF names)  ->  plan_buckets  ->  queue the bucket, then copy
+                                                                       its tensors into its snapshot
+                                                                       buffer, a slice at a time
                                                                           │ SnapshotStream
-    sender thread (the stage's first TP/DP/CP rank only):  transport.send: one broadcast per bucket
+    sender thread (the stage's first TP/DP/CP rank only):  transport.send: per bucket, its header,
+        then its bytes in chunks, each as soon as the learner has copied it (`BucketTransport`)
+
+So the wire carries the first chunk of the snapshot while the learner copies the
+next one, whatever the bucket size: the copy is hidden behind the transfer
+instead of preceding it.
 
 The gathers are collectives on the learner's own groups, so they run on the
 learner's thread, in step on every rank of the stage (ranks that hold no part of
@@ -43,7 +50,9 @@ class WeightSyncConfig:
     """How one stage's weights travel."""
 
     bucket_bytes: int = 512 << 20
-    """Bytes per flat bucket (one broadcast each); a larger tensor travels alone in a bucket of its size."""
+    """Bytes per flat bucket (one header each; `BucketTransport` sends its bytes in `chunk_bytes`
+    broadcasts, each once copied); a larger tensor travels alone in a bucket of its size. Fewer,
+    larger buckets are faster: the receivers stall briefly at each bucket's header."""
     max_buckets_in_flight: int | None = None
     """Snapshot buffers: the learner's extra host memory is at most this many buckets. None: one
     copy of the stage's weights, so `push` never waits for the sender; fewer: `push` waits until
@@ -246,12 +255,9 @@ class WeightSync:
                 try:
                     buf = self.pool.acquire(layout.nbytes, stream)
                     report.buffer_wait_s += time.perf_counter() - t
-                    try:
-                        layout.fill(buf.tensor, tensors)
-                    except BaseException:
-                        self.pool.release(buf)
-                        raise
-                    stream.put(SnapshotBucket(layout, buf, self.pool))
+                    bucket = SnapshotBucket(layout, buf, self.pool, filling=True)
+                    stream.put(bucket)  # the sender sends its header and each slice once copied
+                    bucket.fill(tensors, stop=lambda: stream.error is not None)
                 except TransferBroken:
                     broken = True
         except BaseException as e:

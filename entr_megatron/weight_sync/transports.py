@@ -22,7 +22,10 @@ from entr_megatron.weight_sync.group import BroadcastGroup, default_backend
 from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, send_control
 from entr_megatron.weight_sync.snapshot import SnapshotFailed, SnapshotStream
 
-__all__ = ["BucketTransport", "SGLangTransport", "Transport", "WeightSyncError"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "BucketTransport", "SGLangTransport", "Transport", "WeightSyncError"]
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+"""`BucketTransport`: bytes per broadcast of a bucket's data (pipelined with the learner's copy)."""
 
 
 class WeightSyncError(RuntimeError):
@@ -75,13 +78,17 @@ class BucketTransport:
     `engine.update_weights(receiver, version)` concurrently with the broadcasts and
     returns their reports (an engine receiving from several stages is driven by one
     stage only). Without them, whoever holds the engines calls that themselves.
+    chunk_bytes: a bucket's bytes go out in broadcasts of this size, each as soon as
+    the learner has copied it (the receivers learn it from each bucket's control message).
     """
 
     layout = "transformers"
 
     def __init__(self, group: WeightGroup, *, engines: Sequence[tuple[RolloutEngine, WeightReceiver]] = (),
-                 timeout_s: float = 600.0):
-        self.spec, self.engines, self.timeout_s = group, tuple(engines), timeout_s
+                 timeout_s: float = 600.0, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"BucketTransport.chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        self.spec, self.engines, self.timeout_s, self.chunk_bytes = group, tuple(engines), timeout_s, chunk_bytes
         self.group: BroadcastGroup | None = None
 
     def requirements(self) -> dict[str, Any]:
@@ -115,8 +122,11 @@ class BucketTransport:
             try:
                 for bucket in stream:
                     try:
-                        send_control(group, BUCKET, version, bucket.layout.to_bytes(), bucket.layout.nbytes)
-                        group.broadcast(bucket.flat)
+                        send_control(group, BUCKET, version, bucket.layout.to_bytes(), bucket.layout.nbytes,
+                                     self.chunk_bytes)
+                        # A chunk the learner abandoned goes out as it is: the stream then fails
+                        # and the version is aborted below (the wire stays aligned).
+                        group.broadcast_chunks(bucket.flat, self.chunk_bytes, ready=bucket.wait_filled)
                     finally:
                         bucket.release()
                     num_buckets += 1
@@ -203,6 +213,8 @@ def _tensors(stream: SnapshotStream) -> Iterator[tuple[str, Any]]:
     try:
         for bucket in stream:
             held.append(bucket)
+            if not bucket.wait_filled():  # the learner failed copying it: the stream raises next
+                continue
             for i, item in enumerate(bucket.layout.views(bucket.flat)):
                 yield item
                 if i == 0:

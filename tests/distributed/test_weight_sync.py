@@ -337,13 +337,15 @@ def test_buckets_match_sglang_flattened_layout():
         WeightSyncConfig(dtype="float33")
 
 
-@pytest.mark.parametrize("bucket_bytes, buffers", [(100, 1), (300, 2), (512 << 20, None)])
-def test_versions_reach_two_engines_with_bounded_snapshots(bucket_bytes, buffers):
+@pytest.mark.parametrize("bucket_bytes, buffers, chunk", [(100, 1, 64 << 20), (300, 2, 64 << 20), (512 << 20, None, 64 << 20),
+                                                     (512 << 20, None, 100), (300, 2, 7)])
+def test_versions_reach_two_engines_with_bounded_snapshots(bucket_bytes, buffers, chunk):
+    """chunk: a bucket's bytes travel in broadcasts of this size (several per bucket, a short last one)."""
     groups = stage_groups("127.0.0.1", free_port(), pp_size=1, engine_ranks=(1, 1), backend="gloo")
     engines = Engines(groups, 2)
     config = WeightSyncConfig(bucket_bytes=bucket_bytes, max_buckets_in_flight=buffers)
     sources = {}
-    sync = WeightSync(lambda: named(sources["now"]), BucketTransport(groups[0]), config)
+    sync = WeightSync(lambda: named(sources["now"]), BucketTransport(groups[0], chunk_bytes=chunk), config)
     for version in (1, 2):
         source = sources["now"] = Model(seed=version)
         engines.receive(version)
@@ -400,6 +402,97 @@ def test_refused_and_aborted_versions_keep_the_wire_aligned():
     assert_holds(engines.models[0], source)
     with pytest.raises(ValueError, match="must increase"):
         sync.push(3)
+    sync.close()
+
+
+def test_a_chunk_goes_out_as_soon_as_the_learner_copied_it():
+    """The sender gets a bucket before its bytes are copied and broadcasts each chunk once the
+    learner copied it: the engine holds the first chunk while the learner is still copying."""
+    from entr_megatron.weight_sync.snapshot import BufferPool, SnapshotBucket
+
+    groups = stage_groups("127.0.0.1", free_port(), pp_size=1, backend="gloo")
+    tensors = [torch.randn(64), torch.randn(32)]  # 256 + 128 bytes: chunks of 128 bytes, 3 of them
+    [(layout, ts)] = plan_buckets([("a", tensors[0]), ("b", tensors[1])], bucket_bytes=1 << 20)
+    pool = BufferPool()
+    bucket = SnapshotBucket(layout, pool.acquire(layout.nbytes), pool, filling=True)
+    assert bucket.wait_filled(0)  # nothing to wait for
+    expected = torch.cat([t.view(torch.uint8) for t in ts])
+    first_arrived, go_on, received, errors = threading.Event(), threading.Event(), [], []
+    pieces = []
+
+    def stop():  # called by the learner after each copied piece
+        pieces.append(bucket._filled)
+        if len(pieces) == 1:  # 128 bytes copied: hold the learner until the engine got them
+            assert go_on.wait(30), "the first chunk never reached the engine"
+        return False
+
+    def learner():
+        try:
+            bucket.fill(ts, stop=stop, slice_bytes=128)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def engine():
+        try:
+            g = BroadcastGroup.join(groups[0], 1, timeout_s=30)
+            flat = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            for start in range(0, layout.nbytes, 128):  # the same collectives as broadcast_chunks
+                g.broadcast(flat[start:start + 128])
+                if start == 0:
+                    received.append(flat[:128].clone())
+                    go_on.set()
+            received.append(flat)
+            g.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            go_on.set()
+
+    threads = [threading.Thread(target=engine), threading.Thread(target=learner)]
+    for t in threads:
+        t.start()
+    sender = BroadcastGroup.join(groups[0], 0, timeout_s=30)
+    sender.broadcast_chunks(bucket.flat, 128, ready=bucket.wait_filled)
+    for t in threads:
+        t.join(timeout=60)
+    sender.close()
+    assert errors == []
+    assert pieces[0] == 128 and len(pieces) == 3  # the learner was held after its first piece
+    assert torch.equal(received[0], expected[:128]) and torch.equal(received[1], expected)
+    bucket.release()
+    bucket.release()  # idempotent
+    assert pool._in_use == 0
+
+
+def test_a_bucket_the_learner_fails_to_copy_is_aborted_on_the_wire():
+    """The learner fails half-way through copying a bucket the sender already announced: the
+    sender sends its remaining chunks as they are, aborts the version, and the next one arrives."""
+    groups = stage_groups("127.0.0.1", free_port(), pp_size=1, backend="gloo")
+    engines = Engines(groups, 1)
+    source = Model(seed=1)
+    state = {"fail": True}
+
+    def weights():
+        for name, t in named(source):
+            if state["fail"] and name == "big":
+                t = torch.empty(t.shape, device="meta")  # copying it raises, after the bucket was queued
+            yield name, t
+
+    sync = WeightSync(weights, BucketTransport(groups[0], timeout_s=30, chunk_bytes=256),
+                      WeightSyncConfig(bucket_bytes=512 << 20))
+    before = {n: t.clone() for n, t in engines.models[0].state_dict().items()}
+    engines.receive(1)
+    with pytest.raises(NotImplementedError):
+        sync.push(1)
+    engines.join()
+    assert "aborted version 1" in str(engines.errors[0])
+    torch.testing.assert_close(engines.models[0].state_dict(), before, atol=0, rtol=0)  # untouched
+    state["fail"] = False
+    engines.receive(2)
+    report = sync.push(2).wait(timeout=60)
+    engines.join()
+    assert engines.errors == [None] and report.num_buckets == 1
+    assert_holds(engines.models[0], source)
+    assert sync.pool._in_use == 0
     sync.close()
 
 
