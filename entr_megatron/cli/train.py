@@ -97,8 +97,7 @@ def run_eval(args) -> None:
     task = build_task(cfg, tokenizer)
     with ExitStack() as stack:
         [engine] = _engines(cfg, model, stack)
-        metrics = evaluate(engine, task, args.n or cfg.task.eval_size, cfg.rollout.sampling.max_new_tokens,
-                           cfg.controller.seed)
+        metrics = evaluate(engine, task, args.n or cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed)
     print(json.dumps({"model": str(model), **metrics}))
 
 

@@ -415,12 +415,16 @@ class ArithmeticTaskConfig:
     reverse_answer: bool = False
     """Write answers least significant digit first (far easier for a tiny causal model)."""
 
+    pad_operands: bool = False
+    """Operands with leading zeros to `digits` places ("07+45="): fixed digit positions."""
+
     format_reward: float = 0.0
     """Reward of a wrong but well-formed answer (an integer, then EOS). In [0, 1)."""
 
     def __post_init__(self) -> None:
         _int("task.arithmetic.digits", self.digits, low=1, high=9)
         _bool("task.arithmetic.reverse_answer", self.reverse_answer)
+        _bool("task.arithmetic.pad_operands", self.pad_operands)
         _num("task.arithmetic.format_reward", self.format_reward, 0.0, 1.0)
         if self.format_reward >= 1.0:
             raise _bad("task.arithmetic.format_reward", self.format_reward, "must be < 1 (a correct answer earns 1)")

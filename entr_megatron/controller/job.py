@@ -106,7 +106,7 @@ def build_task(cfg: RunConfig, tokenizer: Any) -> Any:
     if t.name == "arithmetic":
         a = t.arithmetic
         return ArithmeticTask(a.digits, a.operations, tokenizer=tokenizer, reverse_answer=a.reverse_answer,
-                              format_reward=a.format_reward)
+                              pad_operands=a.pad_operands, format_reward=a.format_reward)
     if t.name == "math":
         files = {"train": list(t.math.train_files)}
         if t.math.eval_files:
@@ -154,6 +154,8 @@ def _learner_group(cfg: RunConfig, model_dir: Path, phase: str):
     launcher = cfg.launcher
     world = launcher.world_size
     threads = launcher.cpu_threads_per_rank
+    if phase == "sft" and launcher.device == "cpu" and launcher.kind == "local":
+        threads = max(threads or 1, (os.cpu_count() or 1) // world)  # no engine runs beside the warm-up
     if launcher.kind == "ray":
         gpus = 1.0 if launcher.device == "cuda" else 0.0
         return RayWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads, gpus_per_rank=gpus,
@@ -231,14 +233,25 @@ class _StopFlag:
 
 # --- evaluation ---------------------------------------------------------------------------------
 
-def evaluate(engine: RolloutEngine, task: Any, n: int, max_new_tokens: int, seed: int = 0) -> dict[str, float]:
-    """Greedy held-out accuracy: mean reward over `n` problems of the test split."""
+def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: Any, seed: int = 0,
+             samples_per_problem: int = 4) -> dict[str, float]:
+    """Held-out accuracy on `n` problems of the test split: greedy (`eval/accuracy`), and the
+    mean over `samples_per_problem` samples drawn as in training (`sampling`: the config's
+    temperature, top-p, top-k), i.e. the accuracy of the policy RL optimises
+    (`eval/sampled_accuracy`). A sample is correct when its reward is 1."""
     pairs = task.prompts("test", n, seed=seed)
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, n=1)
-    results = generate(engine, [GenerateRequest(ids, params) for ids, _ in pairs], timeout_s=3600)
-    rewards = [float(task.reward(r.to_sample(), ref)) for r, (_, ref) in zip(results, pairs)]
-    return {"eval/accuracy": sum(r == 1.0 for r in rewards) / len(rewards), "eval/reward_mean": sum(rewards) / len(rewards),
-            "eval/num_problems": float(len(rewards))}
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens, n=1)
+    sampled = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                             max_new_tokens=sampling.max_new_tokens, n=samples_per_problem)
+    out: dict[str, float] = {"eval/num_problems": float(len(pairs))}
+    for name, params in (("accuracy", greedy), ("sampled_accuracy", sampled)):
+        requests = [GenerateRequest(ids, dataclasses.replace(params, seed=seed * 1_000_003 + i))
+                    for i, (ids, _) in enumerate(pairs)]
+        results = generate(engine, requests, timeout_s=3600)
+        refs = [ref for _, ref in pairs for _ in range(params.n)]
+        rewards = [float(task.reward(r.to_sample(), ref)) for r, ref in zip(results, refs)]
+        out[f"eval/{name}"] = sum(r == 1.0 for r in rewards) / len(rewards)
+    return out
 
 
 # --- SFT ----------------------------------------------------------------------------------------
@@ -362,9 +375,10 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         learner = RemoteLearner(group, engines, [receiver_for(wgroups, i) for i in range(len(engines))])
 
         if resume_step is None and not paths.eval.exists():
-            before = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling.max_new_tokens, c.seed)
+            before = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed)
             _save_eval(paths, "before_rl", before)
-            _say(f"held-out accuracy before RL: {before['eval/accuracy']:.3f} ({int(before['eval/num_problems'])} problems)")
+            _say(f"held-out accuracy before RL: greedy {before['eval/accuracy']:.3f}, sampled "
+                 f"{before['eval/sampled_accuracy']:.3f} ({int(before['eval/num_problems'])} problems)")
         out["eval_before"] = json.loads(paths.eval.read_text()).get("before_rl") if paths.eval.exists() else None
 
         controller = Controller(engine, learner, learner, task, ControllerOptions.from_config(cfg),
@@ -391,7 +405,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             _say(f"checkpoint at step {ctl.step} ({time.perf_counter() - t0:.1f} s)")
 
         def on_eval(ctl: Controller) -> dict:
-            return evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling.max_new_tokens, c.seed)
+            return evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed)
 
         stop = stack.enter_context(_StopFlag())
         controller.hooks = ControllerHooks(on_step=[on_step], checkpoint_interval=c.checkpoint_interval,
@@ -408,7 +422,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             on_checkpoint(controller)
         if finished and not stop():
             controller.drain()
-            after = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling.max_new_tokens, c.seed)
+            after = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed)
             _save_eval(paths, "after_rl", after)
             out["eval_after"] = after
             if not paths.final_model.exists():
@@ -417,7 +431,12 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
                     if (start_dir / name).exists():
                         (paths.final_model / name).write_bytes((start_dir / name).read_bytes())
             before = out["eval_before"] or {}
-            _say(f"held-out accuracy: before RL {before.get('eval/accuracy', float('nan')):.3f} -> "
-                 f"after RL {after['eval/accuracy']:.3f}  ({int(after['eval/num_problems'])} problems, greedy)")
+            nan = float("nan")
+            _say(f"held-out accuracy, {int(after['eval/num_problems'])} problems: greedy "
+                 f"{before.get('eval/accuracy', nan):.3f} before RL -> {after['eval/accuracy']:.3f} after; "
+                 f"sampled as in training {before.get('eval/sampled_accuracy', nan):.3f} -> "
+                 f"{after['eval/sampled_accuracy']:.3f}")
         out["stopped"] = stop()
+        if stop():
+            _say(f"stopped at step {controller.step} (checkpoint saved); run the same command to resume")
     return out

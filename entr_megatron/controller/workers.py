@@ -152,6 +152,7 @@ class ProcessWorkerGroup:
         return [results[r] for r in range(self.world_size)]
 
     def _dead(self, rank: int, what: str):
+        self._procs[rank].join(10)  # the pipe closes before the process is reaped
         code = self._procs[rank].exitcode
         raise WorkerError(f"{self.name} rank {rank} died during {what} (exit code {code}; "
                           "a negative code is the signal that killed it, e.g. -9: out of memory)")

@@ -17,6 +17,7 @@ stage is a single second copy of the weights).
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -217,6 +218,9 @@ class _Worker:
 
 def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: Any) -> None:
     """Entry point of the engine process (spawned by `EmbeddedEngine`)."""
+    # Ctrl-C in a terminal reaches the whole process group: the owner decides (e.g. the
+    # training job drains, checkpoints, then shuts the engine down); it dies with its owner.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)

@@ -180,3 +180,28 @@ def test_ray_launcher_on_a_local_cluster(tmp_path, sft_model):
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert_lag_bound(rows, 2)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, sft_model):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C does): the step finishes,
+    a checkpoint of exactly the steps logged is saved, every process exits; the same
+    command then resumes."""
+    config, run_dir = rl_config(tmp_path, sft_model, "ctrlc",
+                                controller={"mode": "fully_async", "train_steps": 200, "max_policy_lag": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < 2:
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    steps = len(read_metrics(run_dir / "metrics.jsonl"))
+    assert f"stopped at step {steps} (checkpoint saved)" in err
+    assert _latest(run_dir) == steps < 200
+    assert json.loads(out.strip().splitlines()[-1])["stopped"] is True
+    cli("train", "--config", str(config), "--max-steps", "1")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps + 1))

@@ -111,3 +111,13 @@ def test_registry(tok):
     assert len(t.prompts("train", 5, 0)) == 5
     with pytest.raises(ValueError, match="arithmetic"):
         make_task("chess")
+
+
+def test_pad_operands_fixes_digit_positions(tok):
+    t = ArithmeticTask(digits=3, ops=("+",), reverse_answer=True, pad_operands=True, tokenizer=tok)
+    problems = t.problems("train", 300, seed=0)
+    assert all(len(p.text) == 8 and p.text[3] == "+" and p.text.endswith("=") for p in problems)
+    for p in problems:  # "007+450=" -> 457 reversed
+        a, b = int(p.text[:3]), int(p.text[4:7])
+        assert p.answer == str(a + b)[::-1]
+    assert any(p.text.startswith("0") for p in problems)

@@ -8,7 +8,9 @@ Sized for a tiny model (hidden 64-128, 2-4 layers) trained in minutes on CPU:
 with `digits=2` a short SFT warm-up gets part of the way and RL visibly raises
 held-out accuracy. `reverse_answer=True` writes the answer least significant
 digit first, which is far easier for a small causal model (carries then flow
-left to right); the reference is then the reversed string too.
+left to right); the reference is then the reversed string too. `pad_operands=True`
+writes operands with leading zeros to `digits` places ("07+45="), so every digit
+sits at a fixed position: a tiny model then needs far fewer warm-up steps.
 
 Splits: each problem ("a+b") belongs to train or test by a hash of its text and
 `split_seed` (see `base.split_of`), so the splits never overlap and each draw is
@@ -40,21 +42,22 @@ class Problem:
     """The reference answer as the model must write it, e.g. "46"."""
 
 
-def _make(a: int, op: str, b: int, reverse: bool) -> Problem:
+def _make(a: int, op: str, b: int, reverse: bool, width: int = 0) -> Problem:
     value = a + b if op == "+" else a - b if op == "-" else a * b
     answer = str(value)
     if reverse:
         answer = answer[::-1] if value >= 0 else "-" + answer[1:][::-1]
-    return Problem(f"{a}{op}{b}=", answer)
+    return Problem(f"{a:0{width}d}{op}{b:0{width}d}=" if width else f"{a}{op}{b}=", answer)
 
 
 def draw_problems(
     split: str, n: int, seed: int, *, digits: int, ops: tuple[str, ...], allow_negative: bool,
-    reverse: bool, test_fraction: float, split_seed: int,
+    reverse: bool, test_fraction: float, split_seed: int, pad_operands: bool = False,
 ) -> list[Problem]:
     """`n` problems of `split`: distinct when the split holds at least `n` of them."""
     check_split(split)
     hi = 10**digits
+    width = digits if pad_operands else 0
     rng = random.Random(f"{split}:{seed}")
 
     def valid(a: int, op: str, b: int) -> bool:
@@ -65,13 +68,13 @@ def draw_problems(
         if not pool:
             raise ValueError(f"the {split!r} split is empty (digits={digits}, test_fraction={test_fraction})")
         picks = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
-        return [_make(a, op, b, reverse) for a, op, b in picks]
+        return [_make(a, op, b, reverse, width) for a, op, b in picks]
     out, seen = [], set()
     while len(out) < n:
         a, op, b = rng.randrange(hi), rng.choice(ops), rng.randrange(hi)
         if valid(a, op, b) and (a, op, b) not in seen:
             seen.add((a, op, b))
-            out.append(_make(a, op, b, reverse))
+            out.append(_make(a, op, b, reverse, width))
     return out
 
 
@@ -99,6 +102,7 @@ class ArithmeticTask:
         ops: tuple[str, ...] | list[str] = ("+",),
         *,
         reverse_answer: bool = False,
+        pad_operands: bool = False,
         allow_negative: bool = False,
         test_fraction: float = 0.1,
         split_seed: int = 0,
@@ -107,6 +111,7 @@ class ArithmeticTask:
     ):
         """digits: operands are drawn from [0, 10**digits); ops: from "+", "-", "*";
         allow_negative: "-" problems may have a negative result (else a >= b);
+        pad_operands: operands with leading zeros to `digits` places ("07+45=");
         test_fraction: share of all problems held out; split_seed: which ones;
         format_reward: reward of a wrong but well-formed answer (0 disables the format term);
         tokenizer: an HF tokenizer knowing digits, ops and "=" (default: `build_char_tokenizer()`)."""
@@ -123,7 +128,7 @@ class ArithmeticTask:
             from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
 
             tokenizer = build_char_tokenizer()
-        self.digits, self.ops, self.reverse_answer = digits, ops, reverse_answer
+        self.digits, self.ops, self.reverse_answer, self.pad_operands = digits, ops, reverse_answer, pad_operands
         self.allow_negative, self.test_fraction, self.split_seed = allow_negative, test_fraction, split_seed
         self.format_reward = format_reward
         self.tokenizer = tokenizer
@@ -133,6 +138,7 @@ class ArithmeticTask:
         return draw_problems(
             split, n, seed, digits=self.digits, ops=self.ops, allow_negative=self.allow_negative,
             reverse=self.reverse_answer, test_fraction=self.test_fraction, split_seed=self.split_seed,
+            pad_operands=self.pad_operands,
         )
 
     def prompts(self, split: str, n: int, seed: int) -> list[tuple[list[int], str]]:
