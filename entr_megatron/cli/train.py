@@ -29,7 +29,12 @@ def _load(args) -> object:
     if getattr(args, "launcher", None):
         overrides.append(f"launcher.kind={args.launcher}")
     try:
-        return load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides)
+        if args.command == "train":
+            from entr_megatron.controller.job import check_launch
+
+            check_launch(cfg)
+        return cfg
     except (ValueError, FileNotFoundError) as e:
         print(f"entr-megatron {args.command}: invalid config: {e}", file=sys.stderr)
         sys.exit(2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
@@ -92,6 +93,29 @@ def _str_tuple(obj: Any, name: str, path: str, allowed: tuple[str, ...] | None =
             extra = f" from: {', '.join(allowed)}" if allowed else ""
             raise _bad(path, value, f"must be a list of strings{extra}")
     object.__setattr__(obj, name, tuple(value))
+
+
+def _url_tuple(obj: Any, name: str, path: str) -> None:
+    """A non-empty list of distinct http(s)://host[:port] URLs, stored as a tuple without trailing '/'."""
+    value = getattr(obj, name)
+    rule = "must be null or a non-empty list of distinct http:// or https:// URLs (e.g. http://10.0.0.2:30000)"
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise _bad(path, value, rule)
+    urls = []
+    for item in value:
+        if not isinstance(item, str):
+            raise _bad(path, value, rule)
+        try:
+            parts = urlsplit(item)
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise _bad(path, value, f"{rule}; {item!r} is not a URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _bad(path, value, f"{rule}; {item!r} is not one")
+        urls.append(item.rstrip("/"))
+    if len(set(urls)) != len(urls):
+        raise _bad(path, value, f"{rule}; a server is listed twice")
+    object.__setattr__(obj, name, tuple(urls))
 
 
 # ---------------------------------------------------------------- model and parallelism
@@ -263,7 +287,19 @@ class SGLangConfig:
     startup_timeout_s: float = 1800.0
     """Seconds to wait for a server to load its model. > 0."""
 
+    urls: tuple[str, ...] | None = None
+    """Already running servers (http:// or https://host:port), one per engine (rollout.num_engines
+    of them): `train` launches nothing and drives these, and tp_size, mem_fraction_static,
+    base_port, extra_args and startup_timeout_s do not apply (the servers' own flags do). The
+    servers must reach learner rank 0, which hosts the weight-update group (launcher.master_addr;
+    with Ray, rank 0's node IP);
+    their weights are overwritten by the learner's before the first rollout. Any launcher.device
+    works (the servers run elsewhere). None: `train` launches rollout.num_engines servers on its
+    own node (launcher.kind 'local', one node, no engine_nodes), on the GPUs after the learner's."""
+
     def __post_init__(self) -> None:
+        if self.urls is not None:
+            _url_tuple(self, "urls", "rollout.sglang.urls")
         _int("rollout.sglang.tp_size", self.tp_size, low=1)
         if self.mem_fraction_static is not None:
             _num("rollout.sglang.mem_fraction_static", self.mem_fraction_static, low=0.0, high=0.99, low_open=True)
@@ -706,8 +742,25 @@ class RunConfig:
     def _check_rollout(self) -> None:
         r, launcher = self.rollout, self.launcher
         if r.engine == "sglang":
+            if self.parallel.pp != 1:
+                raise _bad(
+                    "parallel.pp", self.parallel.pp,
+                    "rollout.engine='sglang' needs parallel.pp=1 (the servers take one weight-update group, "
+                    "fed by learner rank 0; pipeline stages would each pause and update them separately)",
+                )
+            if r.sglang.urls is not None:  # servers run elsewhere: nothing to place, any learner device
+                if len(r.sglang.urls) != r.num_engines:
+                    raise _bad(
+                        "rollout.num_engines", r.num_engines,
+                        f"must equal the number of rollout.sglang.urls ({len(r.sglang.urls)}): one engine per server",
+                    )
+                return
             if launcher.device != "cuda":
-                raise _bad("rollout.engine", "sglang", "needs launcher.device='cuda' (SGLang servers run on GPUs)")
+                raise _bad(
+                    "rollout.engine", "sglang",
+                    "needs launcher.device='cuda' to launch SGLang servers (they run on GPUs); "
+                    "or give running servers in rollout.sglang.urls",
+                )
             total = (launcher.nnodes + launcher.engine_nodes) * launcher.gpus_per_node
             needed = launcher.world_size + r.gpus_needed
             if needed > total:

@@ -104,6 +104,7 @@ class LearnerWorker:
         self.optimizer, self.scheduler = build_optimizer(self.ddp, self.learner_cfg)
         self.sync = None
         self._push = None
+        self._sglang = None  # the SGLang client of SGLangTransport (rank 0, rollout.engine 'sglang')
 
     # --- training ---------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -133,15 +134,41 @@ class LearnerWorker:
         return self.info.master_addr
 
     def connect_weight_sync(self, master_address: str, base_port: int, engine_ranks: tuple[int, ...],
-                            bucket_bytes: int, dtype: str | None, timeout_s: float = 600.0) -> bool:
-        """Builds this rank's `WeightSync` (groups on `base_port + stage`); True on the stage senders."""
-        from entr_megatron.weight_sync import BucketTransport, WeightSync, WeightSyncConfig, stage_groups
+                            bucket_bytes: int, dtype: str | None, timeout_s: float = 600.0,
+                            sglang: Any = None) -> bool:
+        """Builds this rank's `WeightSync` (groups on `base_port + stage`); True on the stage senders.
+
+        sglang: an `SGLangEngineConfig` of the run's SGLang servers. The sender (rank 0; PP = 1)
+        then drives them itself through `SGLangTransport` (their weight-update group on
+        `base_port`), and every rank cuts buckets the engine's way (its bucket bytes and dtype:
+        `bucket_bytes`, `dtype` and `engine_ranks` are not used)."""
+        from entr_megatron.weight_sync import (
+            BucketTransport,
+            SGLangTransport,
+            WeightSync,
+            WeightSyncConfig,
+            stage_groups,
+        )
         from entr_megatron.weight_sync.sync import is_weight_sender
 
-        wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks)
         sender = is_weight_sender(self.groups)
-        transport = BucketTransport(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
-        config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype)
+        if sglang is not None:
+            from entr_megatron.rollout.sglang_engine import SGLangEngine
+
+            if self.groups.pp_size != 1:
+                raise ValueError(f"SGLang servers take weights from one learner stage (parallel.pp=1), "
+                                 f"got pp={self.groups.pp_size}")
+            transport = None
+            if sender:
+                # This process's own client of the servers: its update_weights runs the handshake
+                # (the controller's client only generates; see controller/job.py).
+                self._sglang = SGLangEngine(sglang)
+                transport = SGLangTransport(self._sglang, master_address, base_port, timeout_s=timeout_s)
+            config = WeightSyncConfig(bucket_bytes=sglang.weight_bucket_bytes, dtype=sglang.weight_dtype)
+        else:
+            wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks)
+            transport = BucketTransport(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
+            config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype)
         self.sync = WeightSync.for_learner(self.chunks, self.model_spec, self.groups, transport, config)
         return sender
 
@@ -192,6 +219,9 @@ class LearnerWorker:
             except Exception as e:  # noqa: BLE001 - shutting down anyway
                 log.warning("weight sync close failed: %s", e)
             self.sync = None
+        if self._sglang is not None:
+            self._sglang.shutdown()  # its threads only: the servers belong to the driver
+            self._sglang = None
         destroy()
         if dist.is_initialized():
             dist.destroy_process_group()
