@@ -59,7 +59,7 @@ def run_train(args) -> None:
 
 
 def run_sft(args) -> None:
-    from entr_megatron.controller.job import RunPaths, _tokenizer_for, build_task, prepare_model
+    from entr_megatron.controller.job import RunPaths, build_task, prepare_model, tokenizer_for
     from entr_megatron.controller.job import run_sft as job
 
     cfg = _load(args)
@@ -68,7 +68,7 @@ def run_sft(args) -> None:
         sys.exit(2)
     paths = RunPaths(Path(args.run_dir or cfg.logging.run_dir))
     paths.root.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer_for(cfg)
+    tokenizer = tokenizer_for(cfg)
     out = job(cfg, paths, prepare_model(cfg, paths, tokenizer), build_task(cfg, tokenizer), steps=args.steps)
     print(json.dumps({"sft_model": str(out)}))
 
@@ -76,7 +76,7 @@ def run_sft(args) -> None:
 def run_eval(args) -> None:
     from contextlib import ExitStack
 
-    from entr_megatron.controller.job import RunPaths, _engines, _tokenizer_for, build_task, evaluate
+    from entr_megatron.controller.job import RunPaths, build_task, evaluate, make_engines, tokenizer_for
 
     cfg = _load(args)
     if args.model:
@@ -94,14 +94,15 @@ def run_eval(args) -> None:
         sys.exit(2)
     import dataclasses
 
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=1))
+    if cfg.rollout.engine == "embedded":  # one engine is plenty for an evaluation
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=1))
     from entr_megatron.rollout.tasks import load_tokenizer
 
     has_tokenizer = (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists()
-    tokenizer = load_tokenizer(str(model)) if has_tokenizer else _tokenizer_for(cfg)
+    tokenizer = load_tokenizer(str(model)) if has_tokenizer else tokenizer_for(cfg)
     task = build_task(cfg, tokenizer)
     with ExitStack() as stack:
-        [engine] = _engines(cfg, model, stack)
+        [engine] = make_engines(cfg, model, stack)  # SGLang: one engine over all servers
         metrics = evaluate(engine, task, args.n or cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed)
     print(json.dumps({"model": str(model), **metrics}))
 

@@ -38,9 +38,9 @@ from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.loop import Controller, ControllerHooks, ControllerOptions
 from entr_megatron.controller.remote import RemoteLearner
+from entr_megatron.controller.sglang_setup import SGLangPusher, check_launch, forget_server_versions, sglang_engine
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
-from entr_megatron.rollout.engine import EngineHealth, GenerateRequest, RolloutEngine, SamplingParams, generate
-from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
 from entr_megatron.types import Sample, TrainBatch
 from entr_megatron.utils.run_log import MetricsLogger, ProgressBar
 from entr_megatron.utils.spawn import free_port
@@ -89,7 +89,7 @@ def _say(msg: str) -> None:
 
 # --- model and task -----------------------------------------------------------------------------
 
-def _tokenizer_for(cfg: RunConfig) -> Any:
+def tokenizer_for(cfg: RunConfig) -> Any:
     from entr_megatron.rollout.tasks import build_char_tokenizer, load_tokenizer
 
     source = cfg.model.tokenizer or cfg.model.path
@@ -164,12 +164,12 @@ def _learner_group(cfg: RunConfig, model_dir: Path, phase: str):
                               master_addr=launcher.master_addr)
 
 
-def _engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> list[RolloutEngine]:
+def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> list[RolloutEngine]:
     """The run's engines, their shutdown (and that of servers launched here) on `stack`.
     SGLang: one `SGLangEngine` over every server (it balances the requests itself)."""
     r = cfg.rollout
     if r.engine == "sglang":
-        return [_sglang_engine(cfg, model_dir, stack, log_dir)]
+        return [sglang_engine(cfg, model_dir, stack, log_dir)]
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     on_ray = cfg.launcher.kind == "ray"
@@ -188,142 +188,6 @@ def _engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | 
         stack.callback(engine.shutdown)
         engines.append(engine)
     return engines
-
-
-# --- SGLang ---------------------------------------------------------------------------------------
-#
-# The servers are launched here (rollout.sglang.urls null: on this node, on the GPUs after the
-# learner's) or given by URL. The controller drives them through an SGLangEngine for generation
-# only; weight updates run on learner rank 0, whose SGLangTransport holds a second SGLangEngine
-# over the same servers (built from the same, picklable SGLangEngineConfig) and performs the
-# whole handshake (pause, /init_weights_update_group, /update_weights_from_distributed per
-# bucket, the version on the last one, resume). An SGLangEngine's `weight_version` advances
-# only on updates it performs itself, so the controller's would stay at its start value:
-# `_PushedVersionEngine` takes its version from the pushes instead. When the ranks' `wait_push`
-# returns, rank 0's SGLangTransport.send has returned, i.e. every server has loaded the last
-# bucket, which carried the version; that is when `_SGLangPusher`'s handle confirms it. (Asking
-# the servers instead would cost an HTTP round trip per server at every submit, and would read
-# a version torn across servers while an update is under way.)
-
-
-def _sglang_wire_dtype(cfg: RunConfig) -> str | None:
-    """What the weights travel as: the engine's dtype when it differs from the learner's ('auto':
-    the learner's; SGLang casts to its own dtype when loading)."""
-    d = cfg.rollout.dtype
-    return None if d in ("auto", cfg.model.dtype) else d
-
-
-def _sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> RolloutEngine:
-    from entr_megatron.rollout.sglang_launcher import (
-        RouterConfig,
-        SGLangServerConfig,
-        launch_router,
-        launch_servers,
-        terminate_all,
-    )
-
-    r, s = cfg.rollout, cfg.rollout.sglang
-    log_dir = Path(log_dir) if log_dir is not None else Path(cfg.logging.run_dir) / "sglang"
-    if s.urls is None:
-        check_launch(cfg)
-        first_gpu = cfg.launcher.nproc_per_node  # the local learner ranks hold GPUs 0 .. nproc_per_node - 1
-        configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, tp_size=s.tp_size, dtype=r.dtype,
-                                      mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
-                                      random_seed=cfg.controller.seed + i, extra_args=s.extra_args)
-                   for i in range(r.num_engines)]
-        _say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
-        servers = launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s)
-        stack.callback(terminate_all, servers)
-        urls, tp_sizes = tuple(p.url for p in servers), (s.tp_size,) * len(servers)
-    else:
-        urls, tp_sizes = tuple(s.urls), None  # the engine asks each server its tp_size
-    router_url = None
-    if s.router:
-        router = launch_router(RouterConfig(worker_urls=urls, port=free_port(), policy=s.router_policy),
-                               log_dir / "router.log")
-        stack.callback(router.terminate)
-        router_url = router.url
-    config = SGLangEngineConfig(
-        urls=urls, router_url=router_url, max_concurrent_requests=s.max_concurrent_requests * len(urls),
-        kv_on_update=r.kv_on_update or "recompute", weight_bucket_bytes=(r.weight_bucket_mib or 512) << 20,
-        weight_dtype=_sglang_wire_dtype(cfg), tp_sizes=tp_sizes,
-    )
-    engine = _PushedVersionEngine(config)
-    stack.callback(engine.shutdown)
-    return engine
-
-
-def check_launch(cfg: RunConfig) -> None:
-    """Launching servers here needs the learner and the servers on this one node (local launcher)."""
-    r, launcher = cfg.rollout, cfg.launcher
-    if r.engine != "sglang" or r.sglang.urls is not None:
-        return
-    if launcher.kind != "local" or launcher.nnodes > 1 or launcher.engine_nodes > 0:
-        raise ValueError(
-            f"rollout.sglang.urls=null: `train` launches SGLang servers on its own node only, beside a one-node "
-            f"local learner (launcher.kind='local', nnodes=1, engine_nodes=0; got kind={launcher.kind!r}, "
-            f"nnodes={launcher.nnodes}, engine_nodes={launcher.engine_nodes}). Start the servers on their nodes "
-            "(python -m sglang.launch_server ...) and list them in rollout.sglang.urls")
-
-
-def _forget_server_versions(cfg: RunConfig) -> None:
-    """Servers given by URL hold weights we know nothing of: label them version -1, so that the
-    learner's weights are pushed (as its version) before the first rollout."""
-    from entr_megatron.rollout.sglang_engine import SGLangClient, SGLangError
-
-    for url in cfg.rollout.sglang.urls or ():
-        try:
-            SGLangClient(url).update_weight_version("-1", abort_all_requests=False)
-        except SGLangError as e:
-            if e.status != 404:  # a server without versions: nothing to relabel
-                raise
-
-
-class _PushedVersionEngine(SGLangEngine):
-    """The controller's SGLangEngine: generation here, weight updates by learner rank 0;
-    `weight_version` is the last version a push confirmed (see the comment above)."""
-
-    def __init__(self, config: SGLangEngineConfig):
-        super().__init__(config)
-        self._pushed: int | None = None
-
-    def confirm_version(self, version: int) -> None:
-        self._pushed = version if self._pushed is None else max(self._pushed, version)
-
-    @property
-    def weight_version(self) -> int:
-        return super().weight_version if self._pushed is None else self._pushed
-
-    def health(self) -> EngineHealth:
-        return dataclasses.replace(super().health(), weight_version=self.weight_version)
-
-
-class _ConfirmingPush:
-    """A `RemotePush` that, once waited, tells the controller's engine its version."""
-
-    def __init__(self, handle: Any, engine: Any):
-        self.handle, self.engine = handle, engine
-
-    @property
-    def version(self) -> int:
-        return self.handle.version
-
-    def wait(self) -> dict[str, float]:
-        report = self.handle.wait()
-        self.engine.confirm_version(self.handle.version)
-        return report
-
-
-class _SGLangPusher(RemoteLearner):
-    """`RemoteLearner` for SGLang servers: the ranks' SGLangTransport drives the servers (no engine
-    threads here); a waited push confirms the version to the controller's engine."""
-
-    def __init__(self, group: Any, engine: Any):
-        super().__init__(group, (), ())
-        self.engine = engine
-
-    def push(self, version: int) -> _ConfirmingPush:
-        return _ConfirmingPush(super().push(version), self.engine)
 
 
 def _ray_init(cfg: RunConfig) -> None:
@@ -489,7 +353,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
     paths = RunPaths(Path(run_dir or cfg.logging.run_dir))
     check_launch(cfg)  # before anything is written
     _write_config(cfg, paths)
-    tokenizer = _tokenizer_for(cfg)
+    tokenizer = tokenizer_for(cfg)
     task = build_task(cfg, tokenizer)
     start_dir = _start_model(cfg, paths, tokenizer, task)
     resume_step = latest_step(paths.checkpoints) if paths.checkpoints.exists() else None
@@ -504,8 +368,8 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
              f"{cfg.launcher.world_size} learner rank(s) ({cfg.launcher.kind})")
         sglang = cfg.rollout.engine == "sglang"
         if sglang:
-            _forget_server_versions(cfg)
-        engines = _engines(cfg, start_dir, stack, paths.root / "sglang")
+            forget_server_versions(cfg)
+        engines = make_engines(cfg, start_dir, stack, paths.root / "sglang")
         engine = _as_one_engine(engines)
         group = _learner_group(cfg, start_dir, "rl")
         stack.callback(group.shutdown)
@@ -516,7 +380,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         bucket = (cfg.rollout.weight_bucket_mib or 512) << 20
         if sglang:  # rank 0 updates the servers itself (SGLangTransport); see _sglang_engine
             group.call("connect_weight_sync", address, base_port, (), bucket, None, sglang=engine.config)
-            learner = _SGLangPusher(group, engine)
+            learner = SGLangPusher(group, engine)
         else:
             wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
             wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype

@@ -205,3 +205,31 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, sft_model):
     cli("train", "--config", str(config), "--max-steps", "1")
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(steps + 1))
+
+
+def test_eval_greedy_accuracy_matches_transformers_generate(tmp_path, sft_model):
+    """`eval`'s greedy accuracy equals what HF transformers' own greedy generate scores on the
+    same held-out problems (the task's exact-match rule applied to its output)."""
+    import torch
+    import transformers
+
+    from entr_megatron.rollout.tasks import ArithmeticTask, load_tokenizer
+
+    config, _ = rl_config(tmp_path, sft_model, "eval")
+    out = json.loads(cli("eval", "--config", str(config), "--model", str(sft_model), "--n", "24")
+                     .stdout.strip().splitlines()[-1])
+    tok = load_tokenizer(str(sft_model))
+    task = ArithmeticTask(1, ("+",), tokenizer=tok, format_reward=0.2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(sft_model)).eval()
+    correct = 0
+    for ids, ref in task.prompts("test", 24, seed=0):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        response = gen[0, len(ids):].tolist()
+        ended = tok.eos_token_id in response
+        text = tok.decode(response[:response.index(tok.eos_token_id)] if ended else response, skip_special_tokens=True)
+        correct += ended and text.strip() == ref
+    assert out["eval/num_problems"] == 24 and 0 < correct < 24, correct  # a comparison that can tell
+    assert out["eval/accuracy"] == correct / 24
+    assert 0.0 <= out["eval/sampled_accuracy"] <= 1.0

@@ -12,7 +12,7 @@ against what the run leaves on disk (metrics.jsonl, the final HF export) and wha
 servers received (one version per step, the model's tensors in buckets of the configured
 size, the learner's final weights held at the end).
 
-A last test launches servers the way `train` does (`_engines`, `python -m
+A last test launches servers the way `train` does (`make_engines`, `python -m
 sglang.launch_server`) with a stand-in `sglang` package that runs the mock as a script.
 """
 
@@ -214,7 +214,7 @@ def test_launched_servers_are_configured_and_stopped(tmp_path, monkeypatch):
     """`train`'s launch path: `python -m sglang.launch_server` with the run's settings, one server
     per engine on the GPUs after the learner's, driven by one SGLangEngine, stopped by the ExitStack."""
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.job import check_launch, _engines
+    from entr_megatron.controller.job import check_launch, make_engines
     from entr_megatron.rollout.engine import GenerateRequest, SamplingParams, generate
     from entr_megatron.utils.spawn import free_port
 
@@ -233,7 +233,7 @@ def test_launched_servers_are_configured_and_stopped(tmp_path, monkeypatch):
         "launcher.device=cuda", "launcher.gpus_per_node=4", "launcher.nproc_per_node=2", "parallel.tp=2",
     ])
     with ExitStack() as stack:
-        [engine] = _engines(cfg, tmp_path / "model", stack, tmp_path / "logs")
+        [engine] = make_engines(cfg, tmp_path / "model", stack, tmp_path / "logs")
         assert engine.config.urls == (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}")
         assert engine.config.weight_bucket_bytes == 512 * MIB and engine.config.weight_dtype is None
         assert engine.weight_version == 0

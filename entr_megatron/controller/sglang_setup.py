@@ -1,0 +1,156 @@
+"""SGLang engines for the training job: servers launched on this node or given by URL, and the
+controller's view of their weight version.
+
+The controller drives the servers through an SGLangEngine for generation only; weight updates run
+on learner rank 0, whose SGLangTransport holds a second SGLangEngine over the same servers (built
+from the same, picklable SGLangEngineConfig) and performs the whole handshake (pause,
+/init_weights_update_group, /update_weights_from_distributed per bucket, the version on the last
+one, resume). An SGLangEngine's `weight_version` advances only on updates it performs itself, so
+the controller's would stay at its start value: `PushedVersionEngine` takes its version from the
+pushes instead. When the ranks' `wait_push` returns, rank 0's SGLangTransport.send has returned,
+i.e. every server has loaded the last bucket, which carried the version; that is when
+`SGLangPusher`'s handle confirms it. (Asking the servers instead would cost an HTTP round trip
+per server at every submit, and would read a version torn across servers while an update is
+under way.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from entr_megatron.config.run import RunConfig
+from entr_megatron.controller.remote import RemoteLearner
+from entr_megatron.rollout.engine import EngineHealth, RolloutEngine
+from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from entr_megatron.utils.spawn import free_port
+
+__all__ = ["PushedVersionEngine", "SGLangPusher", "check_launch", "forget_server_versions", "sglang_engine",
+           "sglang_wire_dtype"]
+
+
+def _say(msg: str) -> None:
+    print(f"[entr-megatron] {msg}", file=sys.stderr, flush=True)
+
+
+def sglang_wire_dtype(cfg: RunConfig) -> str | None:
+    """What the weights travel as: the engine's dtype when it differs from the learner's ('auto':
+    the learner's; SGLang casts to its own dtype when loading)."""
+    d = cfg.rollout.dtype
+    return None if d in ("auto", cfg.model.dtype) else d
+
+
+def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> RolloutEngine:
+    from entr_megatron.rollout.sglang_launcher import (
+        RouterConfig,
+        SGLangServerConfig,
+        launch_router,
+        launch_servers,
+        terminate_all,
+    )
+
+    r, s = cfg.rollout, cfg.rollout.sglang
+    log_dir = Path(log_dir) if log_dir is not None else Path(cfg.logging.run_dir) / "sglang"
+    if s.urls is None:
+        check_launch(cfg)
+        first_gpu = cfg.launcher.nproc_per_node  # the local learner ranks hold GPUs 0 .. nproc_per_node - 1
+        configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, tp_size=s.tp_size, dtype=r.dtype,
+                                      mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
+                                      random_seed=cfg.controller.seed + i, extra_args=s.extra_args)
+                   for i in range(r.num_engines)]
+        _say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
+        servers = launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s)
+        stack.callback(terminate_all, servers)
+        urls, tp_sizes = tuple(p.url for p in servers), (s.tp_size,) * len(servers)
+    else:
+        urls, tp_sizes = tuple(s.urls), None  # the engine asks each server its tp_size
+    router_url = None
+    if s.router:
+        router = launch_router(RouterConfig(worker_urls=urls, port=free_port(), policy=s.router_policy),
+                               log_dir / "router.log")
+        stack.callback(router.terminate)
+        router_url = router.url
+    config = SGLangEngineConfig(
+        urls=urls, router_url=router_url, max_concurrent_requests=s.max_concurrent_requests * len(urls),
+        kv_on_update=r.kv_on_update or "recompute", weight_bucket_bytes=(r.weight_bucket_mib or 512) << 20,
+        weight_dtype=sglang_wire_dtype(cfg), tp_sizes=tp_sizes,
+    )
+    engine = PushedVersionEngine(config)
+    stack.callback(engine.shutdown)
+    return engine
+
+
+def check_launch(cfg: RunConfig) -> None:
+    """Launching servers here needs the learner and the servers on this one node (local launcher)."""
+    r, launcher = cfg.rollout, cfg.launcher
+    if r.engine != "sglang" or r.sglang.urls is not None:
+        return
+    if launcher.kind != "local" or launcher.nnodes > 1 or launcher.engine_nodes > 0:
+        raise ValueError(
+            f"rollout.sglang.urls=null: `train` launches SGLang servers on its own node only, beside a one-node "
+            f"local learner (launcher.kind='local', nnodes=1, engine_nodes=0; got kind={launcher.kind!r}, "
+            f"nnodes={launcher.nnodes}, engine_nodes={launcher.engine_nodes}). Start the servers on their nodes "
+            "(python -m sglang.launch_server ...) and list them in rollout.sglang.urls")
+
+
+def forget_server_versions(cfg: RunConfig) -> None:
+    """Servers given by URL hold weights we know nothing of: label them version -1, so that the
+    learner's weights are pushed (as its version) before the first rollout."""
+    from entr_megatron.rollout.sglang_engine import SGLangClient, SGLangError
+
+    for url in cfg.rollout.sglang.urls or ():
+        try:
+            SGLangClient(url).update_weight_version("-1", abort_all_requests=False)
+        except SGLangError as e:
+            if e.status != 404:  # a server without versions: nothing to relabel
+                raise
+
+
+class PushedVersionEngine(SGLangEngine):
+    """The controller's SGLangEngine: generation here, weight updates by learner rank 0;
+    `weight_version` is the last version a push confirmed (see the comment above)."""
+
+    def __init__(self, config: SGLangEngineConfig):
+        super().__init__(config)
+        self._pushed: int | None = None
+
+    def confirm_version(self, version: int) -> None:
+        self._pushed = version if self._pushed is None else max(self._pushed, version)
+
+    @property
+    def weight_version(self) -> int:
+        return super().weight_version if self._pushed is None else self._pushed
+
+    def health(self) -> EngineHealth:
+        return dataclasses.replace(super().health(), weight_version=self.weight_version)
+
+
+class ConfirmingPush:
+    """A `RemotePush` that, once waited, tells the controller's engine its version."""
+
+    def __init__(self, handle: Any, engine: Any):
+        self.handle, self.engine = handle, engine
+
+    @property
+    def version(self) -> int:
+        return self.handle.version
+
+    def wait(self) -> dict[str, float]:
+        report = self.handle.wait()
+        self.engine.confirm_version(self.handle.version)
+        return report
+
+
+class SGLangPusher(RemoteLearner):
+    """`RemoteLearner` for SGLang servers: the ranks' SGLangTransport drives the servers (no engine
+    threads here); a waited push confirms the version to the controller's engine."""
+
+    def __init__(self, group: Any, engine: Any):
+        super().__init__(group, (), ())
+        self.engine = engine
+
+    def push(self, version: int) -> ConfirmingPush:
+        return ConfirmingPush(super().push(version), self.engine)
