@@ -43,7 +43,7 @@ from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
 from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
 from entr_megatron.types import Sample, TrainBatch
 from entr_megatron.utils.run_log import MetricsLogger, ProgressBar
-from entr_megatron.utils.spawn import free_port
+from entr_megatron.utils.spawn import free_port_range
 
 __all__ = ["RunPaths", "build_task", "check_launch", "evaluate", "prepare_model", "run_sft", "run_train"]
 
@@ -376,7 +376,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         # One broadcast group per pipeline stage, hosted where learner rank 0 runs (single-node
         # stages; a multi-node PP>1 layout would need each stage sender's address).
         address = group.call("master_address")[0]
-        base_port = free_port()
+        base_port = free_port_range(cfg.parallel.pp)  # stage p on base_port + p
         bucket = (cfg.rollout.weight_bucket_mib or 512) << 20
         if sglang:  # rank 0 updates the servers itself (SGLangTransport); see _sglang_engine
             group.call("connect_weight_sync", address, base_port, (), bucket, None, sglang=engine.config)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_gloo"]
+__all__ = ["free_port", "free_port_range", "run_gloo"]
 
 
 def free_port() -> int:
@@ -25,6 +25,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_range(count: int, attempts: int = 100) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that were all free a moment ago
+    (e.g. one weight-sync group per pipeline stage on `base + stage`)."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports found in {attempts} attempts")
 
 
 def _child(rank: int, fn: Callable, world_size: int, port: int, threads: int, args: tuple) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, iter_flattened_buckets, unpack_flattened_bucket
 from entr_megatron.rollout.weights import WeightStage
-from entr_megatron.utils.spawn import free_port, run_gloo
+from entr_megatron.utils.spawn import free_port, free_port_range, run_gloo
 from entr_megatron.weight_sync import (
     BroadcastGroup,
     BucketLayout,
@@ -249,7 +249,7 @@ def print_report(what, r):
 
 
 def test_tp2_and_pp2_learners_push_into_an_embedded_engine(model_dir):
-    run_gloo(_learner_ranks, 2, model_dir, (free_port(), free_port()), timeout_s=300)
+    run_gloo(_learner_ranks, 2, model_dir, (free_port(), free_port_range(2)), timeout_s=300)
 
 
 # --- the protocol in one process (threads) ------------------------------------------------------
