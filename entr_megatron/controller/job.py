@@ -378,7 +378,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         address = group.call("master_address")[0]
         base_port = free_port_range(cfg.parallel.pp)  # stage p on base_port + p
         bucket = (cfg.rollout.weight_bucket_mib or 512) << 20
-        if sglang:  # rank 0 updates the servers itself (SGLangTransport); see _sglang_engine
+        if sglang:  # rank 0 updates the servers itself (SGLangTransport); see sglang_setup.py
             group.call("connect_weight_sync", address, base_port, (), bucket, None, sglang=engine.config)
             learner = SGLangPusher(group, engine)
         else:

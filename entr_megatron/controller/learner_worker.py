@@ -161,7 +161,7 @@ class LearnerWorker:
             transport = None
             if sender:
                 # This process's own client of the servers: its update_weights runs the handshake
-                # (the controller's client only generates; see controller/job.py).
+                # (the controller's client only generates; see controller/sglang_setup.py).
                 self._sglang = SGLangEngine(sglang)
                 transport = SGLangTransport(self._sglang, master_address, base_port, timeout_s=timeout_s)
             config = WeightSyncConfig(bucket_bytes=sglang.weight_bucket_bytes, dtype=sglang.weight_dtype)
