@@ -64,7 +64,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from entr_megatron.cli.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
+from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
 ENGINES = ("embedded", "sglang")

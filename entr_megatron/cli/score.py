@@ -50,7 +50,7 @@ import torch.multiprocessing as mp
 
 from entr_megatron import models
 from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, mismatch_metrics
-from entr_megatron.cli.jsonl import atomic_output, check_token_ids, read_jsonl_objects
+from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
 from entr_megatron.learner import checkpoint_dir
 from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS

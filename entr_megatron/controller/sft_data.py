@@ -11,42 +11,25 @@ Batches walk a seeded permutation of all examples, epoch after epoch, so step
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
+
+from entr_megatron.utils.jsonl import check_token_ids, read_jsonl_objects
 
 __all__ = ["load_sft_file_examples", "read_sft_file"]
 
 Example = tuple[list[int], list[int]]
 
 
-def _ids(value: Any, where: str, key: str) -> list[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(t, int) and t >= 0 for t in value):
-        raise ValueError(f"{where}: {key!r} must be a non-empty list of token ids >= 0")
-    return value
-
-
 def read_sft_file(path: str, tokenizer: Any) -> list[Example]:
     """All examples of one JSONL file; errors name the file and line."""
     examples = []
-    try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise ValueError(f"sft.data_files: cannot read {path!r}: {e}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: each line must be a JSON object")
+    for _, where, row in read_jsonl_objects(path, flag="sft.data_files"):
         if "input_ids" in row or "output_ids" in row:
-            examples.append((_ids(row.get("input_ids"), where, "input_ids"), _ids(row.get("output_ids"), where, "output_ids")))
+            examples.append((check_token_ids(row.get("input_ids"), where, "input_ids", None),
+                             check_token_ids(row.get("output_ids"), where, "output_ids", None)))
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
             prompt = tokenizer.encode(row["prompt"])
             response = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]

@@ -27,11 +27,11 @@ def test_text_and_id_lines(tmp_path, tok):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("{not json", r"a.jsonl:2: not JSON"),
-    ('[1, 2]', r"a.jsonl:2: each line must be a JSON object"),
+    ("{not json", r"a.jsonl:2: not valid JSON"),
+    ('[1, 2]', r"a.jsonl:2: expected a JSON object"),
     ('{"prompt": "1+2="}', r"a.jsonl:2: needs string 'prompt' and 'response'.*got keys \['prompt'\]"),
-    ('{"input_ids": [], "output_ids": [3]}', r"a.jsonl:2: 'input_ids' must be a non-empty list of token ids"),
-    ('{"input_ids": [1], "output_ids": [-3]}', r"a.jsonl:2: 'output_ids' must be a non-empty list"),
+    ('{"input_ids": [], "output_ids": [3]}', r'a.jsonl:2: "input_ids" must be a non-empty list of token ids'),
+    ('{"input_ids": [1], "output_ids": [-3]}', r"a.jsonl:2: output_ids\[0\]=-3 is outside the model's vocabulary"),
 ])
 def test_bad_lines_name_file_and_line(tmp_path, tok, line, message):
     path = write(tmp_path / "a.jsonl", [{"prompt": "1+1=", "response": "2"}, line])

@@ -1,4 +1,4 @@
-"""JSONL files for the CLI commands: numbered input lines, token-id checks, atomic output.
+"""JSONL files for the CLI and data loaders: numbered input lines, token-id checks, atomic output.
 
 Errors are `ValueError`s that start with "FILE:LINE:" so a user can jump to the bad
 line; the wording matches `score` (whose own copies predate this module).
