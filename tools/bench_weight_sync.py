@@ -75,13 +75,18 @@ class OneBufferReceiver(WeightReceiver):
     group: WeightGroup
     rank: int
     layout: BucketLayout
+    chunk_bytes: int = 0
+    """> 0: the buffer in pieces of this size, pipelined over the group's streams (`broadcast_chunks`)."""
 
     def receive(self, stage) -> None:
         g = joined_group(self.group, self.rank)
         if not _BASELINE_BUFFER or _BASELINE_BUFFER[0].numel() != self.layout.nbytes:
             _BASELINE_BUFFER[:] = [torch.empty(self.layout.nbytes, dtype=torch.uint8)]
         flat = _BASELINE_BUFFER[0]
-        g.broadcast(flat)
+        if self.chunk_bytes > 0:
+            g.broadcast_chunks(flat, self.chunk_bytes)
+        else:
+            g.broadcast(flat)
         g.all_reduce_sum(0)
         stage.load_bucket(WeightBucket(self.layout.entries(), flat))
 
@@ -116,18 +121,22 @@ def _learner(rank, world, args, model_dir, port):
         print(f"model: {sum(torch.Size(s).numel() for s in layout.shapes) / 1e6:.1f} M parameters, "
               f"{total / GB:.3f} GB fp32, {len(layout.names)} tensors", flush=True)
 
-        def bare() -> tuple[float, float]:
-            """(one broadcast + acknowledgement, the same until the engine copied it into its stage)."""
+        def bare(chunk_bytes: int = 0) -> tuple[float, float]:
+            """(one broadcast + acknowledgement, the same until the engine copied it into its stage);
+            chunk_bytes > 0: the buffer in pieces instead of one broadcast."""
             nonlocal version
             version += 1
-            receiver, out = OneBufferReceiver(wgroups[0], 1, layout), []
+            receiver, out = OneBufferReceiver(wgroups[0], 1, layout, chunk_bytes), []
             t_call = time.time()
             call = threading.Thread(target=lambda: out.append(engine.update_weights(receiver, version)))
             call.start()
             time.sleep(0.05)  # the engine's receiver is waiting: time the wire, not the call
             t_wire = time.time()
             t = time.perf_counter()
-            transport.group.broadcast(flat)
+            if chunk_bytes > 0:
+                transport.group.broadcast_chunks(flat, chunk_bytes)
+            else:
+                transport.group.broadcast(flat)
             transport.group.all_reduce_sum(0)
             seconds = time.perf_counter() - t
             call.join()
@@ -144,30 +153,34 @@ def _learner(rank, world, args, model_dir, port):
         copies = [copy_alone() for _ in range(args.reps + 1)][1:]
         del scratch
         bares, loads = [], []
-        for chunk_mb, bucket_mb, buffers in itertools.product(args.chunk_mb, args.bucket_mb, args.buffers):
+        for snapshot, chunk_mb, bucket_mb, buffers in itertools.product(args.snapshot, args.chunk_mb, args.bucket_mb,
+                                                                         args.buffers):
             transport.chunk_bytes = chunk_mb << 20
-            config = WeightSyncConfig(bucket_bytes=bucket_mb << 20, max_buckets_in_flight=buffers or None)
+            config = WeightSyncConfig(bucket_bytes=bucket_mb << 20, max_buckets_in_flight=buffers or None,
+                                      snapshot=snapshot, borrow_min_bytes=args.borrow_min_mb << 20)
             sync = WeightSync.for_learner(chunks, spec, groups, transport, config)
-            reports, paired = [], []
+            reports, paired, piecewise = [], [], []
             for rep in range(args.reps + 1):
                 version += 1
                 report = sync.push(version).wait()
                 assert engine.weight_version == version and report.num_bytes == total
                 wire, load = bare()
+                pieces = bare(chunk_mb << 20)[0]
                 if rep:  # the first of each: warm-up (fresh buffers fault their pages in)
                     reports.append(report)
                     paired.append(wire)
+                    piecewise.append(pieces)
                     bares.append(wire)
                     loads.append(load)
             sync.pool.clear()
-            rows.append((chunk_mb, bucket_mb, buffers, reports, paired))
+            rows.append((snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise))
             med = statistics.median
-            print(f"  chunk {chunk_mb} MiB, bucket {bucket_mb} MiB, buffers {buffers or 'all'}: sync {med(r.transfer_s for r in reports):.3f} s, "
-                  f"bare {med(paired):.3f} s", flush=True)
+            print(f"  snapshot {snapshot}, chunk {chunk_mb} MiB, bucket {bucket_mb} MiB, buffers {buffers or 'all'}: "
+                  f"sync {med(r.transfer_s for r in reports):.3f} s, bare {med(paired):.3f} s", flush=True)
     finally:
         transport.close()
         engine.shutdown()
-    _table(rows, total, bares, loads, copies, args)
+    _table(rows, total, bares, loads, copies, args, wgroups[0].streams)
 
 
 def _hf_weights(chunks, spec, groups):
@@ -176,7 +189,7 @@ def _hf_weights(chunks, spec, groups):
     return iter_hf_weights(chunks, spec, groups, layout="transformers")
 
 
-def _table(rows, total, bares, loads, copies, args):
+def _table(rows, total, bares, loads, copies, args, streams):
     med = statistics.median
     bare_s = med(bares)
     print()
@@ -184,19 +197,30 @@ def _table(rows, total, bares, loads, copies, args):
           f"vocab {args.vocab}), learner Megatron TP=1 -> EmbeddedEngine process, gloo over 127.0.0.1, "
           f"median of {args.reps}, {os.cpu_count()} CPU cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
-    print("| transfer | bucket | chunk | snapshot buffers | buckets | time (s) | GB/s | vs bare | learner blocked (s) | engine blocked (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| bare gloo broadcast, one flat buffer | - | - | - | 1 | {bare_s:.3f} | {total / bare_s / GB:.2f} | 1.00 | - | - |")
-    for chunk_mb, bucket_mb, buffers, reports, paired in rows:
+    print("| transfer | snapshot | bucket | chunk | snapshot buffers | buckets | borrowed | peak snapshot | time (s) | GB/s "
+          "| vs bare | learner blocked (s) | engine blocked (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| bare gloo broadcast, one flat buffer | - | - | - | - | 1 | - | - | {bare_s:.3f} | {total / bare_s / GB:.2f} "
+          "| 1.00 | - | - |")
+    for snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise in rows:
         t = med(r.transfer_s for r in reports)
         ratio = med(b / r.transfer_s for r, b in zip(reports, paired))  # each with the bare run next to it
-        print(f"| weight sync | {bucket_mb} MiB | {chunk_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} | {t:.3f} | "
-              f"{total / t / GB:.2f} | {ratio:.2f} | {med(r.blocked_s for r in reports):.3f} | "
+        print(f"| weight sync | {snapshot} | {bucket_mb} MiB | {chunk_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} "
+              f"| {reports[0].borrowed_bytes / total:.0%} | {reports[0].peak_snapshot_bytes / GB:.3f} GB | {t:.3f} "
+              f"| {total / t / GB:.2f} | {ratio:.2f} | {med(r.blocked_s for r in reports):.3f} | "
               f"{med(r.engine_blocked_s for r in reports):.4f} |")
-    print(f"| (context) bare broadcast, then the engine copies it into its stage | - | - | - | 1 | {med(loads):.3f} | "
-          f"{total / med(loads) / GB:.2f} | {bare_s / med(loads):.2f} | - | - |")
-    print(f"| (context) the learner's copy of the model into a warm buffer, alone | - | - | - | - | {med(copies):.3f} | "
-          f"{total / med(copies) / GB:.2f} | - | - | - |")
+    by_chunk: dict[int, list[tuple[float, float]]] = {}
+    for _, chunk_mb, _, _, _, paired, piecewise in rows:
+        by_chunk.setdefault(chunk_mb, []).extend(zip(paired, piecewise))
+    for chunk_mb, pairs in by_chunk.items():
+        t = med(p for _, p in pairs)
+        print(f"| (context) bare, the same buffer in {chunk_mb} MiB pieces over the group's {streams} gloo streams "
+              f"| - | - | {chunk_mb} MiB | - | 1 | - | - | {t:.3f} | {total / t / GB:.2f} | "
+              f"{med(b / p for b, p in pairs):.2f} | - | - |")
+    print(f"| (context) bare broadcast, then the engine copies it into its stage | - | - | - | - | 1 | - | - | "
+          f"{med(loads):.3f} | {total / med(loads) / GB:.2f} | {bare_s / med(loads):.2f} | - | - |")
+    print(f"| (context) the learner's copy of the model into a warm buffer, alone | - | - | - | - | - | - | - | "
+          f"{med(copies):.3f} | {total / med(copies) / GB:.2f} | - | - | - |")
     print("(vs bare: per repetition, bare time / sync time of the runs next to each other; goal >= 0.8)")
 
 
@@ -212,6 +236,9 @@ def main(argv=None):
     p.add_argument("--chunk-mb", type=int, nargs="+", default=[64],
                    help="MiB per broadcast of a bucket's data (>= the bucket: one broadcast per bucket, sent once copied)")
     p.add_argument("--buffers", type=int, nargs="+", default=[0], help="snapshot buffers (0: all, one copy of the model)")
+    p.add_argument("--snapshot", nargs="+", default=["borrow", "copy"], choices=["borrow", "copy"],
+                   help="WeightSyncConfig.snapshot: parameters sent where they are, or every tensor copied first")
+    p.add_argument("--borrow-min-mb", type=int, default=1, help="WeightSyncConfig.borrow_min_bytes, in MiB")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = p.parse_args(argv)

@@ -21,6 +21,7 @@ MODEL_DTYPES = ("float32", "bfloat16")
 ENGINES = ("embedded", "sglang")
 EMBEDDED_DTYPES = ("float32", "bfloat16")
 SGLANG_DTYPES = ("auto", "bfloat16", "float16", "float32")
+WEIGHT_SNAPSHOTS = ("borrow", "copy")
 KV_ON_UPDATE = ("keep", "recompute")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random")
 CONTROLLER_MODES = ("sync", "one_step_off", "fully_async")
@@ -356,7 +357,14 @@ class RolloutConfig:
     it. None: the engine's default (embedded keep, sglang recompute)."""
 
     weight_bucket_mib: int | None = None
-    """Size of one weight-sync bucket in MiB. None: the engine's default (embedded 64, sglang 512). >= 1."""
+    """Size of one weight-sync bucket in MiB. None: 512. >= 1."""
+
+    weight_snapshot: str = "borrow"
+    """How the learner holds the weights it is sending (one of WEIGHT_SNAPSHOTS). 'borrow': parameters
+    go on the wire straight from where they are (no copy; re-laid-out or gathered tensors are
+    copied), and the next optimizer step waits until they are sent (forward and backward do not).
+    'copy': everything is copied into host buffers first (one more copy of the stage's weights in
+    memory and CPU time), and the learner never waits for the wire."""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters, including the group size n."""
@@ -376,6 +384,7 @@ class RolloutConfig:
         if self.kv_on_update is not None:
             _choice("rollout.kv_on_update", self.kv_on_update, KV_ON_UPDATE)
         _int("rollout.weight_bucket_mib", self.weight_bucket_mib, low=1, optional=True)
+        _choice("rollout.weight_snapshot", self.weight_snapshot, WEIGHT_SNAPSHOTS)
 
     @property
     def gpus_needed(self) -> int:

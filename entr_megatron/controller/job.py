@@ -379,12 +379,14 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         base_port = free_port_range(cfg.parallel.pp)  # stage p on base_port + p
         bucket = (cfg.rollout.weight_bucket_mib or 512) << 20
         if sglang:  # rank 0 updates the servers itself (SGLangTransport); see sglang_setup.py
-            group.call("connect_weight_sync", address, base_port, (), bucket, None, sglang=engine.config)
+            group.call("connect_weight_sync", address, base_port, (), bucket, None, sglang=engine.config,
+                       snapshot=cfg.rollout.weight_snapshot)
             learner = SGLangPusher(group, engine)
         else:
             wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
             wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype
-            group.call("connect_weight_sync", address, base_port, (1,) * len(engines), bucket, wire_dtype)
+            group.call("connect_weight_sync", address, base_port, (1,) * len(engines), bucket, wire_dtype,
+                       snapshot=cfg.rollout.weight_snapshot)
             learner = RemoteLearner(group, engines, [receiver_for(wgroups, i) for i in range(len(engines))])
         if resume_step is None and engine.weight_version != 0:  # servers given by URL: the learner's weights
             _say("pushing the learner's weights to the engines (version 0)")

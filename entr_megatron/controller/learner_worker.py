@@ -123,9 +123,15 @@ class LearnerWorker:
         if self.groups.dp_size > 1:
             local = split_for_data_parallel(batch, self.groups.dp_size)[self.groups.dp_rank]
         t0 = time.perf_counter()
+        waited = [0.0]
+
+        def before_update():  # the weights a push borrowed must be on the wire before they change
+            waited[0] = self.sync.wait_borrowed() if self.sync is not None else 0.0
+
         metrics = train_step(self.ddp, self.optimizer, self.scheduler, local, self.groups, self.algo_cfg,
-                             self.learner_cfg, current_version=version)
+                             self.learner_cfg, current_version=version, before_update=before_update)
         metrics["timing/learner_step_s"] = time.perf_counter() - t0
+        metrics["timing/weight_borrow_wait_s"] = waited[0]
         return metrics
 
     # --- weights to the engines -------------------------------------------------------------------
@@ -135,8 +141,11 @@ class LearnerWorker:
 
     def connect_weight_sync(self, master_address: str, base_port: int, engine_ranks: tuple[int, ...],
                             bucket_bytes: int, dtype: str | None, timeout_s: float = 600.0,
-                            sglang: Any = None) -> bool:
+                            sglang: Any = None, snapshot: str = "borrow") -> bool:
         """Builds this rank's `WeightSync` (groups on `base_port + stage`); True on the stage senders.
+
+        snapshot: `WeightSyncConfig.snapshot`; with "borrow", `train` makes its optimizer step
+        (and `load` the checkpoint) wait until the last push no longer reads the parameters.
 
         sglang: an `SGLangEngineConfig` of the run's SGLang servers. The sender (rank 0; PP = 1)
         then drives them itself through `SGLangTransport` (their weight-update group on
@@ -164,17 +173,18 @@ class LearnerWorker:
                 # (the controller's client only generates; see controller/sglang_setup.py).
                 self._sglang = SGLangEngine(sglang)
                 transport = SGLangTransport(self._sglang, master_address, base_port, timeout_s=timeout_s)
-            config = WeightSyncConfig(bucket_bytes=sglang.weight_bucket_bytes, dtype=sglang.weight_dtype)
+            config = WeightSyncConfig(bucket_bytes=sglang.weight_bucket_bytes, dtype=sglang.weight_dtype,
+                                      snapshot=snapshot)
         else:
             wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks)
             transport = BucketTransport(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
-            config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype)
+            config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype, snapshot=snapshot)
         self.sync = WeightSync.for_learner(self.chunks, self.model_spec, self.groups, transport, config)
         return sender
 
     def push(self, version: int) -> float:
-        """Snapshots the weights as `version`; the broadcast continues in the background.
-        Returns how long this rank was blocked (s)."""
+        """Snapshots (or borrows) the weights as `version`; the broadcast continues in the
+        background. Returns how long this rank was blocked (s)."""
         if self.sync is None:
             raise RuntimeError("connect_weight_sync first")
         self._push = self.sync.push(version)
@@ -199,6 +209,8 @@ class LearnerWorker:
     def load(self, root: str, step: int | None = None) -> tuple[int, Any]:
         from entr_megatron.learner.checkpoint import load_checkpoint
 
+        if self.sync is not None:
+            self.sync.wait_borrowed()  # the weights are about to change
         return load_checkpoint(root, self.ddp, self.optimizer, self.scheduler, step=step)
 
     def export_hf(self, out_dir: str) -> str:

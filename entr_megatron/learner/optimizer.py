@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,11 +132,13 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def optimizer_step(optimizer, scheduler: OptimizerParamScheduler | None, clip_grad: float) -> StepResult:
+def optimizer_step(optimizer, scheduler: OptimizerParamScheduler | None, clip_grad: float, *,
+                   before_update: Callable[[], object] | None = None) -> StepResult:
     """Clip and apply the gradients, or skip the step when their global norm is not finite.
 
     Mirrors ``ChainedOptimizer.step`` (prepare, one global norm, clip every sub-optimizer
     with it, step) plus the finiteness check. The scheduler advances only on applied steps.
+    ``before_update()`` runs right before the parameters change (not on a skipped step).
     """
     from megatron.core.optimizer import clip_grads  # read at call time: the CPU compat layer wraps it
 
@@ -157,6 +160,8 @@ def optimizer_step(optimizer, scheduler: OptimizerParamScheduler | None, clip_gr
                     params, max_norm=clip_grad, total_norm=grad_norm,
                     use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                 )
+    if before_update is not None:
+        before_update()
     applied = bool(optimizer.step_with_ready_grads())
     if applied and scheduler is not None:
         scheduler.step(increment=1)

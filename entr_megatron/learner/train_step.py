@@ -22,6 +22,7 @@ except with interleaving, where all micro-batches are padded to one length
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -222,8 +223,8 @@ def _from_last_stage(metrics: dict, groups) -> dict:
 # --- public API ---------------------------------------------------------------------------------------
 
 def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, groups,
-               algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, current_version: int | None = None
-               ) -> dict[str, float]:
+               algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, current_version: int | None = None,
+               before_update: Callable[[], object] | None = None) -> dict[str, float]:
     """One optimizer step of the RL loss on ``batch`` (this data-parallel rank's sequences).
 
     Args:
@@ -234,6 +235,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
             the same on every TP/PP rank of the replica.
         groups: the ``ParallelGroups`` of the layout.
         current_version: the policy version being trained (policy-lag metrics).
+        before_update: called after forward and backward, just before the optimizer changes
+            the weights (e.g. `WeightSync.wait_borrowed`: a push still reading them).
 
     Returns the same metrics on every rank: ``loss`` (exact: global numerator / global
     count), the mismatch metrics (mismatch/*, mask/fraction, is/ess, entropy_bin/*,
@@ -265,7 +268,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
                                      old_logprobs_T=old_logprobs, current_version=current_version)
 
     reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
-    step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad)
+    step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad, before_update=before_update)
 
     metrics = _finalize_metrics(*_reduce_reports(reports, groups)) if last else {}
     metrics = _from_last_stage(metrics, groups)

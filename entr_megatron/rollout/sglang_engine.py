@@ -520,6 +520,9 @@ class WeightGroup:
     backend: str
     rank_offsets: tuple[int, ...]
     """First rank of each server (server i holds rank_offsets[i] .. + tp_size - 1)."""
+    streams: int = 1
+    """gloo: TCP connections between each pair of ranks, used in turn by consecutive broadcasts
+    (`weight_sync.stage_groups`); 1 for SGLang's groups, whose side opens one."""
 
 
 @runtime_checkable

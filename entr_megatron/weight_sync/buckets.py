@@ -47,9 +47,14 @@ class BucketLayout:
     names: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...]
     shapes: tuple[tuple[int, ...], ...]
+    alone: tuple[int, ...] = ()
+    """Slots (indices, increasing) whose bytes travel in broadcasts of their own, never shared with
+    a neighbour's: the learner sends them straight from its parameters (`WeightSyncConfig.snapshot`)."""
 
     def __post_init__(self):
         assert len(self.names) == len(self.dtypes) == len(self.shapes) > 0, "a bucket holds at least one tensor"
+        assert list(self.alone) == sorted(set(self.alone)) and all(0 <= i < len(self.names) for i in self.alone), \
+            f"alone must be increasing slot indices, got {self.alone}"
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -63,6 +68,34 @@ class BucketLayout:
     @cached_property
     def nbytes(self) -> int:
         return self.offsets[-1] + _numel(self.shapes[-1]) * self.dtypes[-1].itemsize
+
+    def slot_nbytes(self, i: int) -> int:
+        return _numel(self.shapes[i]) * self.dtypes[i].itemsize
+
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """The bytes as (start, end) segments in order: each `alone` slot, and each run of the
+        other slots between them (empty slots and runs left out)."""
+        out, start = [], 0
+        for i in self.alone:
+            offset, end = self.offsets[i], self.offsets[i] + self.slot_nbytes(i)
+            if offset > start:
+                out.append((start, offset))
+            if end > offset:
+                out.append((offset, end))
+            start = end
+        if self.nbytes > start:
+            out.append((start, self.nbytes))
+        return tuple(out)
+
+    def ranges(self, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
+        """The (start, end) byte ranges the bucket's bytes are broadcast in: each segment in
+        pieces of at most `chunk_bytes` (<= 0: whole), the last piece of each shorter. Sender
+        and receivers cut the same ranges from the header and the control message."""
+        out = []
+        for start, end in self.segments():
+            step = end - start if chunk_bytes <= 0 else chunk_bytes
+            out.extend((s, min(end, s + step)) for s in range(start, end, step))
+        return tuple(out)
 
     def entries(self) -> tuple[BucketEntry, ...]:
         """The same slots as `rollout.weights` entries (for `WeightBucket` / `WeightStage.load_bucket`)."""
@@ -102,14 +135,14 @@ class BucketLayout:
     def to_bytes(self) -> bytes:
         """The header receivers decode with `from_bytes` (JSON, SGLang's dtype names)."""
         body = {"names": list(self.names), "dtypes": [dtype_name(d) for d in self.dtypes],
-                "shapes": [list(s) for s in self.shapes]}
+                "shapes": [list(s) for s in self.shapes], "alone": list(self.alone)}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BucketLayout:
         body = json.loads(data)
         return cls(tuple(body["names"]), tuple(dtype_from_name(d) for d in body["dtypes"]),
-                   tuple(tuple(int(x) for x in s) for s in body["shapes"]))
+                   tuple(tuple(int(x) for x in s) for s in body["shapes"]), tuple(int(i) for i in body["alone"]))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

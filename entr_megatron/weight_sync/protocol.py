@@ -3,19 +3,22 @@
 One version on one group, every message a broadcast from rank 0:
 
     per bucket:  control int64[5] = (BUCKET, version, header bytes, data bytes, chunk bytes)
-                 header  uint8[header bytes]  = BucketLayout JSON (names, dtypes, shapes)
+                 header  uint8[header bytes]  = BucketLayout JSON (names, dtypes, shapes, alone)
                  data    uint8[data bytes]    = the flat bucket (SGLang's flattened layout), as
-                         consecutive broadcasts of `chunk bytes` each (the last one shorter)
+                         consecutive broadcasts `BucketLayout.ranges(chunk bytes)`: each
+                         segment (an `alone` tensor, or a run of the others) in pieces of
+                         at most `chunk bytes`
     at the end:  control (END, version, 0, number of buckets, 0), then an all-reduce of one
                  int64: each engine rank adds 1 if it could not take the version
     on failure:  control (ABORT, version, header bytes, 0, 0) + header = the learner's error (UTF-8)
 
 Metadata goes first so that receivers allocate (or reuse) a buffer of the right size
 before the bytes come; a bucket's bytes travel in a few large chunks whatever the
-number of tensors in it. Both sides keep two chunks in flight
-(`BroadcastGroup.broadcast_chunks`): each receiver has posted the next chunk before
-the current one ends, so the stream does not stall between chunks, and the sender
-sends a chunk as soon as the learner has copied it. The closing all-reduce tells the learner that every engine holds the complete
+number of tensors in it. Tensors the learner sends straight from its parameters
+(`WeightSyncConfig.snapshot="borrow"`) are `alone`: no piece mixes their bytes with
+copied ones. Both sides keep two pieces in flight (`BroadcastGroup.broadcast_pieces`):
+each receiver has posted the next piece before the current one ends, so the stream does
+not stall between pieces, and the sender sends a piece as soon as the learner has copied it. The closing all-reduce tells the learner that every engine holds the complete
 version (its transfer time ends there), or that one refused it.
 """
 
@@ -41,7 +44,7 @@ class Control(NamedTuple):
     header_len: int
     data_len: int
     chunk_len: int
-    """Data bytes per broadcast (0: the data in one)."""
+    """Data bytes per broadcast at most (0: each segment in one; `BucketLayout.ranges`)."""
 
 
 def send_control(group: BroadcastGroup, kind: int, version: int, header: bytes = b"", data_len: int = 0,

@@ -6,7 +6,7 @@
 `BroadcastReceiver` is the `WeightReceiver` an engine runs on its weight thread
 (the embedded engine: inside its process, while it keeps decoding). It receives
 from every stage's group at once (one thread per group). Each bucket is broadcast
-(in chunks, two in flight: `BroadcastGroup.broadcast_chunks`) straight into the `WeightStage` (`WeightStage.bucket_buffer`: the staged tensors
+(in pieces, two in flight: `BucketLayout.ranges`, `BroadcastGroup.broadcast_pieces`) straight into the `WeightStage` (`WeightStage.bucket_buffer`: the staged tensors
 laid out as the bucket is, so the engine copies nothing) whenever its tensors
 travel in the engine's dtypes; otherwise (e.g. a cast on receipt) it lands in a
 receive buffer and a loader thread copies it into the stage while the next one is
@@ -193,12 +193,12 @@ def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
             entries = layout.entries()
             target = loader.stage.bucket_buffer(entries, layout.nbytes)
             if target is not None:  # in place: no receive buffer, no copy
-                group.broadcast_chunks(target, control.chunk_len)
+                group.broadcast_pieces(target[a:b] for a, b in layout.ranges(control.chunk_len))
                 loader.stage.commit_bucket(entries)
                 continue
         buf = member.buffers.acquire(control.data_len)
         try:
-            group.broadcast_chunks(buf.tensor[: control.data_len], control.chunk_len)
+            group.broadcast_pieces(buf.tensor[a:b] for a, b in layout.ranges(control.chunk_len))
         except BaseException:
             member.buffers.release(buf)
             raise

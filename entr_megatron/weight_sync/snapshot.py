@@ -3,17 +3,18 @@
     pool = BufferPool(max_buffers=4, pin_memory=torch.cuda.is_available())
     stream = SnapshotStream()
     # learner thread                                     # sender thread
-    buf = pool.acquire(layout.nbytes, stream)            for bucket in stream:            # in order
-    bucket = SnapshotBucket(layout, buf, pool, filling=True)  send(bucket.layout)          # header
-    stream.put(bucket)                                       for each slice of bucket.flat:
-    bucket.fill(tensors)   # copies, piece by piece              bucket.wait_filled(end)   # copied?
-    stream.finish()                                              send(slice)
-                                                             bucket.release()             # free again
+    buf = pool.acquire(nbytes, stream)                   for bucket in stream:            # in order
+    bucket = SnapshotBucket(layout, buf, pool,               send(bucket.layout)          # header
+                            borrowed=..., filling=True)      for piece in bucket.pieces(chunk):   # waits
+    stream.put(bucket)                                           send(piece)              # until copied
+    bucket.fill(tensors)   # copies, piece by piece          bucket.release()             # free again
+    stream.finish()
 
 The sender gets each bucket before it is copied, so it sends the first bytes of a
 bucket while the learner copies the rest (the copy and the wire overlap at the
-granularity of a slice, whatever the bucket size). A push returns once every
-tensor is copied into a buffer, so the learner may change its weights right away.
+granularity of a slice, whatever the bucket size). Copied tensors are the
+learner's to change once the push returned; borrowed ones (parameters sent from
+where they are, `WeightSyncConfig.snapshot="borrow"`) only once the sender is done.
 Memory is bounded by `max_buffers` (None: as many as one version needs, i.e. one
 copy of the stage's weights); with fewer, the learner waits for the sender to
 free one (reported as buffer wait). Buffers are kept and reused by later pushes
@@ -110,38 +111,66 @@ _FILL_SLICE_BYTES = 8 << 20
 
 
 class SnapshotBucket:
-    """One bucket of the snapshot: its layout and the host buffer holding its bytes.
+    """One bucket of the snapshot: its layout, the tensors it borrows and the buffer holding the rest.
 
-    A bucket made with `filling=True` is handed to the sender before its bytes are copied:
-    the learner's thread then calls `fill`, and the sender waits for the bytes it is about to
-    send with `wait_filled` (so it sends the start of a bucket while the rest is copied).
+    borrowed: slot index -> the tensor itself (contiguous, in the wire dtype: a learner
+    parameter), sent from where it is instead of copied; those slots must be the layout's
+    `alone` slots. The other slots are copied, back to back in their layout order, into
+    `buffer` (None when every slot is borrowed). A bucket made with `filling=True` is
+    handed to the sender before its bytes are copied: the learner's thread then calls
+    `fill`, and the sender's `pieces` wait for the bytes they are about to send (so it
+    sends the start of a bucket while the rest is copied).
     """
 
-    def __init__(self, layout: BucketLayout, buffer: PoolBuffer, pool: BufferPool, *, filling: bool = False):
+    def __init__(self, layout: BucketLayout, buffer: PoolBuffer | None, pool: BufferPool, *,
+                 borrowed: dict[int, torch.Tensor] | None = None, filling: bool = False):
+        borrowed = borrowed or {}
+        assert set(borrowed) <= set(layout.alone), "borrowed slots must travel alone"
         self.layout, self._buffer, self._pool = layout, buffer, pool
+        self._borrowed = {i: t.detach().reshape(-1).view(torch.uint8) for i, t in borrowed.items()}
+        copied = [i for i in range(len(layout.names)) if i not in borrowed]
+        self._copied = copied
+        self.copied_layout = BucketLayout(*(tuple(getattr(layout, f)[i] for i in copied)
+                                            for f in ("names", "dtypes", "shapes"))) if copied else None
+        """The copied slots alone, back to back: their place in `flat`."""
+        assert (buffer is None) == (self.copied_layout is None), "a buffer exactly when some slot is copied"
         self._released = False
         self._cond = threading.Condition()
-        self._filled = 0 if filling else layout.nbytes  # leading bytes of `flat` that are final
+        self._filled = 0 if filling else self.copied_nbytes  # leading bytes of `flat` that are final
         self._abandoned = False
 
     def __repr__(self) -> str:
-        return f"SnapshotBucket({self.layout.nbytes} bytes, {len(self.layout.names)} tensors, filled {self._filled})"
+        return (f"SnapshotBucket({self.layout.nbytes} bytes, {len(self.layout.names)} tensors, "
+                f"{len(self._borrowed)} borrowed, filled {self._filled})")
+
+    @property
+    def copied_nbytes(self) -> int:
+        return 0 if self.copied_layout is None else self.copied_layout.nbytes
+
+    @property
+    def borrowed_nbytes(self) -> int:
+        return self.layout.nbytes - self.copied_nbytes
 
     @property
     def flat(self) -> torch.Tensor:
-        return self._buffer.tensor[: self.layout.nbytes]
+        """The copied slots' bytes (`copied_layout`); the whole bucket when nothing is borrowed."""
+        if self._buffer is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._buffer.tensor[: self.copied_nbytes]
 
     def fill(self, tensors, stop=None, slice_bytes: int = _FILL_SLICE_BYTES) -> None:
-        """The learner's thread: copy `tensors` into the buffer, publishing progress. `stop()`
-        true (the sender failed) ends it with `TransferBroken`; any error abandons the bucket
-        (the sender then stops waiting for it)."""
+        """The learner's thread: copy the slots of `tensors` (all of them, wire order) that are not
+        borrowed into the buffer, publishing progress. `stop()` true (the sender failed) ends it
+        with `TransferBroken`; any error abandons the bucket (the sender then stops waiting for it)."""
         try:
-            for end in self.layout.fill_slices(self.flat, tensors, slice_bytes):
-                with self._cond:
-                    self._filled = end
-                    self._cond.notify_all()
-                if stop is not None and stop():
-                    raise TransferBroken("the weight sender failed")
+            if self.copied_layout is not None:
+                copied = [tensors[i] for i in self._copied]
+                for end in self.copied_layout.fill_slices(self.flat, copied, slice_bytes):
+                    with self._cond:
+                        self._filled = end
+                        self._cond.notify_all()
+                    if stop is not None and stop():
+                        raise TransferBroken("the weight sender failed")
         except BaseException:
             with self._cond:
                 self._abandoned = True
@@ -149,19 +178,53 @@ class SnapshotBucket:
             raise
 
     def wait_filled(self, nbytes: int | None = None) -> bool:
-        """The sender: until the first `nbytes` (None: all) are copied; False if the learner
-        abandoned the bucket first (it then fails the stream: the version is aborted)."""
-        need = self.layout.nbytes if nbytes is None else min(nbytes, self.layout.nbytes)
+        """The sender: until the first `nbytes` of `flat` (None: all) are copied; False if the
+        learner abandoned the bucket first (it then fails the stream: the version is aborted)."""
+        need = self.copied_nbytes if nbytes is None else min(nbytes, self.copied_nbytes)
         with self._cond:
             while self._filled < need and not self._abandoned:
                 self._cond.wait()
             return self._filled >= need
 
+    def pieces(self, chunk_bytes: int):
+        """The sender: the bucket's bytes as the tensors to broadcast for `layout.ranges(chunk_bytes)`,
+        each once it is ready: a borrowed slot's bytes where they are, the others from `flat` once
+        copied. A piece the learner abandoned is yielded as it is (the stream then fails and the
+        version is aborted: the wire stays aligned)."""
+        starts = {self.layout.offsets[i]: i for i in self._borrowed}
+        skipped = 0  # borrowed bytes before the current segment: layout offset - skipped = offset in flat
+        segment = None
+        for start, end in self.layout.ranges(chunk_bytes):
+            if segment is not None and start >= self.layout.offsets[segment] + self.layout.slot_nbytes(segment):
+                skipped += self.layout.slot_nbytes(segment)
+                segment = None
+            if start in starts:
+                segment = starts[start]
+            if segment is not None:
+                offset = self.layout.offsets[segment]
+                yield self._borrowed[segment][start - offset:end - offset]
+            else:
+                self.wait_filled(end - skipped)
+                yield self.flat[start - skipped:end - skipped]
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every slot in wire order: the borrowed tensors, views into `flat` for
+        the others (copied: call after `wait_filled()`)."""
+        copied = iter(self.copied_layout.views(self.flat) if self.copied_layout is not None else ())
+        out = []
+        for i, (name, dtype, shape) in enumerate(zip(self.layout.names, self.layout.dtypes, self.layout.shapes)):
+            if i in self._borrowed:
+                out.append((name, self._borrowed[i].view(dtype).view(shape)))
+            else:
+                out.append(next(copied))
+        return out
+
     def release(self) -> None:
         """Give the buffer back (idempotent); `flat` must not be used afterwards."""
         if not self._released:
             self._released = True
-            self._pool.release(self._buffer)
+            if self._buffer is not None:
+                self._pool.release(self._buffer)
 
 
 _END = object()

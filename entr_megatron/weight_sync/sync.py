@@ -2,9 +2,10 @@
 
     groups = stage_groups(master_address, base_port, pp_size=pg.pp_size)     # one broadcast group per stage
     transport = BucketTransport(groups[pg.pp_rank]) if is_weight_sender(pg) else None
-    sync = WeightSync.for_learner(chunks, spec, pg, transport, WeightSyncConfig(bucket_bytes=512 << 20))
+    sync = WeightSync.for_learner(chunks, spec, pg, transport, WeightSyncConfig(snapshot="borrow"))
     handle = sync.push(version)          # every learner rank; returns once the snapshot is taken
-    train_step(...)                      # the broadcast runs meanwhile
+    train_step(..., before_update=sync.wait_borrowed)   # forward/backward overlap the broadcast;
+                                                        # the optimizer step waits for borrowed weights
     report = handle.wait()               # every engine holds `version`; report.blocked_s, .transfer_s
 
 What happens on each rank of a pipeline stage, on the learner's thread:
@@ -14,11 +15,22 @@ What happens on each rank of a pipeline stage, on the learner's thread:
                                                                        buffer, a slice at a time
                                                                           │ SnapshotStream
     sender thread (the stage's first TP/DP/CP rank only):  transport.send: per bucket, its header,
-        then its bytes in chunks, each as soon as the learner has copied it (`BucketTransport`)
+        then its bytes in pieces, each as soon as the learner has copied it (`BucketTransport`)
 
-So the wire carries the first chunk of the snapshot while the learner copies the
+So the wire carries the first piece of the snapshot while the learner copies the
 next one, whatever the bucket size: the copy is hidden behind the transfer
 instead of preceding it.
+
+Two snapshot modes (`WeightSyncConfig.snapshot`):
+- "copy": every tensor is copied into host buffers; the learner may change its
+  weights as soon as `push` returns. Costs one more copy of the stage's weights
+  (memory, or `max_buckets_in_flight` buckets of it) and the CPU time of copying.
+- "borrow": a tensor that is a view of a parameter in the wire dtype (at TP=1
+  all but the re-laid-out QKV) goes on the wire from the parameter itself, in
+  broadcasts of its own; the rest is copied as above. The learner calls
+  `wait_borrowed()` before it changes its weights. On GPUs with NCCL this sends
+  straight from device memory; on CPU it saves the copy's CPU time, which on a
+  small machine competes with the transfer itself.
 
 The gathers are collectives on the learner's own groups, so they run on the
 learner's thread, in step on every rank of the stage (ranks that hold no part of
@@ -28,6 +40,7 @@ Only the broadcasts, on the stage's own group, run in the background.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -40,7 +53,9 @@ from entr_megatron.weight_sync.buckets import dtype_from_name, plan_buckets
 from entr_megatron.weight_sync.snapshot import BufferPool, SnapshotBucket, SnapshotStream, TransferBroken
 from entr_megatron.weight_sync.transports import Transport
 
-__all__ = ["PushHandle", "PushReport", "WeightSync", "WeightSyncConfig", "is_weight_sender"]
+__all__ = ["SNAPSHOT_MODES", "PushHandle", "PushReport", "WeightSync", "WeightSyncConfig", "is_weight_sender"]
+
+SNAPSHOT_MODES = ("copy", "borrow")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -61,6 +76,15 @@ class WeightSyncConfig:
     """Floating tensors travel as this torch dtype (e.g. "bfloat16" for bf16 engines); None: the learner's."""
     pin_memory: bool | None = None
     """Page-locked snapshot buffers (fast device-to-host copies); None: when CUDA is available."""
+    snapshot: str = "copy"
+    """"copy": every tensor is copied into the snapshot buffers; the learner may change its weights
+    as soon as `push` returns. "borrow": tensors of at least `borrow_min_bytes` that the transport
+    reads where they are (a parameter in the wire dtype, contiguous: at TP=1 most of them) are
+    sent straight from the parameters, without a copy and without their share of snapshot memory;
+    the learner must then call `WeightSync.wait_borrowed()` before it changes its weights (its
+    next optimizer step), so forward and backward still overlap the transfer."""
+    borrow_min_bytes: int = 1 << 20
+    """"borrow": smaller tensors are copied (each borrowed one is broadcast on its own)."""
 
     def __post_init__(self):
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
@@ -69,6 +93,11 @@ class WeightSyncConfig:
             raise ValueError(
                 f"WeightSyncConfig.max_buckets_in_flight must be None or >= 1, got {self.max_buckets_in_flight!r}"
             )
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ValueError(f"WeightSyncConfig.snapshot must be one of {SNAPSHOT_MODES}, got {self.snapshot!r}")
+        if isinstance(self.borrow_min_bytes, bool) or not isinstance(self.borrow_min_bytes, int) \
+                or self.borrow_min_bytes < 1:
+            raise ValueError(f"WeightSyncConfig.borrow_min_bytes must be a positive int, got {self.borrow_min_bytes!r}")
         if self.dtype is not None:
             try:
                 dtype_from_name(self.dtype)
@@ -86,6 +115,8 @@ class PushReport:
     num_tensors: int = 0
     num_bytes: int = 0
     """Bytes on the wire (after the dtype cast); 0 on ranks that do not send."""
+    borrowed_bytes: int = 0
+    """Part of `num_bytes` sent straight from the learner's tensors (`snapshot="borrow"`), not copied."""
     num_buckets: int = 0
     blocked_s: float = 0.0
     """The learner's thread inside `push`: gathers, copies into the snapshot and waits below."""
@@ -119,9 +150,14 @@ class PushHandle:
         self.report = report
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._released = threading.Event()  # the sender no longer reads borrowed tensors
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def released(self) -> bool:
+        """Whether the learner may change the tensors this push borrowed (true at once without any)."""
+        return self._released.is_set()
 
     def wait(self, timeout: float | None = None) -> PushReport:
         """The report once every engine holds the version; raises what went wrong (the engines
@@ -134,6 +170,7 @@ class PushHandle:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
+        self._released.set()
         self._done.set()
 
 
@@ -152,11 +189,16 @@ class WeightSync:
             the other ranks (they only iterate `source`, which keeps their gathers in step).
         config: bucket size, snapshot bound, dtype on the wire.
         iterate: False for ranks that take no part in the gathers (they return at once).
+        borrowable: with `snapshot="borrow"`, which of `source`'s tensors may be borrowed (the
+            learner's own parameters, which outlive the push); None: every tensor the transport
+            can read, the caller keeping them unchanged until `wait_borrowed`.
     """
 
     def __init__(self, source: Callable[[], NamedTensors], transport: Transport | None = None,
-                 config: WeightSyncConfig = WeightSyncConfig(), *, iterate: bool = True):
+                 config: WeightSyncConfig = WeightSyncConfig(), *, iterate: bool = True,
+                 borrowable: Callable[[torch.Tensor], bool] | None = None):
         self.source, self.transport, self.config, self.iterate = source, transport, config, iterate
+        self.borrowable = borrowable
         if transport is not None:
             _check_requirements(config, transport.requirements(), type(transport).__name__)
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
@@ -190,7 +232,11 @@ class WeightSync:
 
         # Expert weights are gathered over expert-parallel groups that span data-parallel ranks.
         iterate = spec.is_moe or (groups.dp_rank == 0 and groups.cp_rank == 0)
-        return cls(source, transport, config, iterate=iterate)
+        # Borrowed: views of the parameters' own storage (gathered or re-laid-out tensors are
+        # fresh memory that only lives through the push: those are copied).
+        storages = {p.untyped_storage().data_ptr() for chunk in model_chunks for p in chunk.parameters()}
+        return cls(source, transport, config, iterate=iterate,
+                   borrowable=lambda t: t.untyped_storage().data_ptr() in storages)
 
     @property
     def is_sender(self) -> bool:
@@ -207,9 +253,10 @@ class WeightSync:
 
         Every rank of the stage calls it at the same point (the gathers are collectives).
         Returns once the weights are copied (or, with `max_buckets_in_flight`, once the last
-        bucket is copied): the learner may update its weights right away. Waits first for
-        the previous push. Raises if the learner failed to produce the tensors (the
-        engines then discard the version)."""
+        bucket is copied): the learner may update its weights right away, or, with
+        `snapshot="borrow"`, after `wait_borrowed()`. Waits first for the previous push.
+        Raises if the learner failed to produce the tensors (the engines then discard the
+        version)."""
         t0 = time.perf_counter()
         report = PushReport(version=version, sender=self.is_sender)
         if self._last is not None:
@@ -237,7 +284,25 @@ class WeightSync:
             self._snapshot(stream, report)
         finally:
             report.blocked_s = time.perf_counter() - t0
+        if report.borrowed_bytes == 0:
+            handle._released.set()
         return handle
+
+    def wait_borrowed(self, timeout: float | None = None) -> float:
+        """Until the last push no longer reads the learner's tensors (at once unless it borrowed
+        some: `WeightSyncConfig.snapshot`); call before changing the weights. Returns the seconds
+        waited. Errors of the push are left to `PushHandle.wait`."""
+        if self._last is None or self._last.released():
+            return 0.0
+        t0 = time.perf_counter()
+        if not self._last._released.wait(timeout):
+            raise TimeoutError(f"weight version {self._last.version} still reads the learner's weights after {timeout} s")
+        return time.perf_counter() - t0
+
+    def _may_borrow(self, tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:
+        return (tensor.dtype == wire_dtype and tensor.is_contiguous()
+                and tensor.numel() * wire_dtype.itemsize >= self.config.borrow_min_bytes
+                and self.transport.can_borrow(tensor) and (self.borrowable is None or self.borrowable(tensor)))
 
     def _snapshot(self, stream: SnapshotStream, report: PushReport) -> None:
         """Learner thread: plan buckets, copy each into a buffer, queue it. Keeps iterating (without
@@ -251,11 +316,17 @@ class WeightSync:
                 report.num_buckets += 1
                 if broken:
                     continue
+                borrowed = {}
+                if self.config.snapshot == "borrow":
+                    borrowed = {i: t for i, t in enumerate(tensors) if self._may_borrow(t, layout.dtypes[i])}
+                    layout = dataclasses.replace(layout, alone=tuple(sorted(borrowed)))
+                copied_bytes = layout.nbytes - sum(layout.slot_nbytes(i) for i in borrowed)
                 t = time.perf_counter()
                 try:
-                    buf = self.pool.acquire(layout.nbytes, stream)
+                    buf = self.pool.acquire(copied_bytes, stream) if copied_bytes else None
                     report.buffer_wait_s += time.perf_counter() - t
-                    bucket = SnapshotBucket(layout, buf, self.pool, filling=True)
+                    report.borrowed_bytes += layout.nbytes - copied_bytes
+                    bucket = SnapshotBucket(layout, buf, self.pool, borrowed=borrowed, filling=True)
                     stream.put(bucket)  # the sender sends its header and each slice once copied
                     bucket.fill(tensors, stop=lambda: stream.error is not None)
                 except TransferBroken:

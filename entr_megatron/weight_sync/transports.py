@@ -42,6 +42,11 @@ class Transport(Protocol):
         """`WeightSyncConfig` fields whose values the engines dictate (empty: none)."""
         ...
 
+    def can_borrow(self, tensor) -> bool:
+        """Whether `send` can read `tensor` where it is (a snapshot then borrows it, see
+        `WeightSyncConfig.snapshot`) rather than from a host copy."""
+        ...
+
     def connect(self) -> None:
         """Join the group (blocks until the engines joined)."""
         ...
@@ -78,8 +83,9 @@ class BucketTransport:
     `engine.update_weights(receiver, version)` concurrently with the broadcasts and
     returns their reports (an engine receiving from several stages is driven by one
     stage only). Without them, whoever holds the engines calls that themselves.
-    chunk_bytes: a bucket's bytes go out in broadcasts of this size, each as soon as
-    the learner has copied it (the receivers learn it from each bucket's control message).
+    chunk_bytes: a bucket's bytes go out in broadcasts of at most this size
+    (`BucketLayout.ranges`), each as soon as the learner has copied it, or straight from
+    a borrowed parameter (the receivers learn it from each bucket's control message).
     """
 
     layout = "transformers"
@@ -93,6 +99,10 @@ class BucketTransport:
 
     def requirements(self) -> dict[str, Any]:
         return {}
+
+    def can_borrow(self, tensor) -> bool:
+        """Tensors on the wire's device (CPU for gloo, the GPU for NCCL): broadcast where they are."""
+        return tensor.device.type == ("cpu" if self.spec.backend == "gloo" else "cuda")
 
     def connect(self) -> None:
         if self.group is None:
@@ -124,9 +134,9 @@ class BucketTransport:
                     try:
                         send_control(group, BUCKET, version, bucket.layout.to_bytes(), bucket.layout.nbytes,
                                      self.chunk_bytes)
-                        # A chunk the learner abandoned goes out as it is: the stream then fails
+                        # A piece the learner abandoned goes out as it is: the stream then fails
                         # and the version is aborted below (the wire stays aligned).
-                        group.broadcast_chunks(bucket.flat, self.chunk_bytes, ready=bucket.wait_filled)
+                        group.broadcast_pieces(bucket.pieces(self.chunk_bytes))
                     finally:
                         bucket.release()
                     num_buckets += 1
@@ -176,6 +186,10 @@ class SGLangTransport:
     def requirements(self) -> dict[str, Any]:
         return {"bucket_bytes": self.engine.config.weight_bucket_bytes, "dtype": self.engine.config.weight_dtype}
 
+    def can_borrow(self, tensor) -> bool:
+        """Any tensor: the engine packs each bucket (a copy) itself."""
+        return True
+
     def connect(self) -> None:
         if self.group is None:
             self.engine.init_weights_update_group(
@@ -215,7 +229,7 @@ def _tensors(stream: SnapshotStream) -> Iterator[tuple[str, Any]]:
             held.append(bucket)
             if not bucket.wait_filled():  # the learner failed copying it: the stream raises next
                 continue
-            for i, item in enumerate(bucket.layout.views(bucket.flat)):
+            for i, item in enumerate(bucket.views()):
                 yield item
                 if i == 0:
                     for old in held[:-1]:

@@ -266,7 +266,18 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
             start = sum(s.tokens_T.numel() for s in shares[:groups.dp_rank])
             want = ref["logprobs"][start:start + local.tokens_T.numel()]
             close(logprobs, want, f"{where}: compute_logprobs")
-    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg, current_version=5)
+    before = [p.detach().clone() for c in ddp for p in c.parameters()]
+    hook_saw = []  # before_update (a weight push still reading them) runs after backward, before any change
+
+    def before_update():
+        hook_saw.append(all(torch.equal(p.detach(), p0) for p, p0 in zip((p for c in ddp for p in c.parameters()), before))
+                        and any(p.main_grad.abs().sum() > 0 for c in ddp for p in c.parameters() if p.requires_grad
+                                and getattr(p, "main_grad", None) is not None and p.main_grad.numel() > 0))
+
+    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg, current_version=5,
+                         before_update=before_update)
+    assert hook_saw == [True], f"{where}: before_update saw changed weights or no gradients: {hook_saw}"
+    assert any(not torch.equal(p.detach(), p0) for p, p0 in zip((p for c in ddp for p in c.parameters()), before))
     assert metrics["optim/skipped"] == 0.0, f"{where}: step skipped"
     close(metrics["loss"], ref["loss"], f"{where}: loss")
     close(metrics["optim/grad_norm"], ref["norm"], f"{where}: grad norm")
@@ -294,7 +305,10 @@ def check_nonfinite_step_is_skipped(ref, learner_cfg, tp=1):
     algo_cfg = algo_config()
     before = [p.detach().clone() for c in ddp for p in c.parameters()]
     bad = split_for_data_parallel(make_global_batch(nan_advantage=True), groups.dp_size)[groups.dp_rank]
-    metrics = train_step(ddp, optimizer, scheduler, bad, groups, algo_cfg, learner_cfg)
+    called = []
+    metrics = train_step(ddp, optimizer, scheduler, bad, groups, algo_cfg, learner_cfg,
+                         before_update=lambda: called.append(1))
+    assert called == [], "a skipped step changes no weight: nothing to wait for"
     assert metrics["optim/skipped"] == 1.0 and not math.isfinite(metrics["optim/grad_norm"]), metrics
     assert scheduler.num_steps == 0
     for p, p0 in zip((p for c in ddp for p in c.parameters()), before):

@@ -14,6 +14,7 @@ boundaries, bounded snapshots, refusals, aborts, the SGLang adapter against
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -190,18 +191,33 @@ def tp2_pushes(engine, model_dir, port):
 
 def pp2_push(engine, model_dir, port):
     """PP=2: one group per stage, both stages send at once, the engine takes the version only
-    once both arrived; default 512 MiB buckets (one per stage)."""
+    once both arrived; default 512 MiB buckets (one per stage). The parameters are borrowed
+    (sent where they are): the learner changes them once `wait_borrowed` returned."""
     import torch.distributed as dist
 
     chunks, spec, groups = start_learner(model_dir, tp=1, pp=2, seed=4)
     wgroups = stage_groups("127.0.0.1", port, pp_size=2, backend="gloo")
     engines = [(engine, receiver_for(wgroups, 0))] if engine is not None else []  # one receiver, both stages
-    sync = WeightSync.for_learner(chunks, spec, groups, BucketTransport(wgroups[groups.pp_rank], engines=engines))
+    config = WeightSyncConfig(snapshot="borrow", borrow_min_bytes=256)
+    sync = WeightSync.for_learner(chunks, spec, groups, BucketTransport(wgroups[groups.pp_rank], engines=engines),
+                                  config)
     try:
         before, _ = engine_minus_learner(engine, chunks, spec, groups, seed=5)
         assert before > 1e-2
-        report = sync.push(3).wait(timeout=120)
-        assert report.sender and report.num_buckets == 1
+        # At TP=1 every tensor of >= 256 B is a view of a parameter, except q/k/v (split out of linear_qkv).
+        relaid = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+        sizes = [(n, t.numel() * t.element_size()) for n, t in sync.source()]
+        expected_borrowed = sum(b for n, b in sizes if b >= 256 and not n.endswith(relaid))
+        assert 0 < expected_borrowed < sum(b for _, b in sizes)
+        pushed = [p.detach().clone() for c in chunks for p in c.parameters()]
+        handle = sync.push(3)
+        sync.wait_borrowed(timeout=120)
+        perturb(chunks, seed=2)  # the next optimizer step
+        report = handle.wait(timeout=120)
+        with torch.no_grad():
+            for p, saved in zip((p for c in chunks for p in c.parameters()), pushed):
+                p.copy_(saved)
+        assert report.sender and report.num_buckets == 1 and report.borrowed_bytes == expected_borrowed
         err, versions = engine_minus_learner(engine, chunks, spec, groups, seed=6)
         assert err <= ATOL and versions == [3], f"pp=2: |engine - learner| = {err:.2e}"
         if dist.get_rank() == 0:
@@ -365,6 +381,51 @@ def test_versions_reach_two_engines_with_bounded_snapshots(bucket_bytes, buffers
         if buffers is not None:
             assert report.peak_snapshot_bytes <= buffers * 6400
     sync.close()
+
+
+def test_borrowed_parameters_go_out_where_they_are_until_released():
+    """snapshot="borrow": tensors of at least borrow_min_bytes are sent from the parameters
+    themselves (emb 1600 B and big 6400 B; the bf16 norm and the buffer, 12 B each, are copied),
+    push returns before they are sent, and the learner may change them only after wait_borrowed."""
+    groups = stage_groups("127.0.0.1", free_port(), pp_size=1, engine_ranks=(1,), backend="gloo")
+    assert groups[0].streams == 2  # gloo: two connections, consecutive pieces alternate
+    engines = Engines(groups, 1)
+    source = Model(seed=1)
+    config = WeightSyncConfig(bucket_bytes=512 << 20, snapshot="borrow", borrow_min_bytes=1000)
+    sync = WeightSync(lambda: named(source), BucketTransport(groups[0], chunk_bytes=512, timeout_s=30), config)
+    pushed = Model(seed=1)
+    handle = sync.push(1)  # no engine receives yet: the borrowed bytes cannot have left
+    report = handle.report
+    assert report.num_bytes == 4 * (400 + 1600 + 3) + 2 * 6 and report.borrowed_bytes == 4 * (400 + 1600)
+    assert sync.pool.peak_in_use_bytes == 2 * 6 + 4 * 3  # the buffer holds the copied tensors only
+    assert not handle.released()
+    with pytest.raises(TimeoutError, match="still reads"):
+        sync.wait_borrowed(timeout=0.3)
+    engines.receive(1)
+    waited = sync.wait_borrowed(timeout=60)
+    assert handle.released() and waited > 0
+    with torch.no_grad():
+        for p in source.parameters():  # the next optimizer step
+            p.add_(1.0)
+    handle.wait(timeout=60)
+    engines.join()
+    assert engines.errors == [None]
+    assert_holds(engines.models[0], pushed)
+    # Version 2 goes out from the changed parameters; cast on the wire, nothing can be borrowed.
+    engines.receive(2)
+    report = sync.push(2).wait(timeout=60)
+    engines.join()
+    assert engines.errors == [None] and report.borrowed_bytes == 4 * (400 + 1600)
+    assert_holds(engines.models[0], source)
+    cast = WeightSync(lambda: named(source), sync.transport,  # the same group, the engine stays joined
+                      WeightSyncConfig(snapshot="borrow", borrow_min_bytes=1, dtype="float64"))
+    engines.receive(3)
+    handle = cast.push(3)
+    assert handle.report.borrowed_bytes == 0 and handle.released() and cast.wait_borrowed() == 0.0
+    handle.wait(timeout=60)
+    engines.join()
+    assert engines.errors == [None]
+    cast.close()
 
 
 def test_refused_and_aborted_versions_keep_the_wire_aligned():
@@ -592,6 +653,16 @@ def test_sglang_adapter_drives_the_handshake_over_gloo():
         [r] = results
         k = r.versions.index(1)
         assert 5 <= k < 1000 and r.versions == [0] * k + [1] * (1000 - k)
+        # Borrowed: emb and big go to the engine's packing straight from the parameters.
+        borrow = WeightSync(lambda: named(source), transport,
+                            dataclasses.replace(config, snapshot="borrow", borrow_min_bytes=1000))
+        source = Model(seed=4)
+        report = borrow.push(2).wait(timeout=60)
+        assert engine.weight_version == 2 and report.borrowed_bytes == 4 * (400 + 1600)
+        for r in ranks:
+            for name, t in named(source):
+                torch.testing.assert_close(r.received[name], t.float(), atol=0, rtol=0)
+        assert [u["weight_version"] for u in a.calls_to("/update_weights_from_distributed")][3:] == [None, None, "2"]
         sync.close()
         assert a.calls_to("/destroy_weights_update_group") and not a.groups
         engine.shutdown()

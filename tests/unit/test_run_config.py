@@ -140,6 +140,7 @@ def test_unknown_file_key_names_the_key_and_suggests(tmp_path):
         ("controller.mode=async", "controller.mode='async'", "sync, one_step_off, fully_async"),
         ("controller.stale_policy=keep", "controller.stale_policy", "drop, regenerate"),
         ("rollout.engine=vllm", "rollout.engine='vllm'", "embedded, sglang"),
+        ("rollout.weight_snapshot=steal", "rollout.weight_snapshot='steal'", "borrow, copy"),
         ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p=1.5", "(0, 1]"),
         ("rollout.sampling.n=1", "rollout.sampling.n=1", ">= 2"),
         ("controller.max_policy_lag=-1", "controller.max_policy_lag=-1", "integer in [0, 1024]"),
