@@ -1,29 +1,37 @@
 """Weight-sync throughput against a bare gloo broadcast of one flat buffer, same processes, same run.
 
     python tools/bench_weight_sync.py                       # ~1.05 GB fp32 Llama-shaped model
-    python tools/bench_weight_sync.py --bucket-mb 512 64 --chunk-mb 64 1024 --buffers 0 4 --reps 3
+    python tools/bench_weight_sync.py --snapshot borrow --bucket-mb 512 --chunk-mb 64 256 --buffers 0 4 --reps 3
 
 Two processes: the learner (a Megatron GPTModel at TP=1 on one gloo rank, randomly
 initialised from a Llama config written here, no HF hub) and a real `EmbeddedEngine`
 (HF transformers, fp32, its own process, random init from the same config). Both
-join one weight group over 127.0.0.1 (gloo). Each repetition times, in turn:
+join one weight group over 127.0.0.1 (gloo, `GLOO_STREAMS` connections). Each
+repetition times, in turn:
 
 * weight sync: `WeightSync.push(v)` -> `handle.wait()`: gathers (none at TP=1), HF names,
-  snapshot into host buffers, each bucket's bytes broadcast in `--chunk-mb` chunks as soon
-  as the learner has copied them (two chunks in flight), straight into the engine's staging
-  copy (`WeightStage.bucket_buffer`: no copy on the engine side), acknowledgement; the
-  engine then swaps the version in.
-  Time = `transfer_s` (push call until every engine rank holds the version).
+  per bucket its header, then its bytes in pieces of at most `--chunk-mb`
+  (`BucketLayout.ranges`), several in flight: with `--snapshot borrow` parameters go
+  out from where they are and the rest (the re-laid-out QKV, tensors under
+  `--borrow-min-mb`) is copied first; with `copy` everything is copied into host
+  buffers, each piece sent as soon as it is copied. The engine receives straight into
+  its staging copy (`WeightStage.bucket_buffer`: no copy on its side), acknowledges,
+  then swaps the version in. Time = `transfer_s` (push call until every engine rank
+  holds the version).
 * bare: the same bytes as ONE flat uint8 buffer, prepared beforehand, in one
   broadcast on the same group, then the same one-integer acknowledgement. (The engine
   then loads that buffer too, untimed, so every repetition installs a real version.)
+  This is the baseline of "vs bare".
+* bare pieces: the same buffer in `--chunk-mb` pieces, pipelined over the group's
+  streams (`broadcast_chunks`): what the transport itself can do with pieces, no
+  weights involved (a context row: the weight sync's overhead over it is ours).
 
-Two context rows: the bare broadcast until the engine has copied it into its staging
-copy (what a receiver that copies each bucket into the engine's `WeightStage` costs at
-least), and the learner's copy of the model into a warm host buffer alone (what any
-snapshot costs).
+Two more context rows: the bare broadcast until the engine has copied it into its
+staging copy (what a receiver that copies each bucket into the engine's `WeightStage`
+costs at least), and the learner's copy of the model into a warm host buffer alone
+(what a full snapshot costs).
 
-The first push and the first bare broadcast warm up (page faults of fresh buffers)
+The first push and the first bare broadcasts warm up (page faults of fresh buffers)
 and are not counted; the table gives medians over `--reps`. Learner blocked =
 `push` call duration; engine blocked = the swap (`WeightUpdateReport.swap_s`).
 """
@@ -166,6 +174,9 @@ def _learner(rank, world, args, model_dir, port):
                 assert engine.weight_version == version and report.num_bytes == total
                 wire, load = bare()
                 pieces = bare(chunk_mb << 20)[0]
+                if args.verbose:
+                    print(f"    rep {rep}: sync {report.transfer_s:.3f} s (learner blocked {report.blocked_s:.3f} s), "
+                          f"bare {wire:.3f} s, bare pieces {pieces:.3f} s", flush=True)
                 if rep:  # the first of each: warm-up (fresh buffers fault their pages in)
                     reports.append(report)
                     paired.append(wire)
@@ -239,8 +250,9 @@ def main(argv=None):
     p.add_argument("--snapshot", nargs="+", default=["borrow", "copy"], choices=["borrow", "copy"],
                    help="WeightSyncConfig.snapshot: parameters sent where they are, or every tensor copied first")
     p.add_argument("--borrow-min-mb", type=int, default=1, help="WeightSyncConfig.borrow_min_bytes, in MiB")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--verbose", action="store_true", help="print every repetition")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as model_dir:
         import json
