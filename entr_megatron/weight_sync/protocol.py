@@ -16,7 +16,7 @@ Metadata goes first so that receivers allocate (or reuse) a buffer of the right 
 before the bytes come; a bucket's bytes travel in a few large chunks whatever the
 number of tensors in it. Tensors the learner sends straight from its parameters
 (`WeightSyncConfig.snapshot="borrow"`) are `alone`: no piece mixes their bytes with
-copied ones. Both sides keep two pieces in flight (`BroadcastGroup.broadcast_pieces`):
+copied ones. Both sides keep several pieces in flight (`BroadcastGroup.broadcast_pieces`):
 each receiver has posted the next piece before the current one ends, so the stream does
 not stall between pieces, and the sender sends a piece as soon as the learner has copied it. The closing all-reduce tells the learner that every engine holds the complete
 version (its transfer time ends there), or that one refused it.

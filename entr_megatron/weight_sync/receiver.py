@@ -6,7 +6,7 @@
 `BroadcastReceiver` is the `WeightReceiver` an engine runs on its weight thread
 (the embedded engine: inside its process, while it keeps decoding). It receives
 from every stage's group at once (one thread per group). Each bucket is broadcast
-(in pieces, two in flight: `BucketLayout.ranges`, `BroadcastGroup.broadcast_pieces`) straight into the `WeightStage` (`WeightStage.bucket_buffer`: the staged tensors
+(in pieces, several in flight: `BucketLayout.ranges`, `BroadcastGroup.broadcast_pieces`) straight into the `WeightStage` (`WeightStage.bucket_buffer`: the staged tensors
 laid out as the bucket is, so the engine copies nothing) whenever its tensors
 travel in the engine's dtypes; otherwise (e.g. a cast on receipt) it lands in a
 receive buffer and a loader thread copies it into the stage while the next one is
