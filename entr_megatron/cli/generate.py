@@ -20,8 +20,10 @@ the input's fields plus
   "output_ids":       the sampled tokens (a stop/EOS token that ended the sample included)
   "output_text":      their decoding (special tokens skipped), when the model has a tokenizer
   "rollout_logprobs": log q(token) per output token under the distribution it was sampled
-                      from: softmax(logits / T) truncated by top-k/top-p; greedy: 0 (point mass)
-  "entropy":          H(q) per output token, when the engine reports it (SGLang does not)
+                      from: softmax(logits / T) truncated by top-k/top-p; greedy: the model's
+                      log softmax(logits) at T = 1, untruncated (as SGLang reports it)
+  "entropy":          H(q) per output token (greedy: of that T = 1 softmax), when the engine
+                      reports it (SGLang does not)
   "finish_reason":    "stop" (stop/EOS token) or "length" (--max-new-tokens or context)
   "weight_version":   the newest weight version that produced a token; "weight_versions":
                       the version of each output token
@@ -40,8 +42,8 @@ and "entropy" becomes "rollout_entropy" so score's own "entropy" does not overwr
 
 (or from plain output: jq -c '.input_ids = (.prompt_ids // .input_ids) + .output_ids',
 where score then replaces "entropy" with its own).
-Score compares against the full softmax(logits / T): use the same temperature, no
-top-k/top-p (their log-probs refer to the truncated q) and not greedy (log q = 0).
+Score compares against the full softmax(logits / T): use the same temperature (greedy:
+score with --temperature 1) and no top-k/top-p (their log-probs refer to the truncated q).
 
 Progress goes to stderr; the output file appears atomically when every sample is done.
 """
@@ -334,9 +336,9 @@ def _run(args) -> None:
     text_tokenizer = None if args.no_output_text else tokenizer.get()
     if text_tokenizer is None and not args.no_output_text:
         print(f"no output_text: {tokenizer.missing}", file=sys.stderr, flush=True)
-    if args.emit_score_input and (params.greedy or params.top_p < 1.0 or params.top_k > 0):
-        print("warning: --emit-score-input with greedy or top-k/top-p sampling: rollout_logprobs refer to that "
-              "distribution (greedy: 0), not the full softmax score compares with", file=sys.stderr, flush=True)
+    if args.emit_score_input and not params.greedy and (params.top_p < 1.0 or params.top_k > 0):
+        print("warning: --emit-score-input with top-k/top-p sampling: rollout_logprobs refer to that truncated "
+              "distribution, not the full softmax score compares with", file=sys.stderr, flush=True)
 
     total = len(prompts) * params.n
     print(f"generating {total} samples ({len(prompts)} prompts x n={params.n}, "

@@ -61,8 +61,9 @@ class SamplingParams:
     """How to sample one request's response (the distribution q every log-prob refers to)."""
 
     temperature: float = 1.0
-    """Logits are divided by it. 0 means greedy: q is the point mass on the argmax, so the
-    behaviour log-prob is 0 and the entropy 0 (see `sampling.py`)."""
+    """Logits are divided by it. 0 means greedy: the token is the argmax, and its log-prob
+    (and the entropy, where the engine reports one) is that of the T = 1 softmax over the whole
+    vocabulary, top-p and top-k ignored, as SGLang reports it (see `sampling.py`)."""
     top_p: float = 1.0
     """Nucleus truncation after temperature and top-k: keep the fewest most likely tokens
     whose probability reaches top_p, then renormalise. 1.0 keeps everything."""

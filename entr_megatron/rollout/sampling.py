@@ -4,7 +4,7 @@ The behaviour log-prob ENTR needs is log q(y) under the distribution q the token
 was actually drawn from, so q is defined once, here, and everything (the draw,
 the log-prob, the entropy) uses it. For row b with logits z (math in float32):
 
-1. temperature T > 0: x = z / T.
+1. temperature T > 0: x = z / T (greedy rows: x = z, see below).
 2. top-k (k >= 1): keep the tokens whose x is >= the k-th largest x (ties with
    the k-th are kept, as in HF and vLLM).
 3. top-p (< 1): p = softmax of the kept x; going down p (ties: lower token id
@@ -17,11 +17,16 @@ row's own generator, so a request's tokens do not depend on the other rows of
 the batch. Returned:
 token, log q(token), H(q) = -sum_v q_v log q_v.
 
-Greedy (T == 0): q is the point mass on argmax z (the first index on ties, as
-torch.argmax and HF generate). Its log-prob is 0 and its entropy 0: that is the
-distribution the token came from. Reporting the temperature-1 log-softmax
-instead would make the ENTR ratio pi / mu refer to a distribution nobody sampled;
-it is available separately as `raw_logprobs` (untruncated, T = 1) for diagnosis.
+Greedy (T == 0): the token is argmax z (the first index on ties, as torch.argmax
+and HF generate), and greedy rows report the model's T=1 log-softmax, as SGLang
+does: q is softmax(z) over the whole vocabulary (top-k and top-p ignored), so
+the log-prob is log softmax(z)(token) and the entropy H(softmax(z)). The point
+mass the token really came from would give 0 and 0, which tells a user comparing
+the engine with the trainer nothing. (SGLang's `Sampler.forward`,
+python/sglang/srt/layers/sampler.py, returns log_softmax(logits) for an all-greedy
+batch; its greedy requests run at temperature 1.) A greedy token is never trained
+on (rollouts for training are sampled at T > 0), so no ENTR ratio refers to this q.
+`raw_logprobs` (untruncated, T = 1) is the same number for greedy rows.
 """
 
 from __future__ import annotations
@@ -45,9 +50,9 @@ class SampledTokens:
     tokens_B: torch.Tensor
     """int64 token ids."""
     logprobs_B: torch.Tensor
-    """float32 log q(token)."""
+    """float32 log q(token) (greedy rows: log softmax(z)(token), module docstring)."""
     entropy_B: torch.Tensor
-    """float32 H(q)."""
+    """float32 H(q) (greedy rows: H(softmax(z)))."""
     raw_logprobs_B: torch.Tensor | None = None
     """float32 log softmax(z)(token) at T = 1, untruncated (only when asked for)."""
 
@@ -65,7 +70,7 @@ def row_params(params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Te
 
 
 def _scaled(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
-    """x = z / T in float32 (T = 1 for greedy rows, whose q is fixed separately)."""
+    """x = z / T in float32 (T = 1 for greedy rows)."""
     t_B = torch.where(temperature_B > 0, temperature_B, torch.ones_like(temperature_B))
     return logits_BV.float() / t_B[:, None]
 
@@ -87,6 +92,14 @@ def _kept(x_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> t
     keep_BV &= (mass_before_BV < top_p_B[:, None]) | (top_p_B >= 1.0)[:, None]
     keep_BV[:, 0] = True
     return torch.empty_like(keep_BV).scatter_(-1, token_BV, keep_BV)
+
+
+def _support(
+    x_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+) -> torch.Tensor:
+    """The kept set of q: `_kept`, except that greedy rows keep the whole vocabulary."""
+    greedy_B = temperature_B == 0
+    return _kept(x_BV, top_k_B.masked_fill(greedy_B, 0), top_p_B.masked_fill(greedy_B, 1.0))
 
 
 def _log_q(x_BV: torch.Tensor, keep_BV: torch.Tensor) -> torch.Tensor:
@@ -133,7 +146,8 @@ def sample_tokens(
     *,
     raw_logprobs: bool = False,
 ) -> SampledTokens:
-    """Draw one token per row from q (module docstring) and return log q(token) and H(q).
+    """Draw one token per row from q (greedy rows: take its argmax; module docstring) and
+    return log q(token) and H(q).
 
     `generators`: one per row (greedy rows may pass None; they draw nothing), or a
     single generator for all rows, or None for torch's default generator.
@@ -141,12 +155,11 @@ def sample_tokens(
     if logits_BV.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits_BV.shape)}")
     x_BV = _scaled(logits_BV, temperature_B)
-    keep_BV = _kept(x_BV, top_k_B, top_p_B)
+    keep_BV = _support(x_BV, temperature_B, top_k_B, top_p_B)
     log_q_BV = _log_q(x_BV, keep_BV)
 
-    greedy_B = temperature_B == 0
     tokens_B = logits_BV.argmax(-1)
-    sampled = (~greedy_B).nonzero().squeeze(-1)
+    sampled = (temperature_B != 0).nonzero().squeeze(-1)
     if sampled.numel():
         if generators is None or isinstance(generators, torch.Generator):
             gens = generators
@@ -157,9 +170,8 @@ def sample_tokens(
         u_S = _uniforms(sampled.numel(), gens)
         tokens_B[sampled] = _draw(log_q_BV[sampled], keep_BV[sampled], u_S)
 
-    zero = torch.zeros((), dtype=torch.float32)
-    logprobs_B = torch.where(greedy_B, zero, log_q_BV.gather(-1, tokens_B[:, None]).squeeze(-1))
-    entropy_B = torch.where(greedy_B, zero, _entropy(log_q_BV, keep_BV))
+    logprobs_B = log_q_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    entropy_B = _entropy(log_q_BV, keep_BV)
     raw_B = None
     if raw_logprobs:
         raw_B = torch.log_softmax(logits_BV.float(), dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
@@ -169,10 +181,8 @@ def sample_tokens(
 def sampling_logprobs(
     logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor
 ) -> torch.Tensor:
-    """log q [B, V] (-inf outside the support): the full distribution `sample_tokens` draws
-    from. Greedy rows: 0 at the argmax, -inf elsewhere."""
+    """log q [B, V] (-inf outside the support): the distribution `sample_tokens` draws from
+    and reports log q(token) and H(q) of. Greedy rows: log softmax(z) at T = 1 over the whole
+    vocabulary (`sample_tokens` takes its argmax instead of drawing)."""
     x_BV = _scaled(logits_BV, temperature_B)
-    keep_BV = _kept(x_BV, top_k_B, top_p_B)
-    greedy_B1 = (temperature_B == 0)[:, None]
-    one_hot_BV = torch.nn.functional.one_hot(logits_BV.argmax(-1), logits_BV.shape[-1]).bool()
-    return _log_q(x_BV, torch.where(greedy_B1, one_hot_BV, keep_BV))
+    return _log_q(x_BV, _support(x_BV, temperature_B, top_k_B, top_p_B))

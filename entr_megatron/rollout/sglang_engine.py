@@ -47,14 +47,15 @@ sampling parameter) with 400 {"error": "<text>"} and a rejected request with
 How an answer becomes a `GenerateResult`:
 - `meta_info.output_token_logprobs` is a list of [logprob, token_id, text or null]
   with logprob = log_softmax(logits / temperature), *before* top-p/top-k truncation
-  (greedy: log_softmax(logits)). That is the behaviour log-prob only without
-  truncation. With truncation we ask for `return_sampling_mask` and take
+  (greedy: log_softmax(logits), which we keep, as `sampling.py` does). That is the
+  behaviour log-prob only without truncation. With truncation we ask for `return_sampling_mask` and take
   `meta_info.output_token_sampling_logprobs` (one float per token: the sampled
   token's log-prob renormalised over the kept support). The server aborts such a
   request when the support is larger than --sampling-mask-max-tokens (4096), so
-  use top_k below that with top_p. Greedy: behaviour log-prob 0 (point mass).
+  use top_k below that with top_p. Greedy requests ignore top-p/top-k, so they
+  never ask for the mask.
 - Entropy: SGLang reports none (its `return_entropy` is never filled in 0.5.23);
-  `entropy` is None, except greedy (0).
+  `entropy` is None, greedy included.
 - Versions: `meta_info.weight_versions` lists spans {version, start, end} over the
   output tokens; the scheduler records one when the weight version changes while
   a request lives, so tokens before and after an in-flight update carry the right
@@ -413,10 +414,7 @@ def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, def
         raise ValueError(f"output_token_logprobs ({len(entries)} entries) do not match output_ids ({n} tokens)")
     reported = [float(e[0]) for e in entries]
     raw = reported if params.return_raw_logprobs else None
-    entropy = None
-    if params.greedy:
-        logprobs, entropy = [0.0] * n, [0.0] * n
-    elif _truncated(params):
+    if _truncated(params):
         sampling = meta.get("output_token_sampling_logprobs")
         if sampling is None:
             if n:
@@ -428,7 +426,7 @@ def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, def
     else:
         logprobs = reported
     return dict(
-        output_ids=output_ids, logprobs=logprobs, raw_logprobs=raw, entropy=entropy, finish_reason=kind,
+        output_ids=output_ids, logprobs=logprobs, raw_logprobs=raw, entropy=None, finish_reason=kind,
         versions=_token_versions(meta, n, default_version),
     )
 

@@ -121,9 +121,15 @@ def test_greedy_equals_hf_generate(engine, hf_model):
     for i, r in enumerate(results):
         assert r.output_ids == hf_generate(hf_model, PROMPTS[i], max_new[i]), f"prompt {i}"
         assert r.finish_reason == ("stop" if r.output_ids[-1] in eos else "length")
-        assert r.logprobs == [0.0] * len(r.output_ids) and r.entropy == [0.0] * len(r.output_ids)
         assert r.versions == [version] * len(r.output_ids) and r.group_id == i
-        assert_raw_logprobs(response_logits(hf_model, r), r)
+        logits = response_logits(hf_model, r)
+        assert_raw_logprobs(logits, r)
+        # Greedy rows report the T = 1 distribution over the whole vocabulary, as SGLang does.
+        log_p = torch.log_softmax(logits.double(), -1)
+        chosen = log_p.gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), chosen, atol=1e-5, rtol=0)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        torch.testing.assert_close(torch.tensor(r.entropy, dtype=torch.float64), entropy, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, -1), (0.7, 1.0, -1), (1.0, 0.9, -1), (0.7, 0.9, 20)])

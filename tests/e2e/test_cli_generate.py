@@ -1,6 +1,7 @@
 """`entr-megatron generate` on a tiny random Llama with a locally built tokenizer: greedy equals HF
-generate, sampled log-probs and entropies equal HF's, seeded runs reproduce, the output feeds
-`score` (no mismatch at fp32), errors name the bad line, and the SGLang path against the mock."""
+generate (with HF's T=1 log-probs and entropies), sampled log-probs and entropies equal HF's, seeded
+runs reproduce, the output feeds `score` (no mismatch at fp32), errors name the bad line, and the
+SGLang path against the mock."""
 
 from __future__ import annotations
 
@@ -114,7 +115,13 @@ def test_greedy_equals_hf_generate_via_the_cli(hf_model, tmp_path):
                               do_sample=False, max_new_tokens=12, pad_token_id=0)[0, len(ids):].tolist()
         assert row["output_ids"] == want
         assert row["finish_reason"] == ("stop" if want[-1] == EOS else "length")
-        assert row["rollout_logprobs"] == [0.0] * len(want) == row["entropy"]  # greedy: q is a point mass
+        # Greedy reports the model's T=1 log-softmax (as SGLang does), not the point mass's 0.
+        ref_lp, ref_ent = hf_logprobs_entropy(model, ids + want, len(ids))
+        torch.testing.assert_close(torch.tensor(row["rollout_logprobs"], dtype=torch.float64), ref_lp,
+                                   rtol=0, atol=LOGPROB_ATOL)
+        torch.testing.assert_close(torch.tensor(row["entropy"], dtype=torch.float64), ref_ent,
+                                   rtol=0, atol=LOGPROB_ATOL)
+        assert (ref_ent > 1e-3).all() and (ref_lp < 0).any()  # far from the point mass's 0 and 0
         assert row["output_text"] == tok.decode(want, skip_special_tokens=True)
         assert row["sample_index"] == 0 and row["weight_version"] == 0 and row["weight_versions"] == [0] * len(want)
 

@@ -13,15 +13,15 @@ VOCAB = 50
 CASES = [  # (temperature, top_p, top_k)
     (1.0, 1.0, 0), (0.7, 1.0, 0), (1.6, 1.0, 0), (1.0, 0.9, 0), (0.7, 0.9, 0), (1.0, 0.5, 0),
     (1.0, 1.0, 5), (0.7, 0.9, 8), (1.3, 0.3, 3), (1.0, 1.0, 1), (1.0, 1e-6, 0), (1.0, 1.0, VOCAB),
+    (0.0, 1.0, 0), (0.0, 0.5, 3),
 ]
 
 
 def reference_log_q(logits_V, temperature, top_p, top_k):
     """log q in float64, one row, by the definition in sampling.py (loops, no shared code)."""
     z = [float(v) for v in logits_V.double()]
-    if temperature == 0:
-        best = max(range(len(z)), key=lambda i: (z[i], -i))
-        return [0.0 if i == best else -math.inf for i in range(len(z))]
+    if temperature == 0:  # greedy rows report the model's T=1 distribution, untruncated
+        temperature, top_p, top_k = 1.0, 1.0, 0
     x = [v / temperature for v in z]
     order = sorted(range(len(x)), key=lambda i: (-x[i], i))
     kept = set(order)
@@ -88,18 +88,51 @@ def test_draws_follow_q():
     assert (freq[q == 0] == 0).all()
 
 
-def test_greedy_is_a_point_mass():
+def test_greedy_takes_the_argmax():
     logits = make_logits(3)
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the lower id wins, as torch.argmax
     t_B, p_B, k_B = row_params([SamplingParams(temperature=0.0, top_p=0.5, top_k=3)] * logits.shape[0])
     out = sample_tokens(logits, t_B, p_B, k_B, [None] * logits.shape[0], raw_logprobs=True)
     assert torch.equal(out.tokens_B, logits.argmax(-1)) and int(out.tokens_B[2]) == 7
-    assert torch.equal(out.logprobs_B, torch.zeros(logits.shape[0]))
-    assert torch.equal(out.entropy_B, torch.zeros(logits.shape[0]))
     raw = torch.log_softmax(logits, -1).gather(-1, out.tokens_B[:, None]).squeeze(-1)
     torch.testing.assert_close(out.raw_logprobs_B, raw)
+    torch.testing.assert_close(out.logprobs_B, raw)
     full = sampling_logprobs(logits, t_B, p_B, k_B)
-    assert torch.equal(full.exp().sum(-1), torch.ones(logits.shape[0])) and torch.equal(full.argmax(-1), out.tokens_B)
+    assert torch.isfinite(full).all() and torch.equal(full.argmax(-1), out.tokens_B)
+
+
+def test_greedy_rows_report_the_t1_log_softmax_in_a_mixed_batch():
+    """Greedy rows (with top-k/top-p set, which they ignore) next to sampled rows: log-prob and
+    entropy of the untruncated T = 1 softmax (float64 reference), as SGLang reports; the point
+    mass would give 0 and 0. Sampled rows keep those of their own q."""
+    logits = make_logits(21, rows=6)
+    params = [
+        SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=0.0, top_p=0.3, top_k=2), SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.0, top_k=1), SamplingParams(),
+    ]
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    gens = [None if p.greedy else torch.Generator().manual_seed(b) for b, p in enumerate(params)]
+    rows = row_params(params)
+    out = sample_tokens(logits, *rows, gens)
+    full = sampling_logprobs(logits, *rows)
+    logp_BV = torch.log_softmax(logits.double(), -1)
+    for b, p in enumerate(params):
+        token = int(out.tokens_B[b])
+        if p.greedy:
+            assert token == int(logits[b].argmax())
+            ref_lp, ref_ent = logp_BV[b, token], -(logp_BV[b].exp() * logp_BV[b]).sum()
+            assert float(ref_lp) < -1e-3 and float(ref_ent) > 1e-3  # not the point mass's 0
+        else:
+            ref = torch.tensor(reference_log_q(logits[b], p.temperature, p.top_p, max(p.top_k, 0)),
+                               dtype=torch.float64)
+            support = torch.isfinite(ref)
+            ref_lp, ref_ent = ref[token], -(ref[support].exp() * ref[support]).sum()
+        assert abs(float(out.logprobs_B[b]) - float(ref_lp)) < 1e-6, (b, p)
+        assert abs(float(out.entropy_B[b]) - float(ref_ent)) < 1e-6, (b, p)
+        # sampling_logprobs is the same q: its value at the token agrees with sample_tokens.
+        assert float(full[b, token]) == float(out.logprobs_B[b]), (b, p)
+    torch.testing.assert_close(full[greedy].double(), logp_BV[greedy], atol=1e-6, rtol=0)
 
 
 def test_rows_are_independent_of_the_batch():

@@ -130,7 +130,7 @@ def test_parse_answer_logprobs_versions_and_finish():
     assert trunc["logprobs"] == [-0.1, -0.2]
     greedy = parse_generate_output(answer([5, 6], logprobs=[-1.0, -2.0], finish={"type": "stop", "matched": 6}),
                                    SamplingParams(temperature=0.0, return_raw_logprobs=True), default_version=0)
-    assert greedy["logprobs"] == [0.0, 0.0] and greedy["entropy"] == [0.0, 0.0] and greedy["raw_logprobs"] == [-1.0, -2.0]
+    assert greedy["logprobs"] == [-1.0, -2.0] and greedy["entropy"] is None and greedy["raw_logprobs"] == [-1.0, -2.0]
     assert greedy["finish_reason"] == "stop"
     spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
     assert parse_generate_output(answer([1, 2, 3], spans=spans, version="4"), SamplingParams(), default_version=0)["versions"] == [3, 4, 4]
@@ -203,7 +203,7 @@ def test_truncated_and_greedy_sampling(server):
     payloads = {tuple(p["input_ids"]): p for p in server.calls_to("/generate")}
     assert payloads[(1, 2, 3)]["return_sampling_mask"] is True and "return_sampling_mask" not in payloads[(8, 8)]
     assert greedy.finish_reason == "stop" and len(greedy.output_ids) == 3 and greedy.output_ids[-1] == server.eos_token_id
-    assert greedy.logprobs == [0.0] * 3 and greedy.entropy == [0.0] * 3
+    assert greedy.logprobs == pytest.approx([mock_logprob(t, 1.0) for t in greedy.output_ids]) and greedy.entropy is None
 
 
 def test_errors_carry_the_server_answer(server):
