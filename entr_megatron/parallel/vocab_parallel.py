@@ -1,4 +1,4 @@
-"""Per-token log-prob and entropy from vocabulary-sharded logits, in one pass.
+"""Per-token log-prob and entropy (and optionally collision) from vocabulary-sharded logits, in one pass.
 
 Each tensor-parallel rank holds a contiguous shard ``[..., V/tp]`` of the logits
 (Megatron's ``ColumnParallelLinear`` output layout: rank r owns ids
@@ -9,10 +9,15 @@ forward, per chunk of tokens (temporaries: two fp32 ``[chunk, V/tp]`` buffers)
     s_r   = sum_j exp(z_j - m_r)
     sy_r  = sum_j exp(z_j - m_r) (z_j - m_r)
     zt_r  = z_target if this rank owns the target else 0
-  then ONE all-gather of the ``[N, 4]`` statistics and an exact log-sum-exp merge:
-    M = max_r m_r,  a_r = exp(m_r - M),  S = sum_r a_r s_r
+    q_r   = sum_j exp(2 (z_j - m_r))       (only with ``return_collision``)
+  then ONE all-gather of the ``[N, 4]`` (``[N, 5]`` with q) statistics and an
+  exact log-sum-exp merge:
+    M = max_r m_r,  a_r = exp(m_r - M),  S = sum_r a_r s_r,  Q = sum_r a_r^2 q_r
     logZ = M + log S,   H = log S - sum_r a_r (sy_r + (m_r - M) s_r) / S
     logprob = zt - logZ
+    G = 1 - sum_j p_j^2 = 1 - Q / S^2      (collision; no gradient)
+  Sums over j run over the true vocabulary only: padded columns (ids >=
+  ``vocab_size``) are not looked at.
 
 backward (no communication: the per-token upstream gradients are replicated
 across the tensor-parallel group, as the loss is), recomputing p per chunk
@@ -36,8 +41,9 @@ __all__ = ["vocab_parallel_logprobs_entropy", "default_chunk_size"]
 # launch overhead stays small on GPUs.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 19
 
-# Columns of the per-token statistics exchanged between ranks.
-_MAX, _SUM_EXP, _SUM_EXP_Y, _TARGET_LOGIT = range(4)
+# Columns of the per-token statistics exchanged between ranks; the last one is
+# only computed (and sent) when the collision term is asked for.
+_MAX, _SUM_EXP, _SUM_EXP_Y, _TARGET_LOGIT, _SUM_EXP2 = range(5)
 
 
 def default_chunk_size(vocab_shard: int) -> int:
@@ -55,10 +61,13 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """Autograd function; the math is split into the named static steps below."""
 
     @staticmethod
-    def local_stats(logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, buf_e):
-        """Per-token ``[N, 4]`` statistics of this rank's shard (see module docstring)."""
+    def local_stats(logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, buf_e, n_stats):
+        """Per-token ``[N, n_stats]`` statistics of this rank's shard (see module docstring).
+
+        ``n_stats`` is 4, or 5 to add q_r = sum_j exp(2 (z_j - m_r)) for the collision term.
+        """
         n_tokens, vocab_shard = logits_NV.shape
-        stats = torch.empty(n_tokens, 4, dtype=torch.float32, device=logits_NV.device)
+        stats = torch.empty(n_tokens, n_stats, dtype=torch.float32, device=logits_NV.device)
         local_t = targets_N - vocab_start
         owned = (local_t >= 0) & (local_t < vocab_shard)
         local_t = torch.where(owned, local_t, 0)
@@ -75,24 +84,39 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             # e * y in place of y (no further use): no temporary, and no matmul that
             # TF32 settings could degrade.
             stats[s:e_, _SUM_EXP_Y] = y.mul_(ex).sum(dim=-1)
+            if n_stats > _SUM_EXP2:
+                # exp(2y) = e * e in place of e (no further use): no extra buffer.
+                stats[s:e_, _SUM_EXP2] = ex.mul_(ex).sum(dim=-1)
             zt = x.gather(1, local_t[s:e_].unsqueeze(-1)).squeeze(-1).float() * inv_temp
             stats[s:e_, _TARGET_LOGIT] = torch.where(owned[s:e_], zt, 0.0)
         return stats
 
     @staticmethod
-    def merge_stats(stats_RN4):
-        """Exact log-sum-exp merge of the ranks' statistics -> (logprob_N, entropy_N, logZ_N)."""
-        m = stats_RN4[..., _MAX]
+    def merge_stats(stats_RNC):
+        """Exact log-sum-exp merge of the ranks' ``[R, N, C]`` statistics -> (logprob_N, entropy_N, logZ_N).
+
+        Reads the first four columns only: the same merge with or without q.
+        """
+        m = stats_RNC[..., _MAX]
         big_m = m.amax(dim=0)
         scale = torch.exp(m - big_m)
         shift = m - big_m
-        sum_exp = (scale * stats_RN4[..., _SUM_EXP]).sum(dim=0)
-        sum_exp_y = (scale * (stats_RN4[..., _SUM_EXP_Y] + shift * stats_RN4[..., _SUM_EXP])).sum(dim=0)
+        sum_exp = (scale * stats_RNC[..., _SUM_EXP]).sum(dim=0)
+        sum_exp_y = (scale * (stats_RNC[..., _SUM_EXP_Y] + shift * stats_RNC[..., _SUM_EXP])).sum(dim=0)
         log_sum = torch.log(sum_exp)
         log_z = big_m + log_sum
         entropy = log_sum - sum_exp_y / sum_exp
-        logprob = stats_RN4[..., _TARGET_LOGIT].sum(dim=0) - log_z
+        logprob = stats_RNC[..., _TARGET_LOGIT].sum(dim=0) - log_z
         return logprob, entropy, log_z
+
+    @staticmethod
+    def merge_collision(stats_RNC):
+        """Exact merge of the q column -> collision_N = 1 - sum_j p_j^2 = 1 - Q / S^2."""
+        m = stats_RNC[..., _MAX]
+        scale = torch.exp(m - m.amax(dim=0))
+        sum_exp = (scale * stats_RNC[..., _SUM_EXP]).sum(dim=0)
+        sum_exp2 = (scale.square() * stats_RNC[..., _SUM_EXP2]).sum(dim=0)
+        return 1.0 - sum_exp2 / sum_exp.square()
 
     @staticmethod
     def logits_grad(logits_NV, targets_N, log_z, entropy, g_lp, g_h, vocab_start, inv_temp, chunk, buf_p, out):
@@ -134,7 +158,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return max(0, min(vocab_shard, vocab_size - rank * vocab_shard))
 
     @staticmethod
-    def forward(ctx, logits, targets, group, temperature, chunk_size, vocab_size):
+    def forward(ctx, logits, targets, group, temperature, chunk_size, vocab_size, return_collision):
         rank, world = _group_rank_size(group)
         vocab_start = rank * logits.shape[-1]
         width = _VocabParallelLogProbEntropy.valid_columns(logits, rank, vocab_size)
@@ -144,14 +168,15 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         inv_temp = 1.0 / temperature
         chunk = chunk_size or default_chunk_size(max(width, 1))
         chunk = min(chunk, max(logits_NV.shape[0], 1))
+        n_stats = 5 if return_collision else 4
         if width > 0:
             buf_y = torch.empty(chunk, width, dtype=torch.float32, device=logits.device)
             stats = _VocabParallelLogProbEntropy.local_stats(
-                logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, torch.empty_like(buf_y)
+                logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, torch.empty_like(buf_y), n_stats
             )
             del buf_y
         else:  # a rank holding only padding contributes nothing to the softmax
-            stats = torch.zeros(targets_N.numel(), 4, dtype=torch.float32, device=logits.device)
+            stats = torch.zeros(targets_N.numel(), n_stats, dtype=torch.float32, device=logits.device)
             # Lowest finite, not -inf: the merge's (m_r - M) * s_r must be 0, not nan.
             stats[:, _MAX] = torch.finfo(torch.float32).min
         if world > 1:
@@ -164,10 +189,15 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         ctx.save_for_backward(logits, targets_N, log_z, entropy)
         ctx.vocab_start, ctx.inv_temp, ctx.chunk, ctx.width = vocab_start, inv_temp, chunk, width
         out_shape = logits.shape[:-1]
-        return logprob.view(out_shape), entropy.view(out_shape)
+        if not return_collision:
+            return logprob.view(out_shape), entropy.view(out_shape)
+        collision = _VocabParallelLogProbEntropy.merge_collision(gathered).view(out_shape)
+        ctx.mark_non_differentiable(collision)
+        return logprob.view(out_shape), entropy.view(out_shape), collision
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, grad_collision=None):
+        # grad_collision: the collision output is non-differentiable (it only feeds masks).
         logits, targets_N, log_z, entropy = ctx.saved_tensors
         vocab_shard, width = logits.shape[-1], ctx.width
         zeros = None
@@ -185,10 +215,12 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 ctx.vocab_start, ctx.inv_temp, ctx.chunk,
                 torch.empty(ctx.chunk, width, dtype=torch.float32, device=logits.device), grad_NV[:, :width],
             )
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0, chunk_size=None, vocab_size=None):
+def vocab_parallel_logprobs_entropy(
+    logits, targets, group=None, temperature=1.0, chunk_size=None, vocab_size=None, *, return_collision: bool = False
+):
     """Log-prob of ``targets`` and entropy of ``softmax(logits / temperature)``.
 
     Args:
@@ -200,10 +232,16 @@ def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0
         temperature: sampling temperature (> 0) the distribution is taken at.
         chunk_size: tokens per chunk; temporaries are at most two fp32
             ``[chunk_size, V/tp]`` buffers. Default: ~2 MiB buffers.
+        vocab_size: the true vocabulary size when the sharded vocabulary is padded;
+            columns with ids ``>= vocab_size`` are excluded. ``None``: no padding.
+        return_collision: also return the collision term ``1 - sum_j p_j^2``,
+            computed in the same pass and the same single all-gather.
 
     Returns:
-        ``(logprobs, entropy)``, both float32 ``[...]``. Gradients flow to
-        ``logits`` from both outputs; no collective runs in backward.
+        ``(logprobs, entropy)``, both float32 ``[...]``, or with ``return_collision``
+        ``(logprobs, entropy, collision)``, all float32 ``[...]``. Gradients flow to
+        ``logits`` from logprobs and entropy; collision carries none. No collective
+        runs in backward.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -228,4 +266,6 @@ def vocab_parallel_logprobs_entropy(logits, targets, group=None, temperature=1.0
             f"targets must be token ids in [0, {vocab}) (vocab shard {logits.shape[-1]} x {world} ranks), "
             f"got values in [{int(lo)}, {int(hi)}]"
         )
-    return _VocabParallelLogProbEntropy.apply(logits, targets.long(), group, float(temperature), chunk_size, vocab_size)
+    return _VocabParallelLogProbEntropy.apply(
+        logits, targets.long(), group, float(temperature), chunk_size, vocab_size, bool(return_collision)
+    )

@@ -91,17 +91,61 @@ def check_padded_vocabulary(rank, world, group):
         torch.testing.assert_close(local.grad.double(), ref_grad[..., rank * shard:(rank + 1) * shard], msg=where, **tol)
 
 
+def check_collision(rank, world, group):
+    """collision = 1 - sum_j p_j^2 over the true vocabulary, in the same pass; lp/H/grads unchanged."""
+    shard = VOCAB // world
+    for i, (real, dtype, temp, chunk) in enumerate(
+        itertools.product((VOCAB, VOCAB - 13, VOCAB - 30), DTYPES, (0.6, 1.7), (None, 5))
+    ):
+        logits, targets, g_lp, g_h = make_case(200 + i, dtype)
+        targets = targets % real
+        p = torch.softmax(logits[..., :real].double() / temp, dim=-1)
+        ref_g = 1 - (p**2).sum(-1)
+        local = logits[..., rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        kwargs = dict(group=group, temperature=temp, chunk_size=chunk, vocab_size=real)
+        lp, ent, coll = vocab_parallel_logprobs_entropy(local, targets, **kwargs, return_collision=True)
+        where = f"rank {rank}/{world} vocab_size={real} dtype={dtype} T={temp} chunk={chunk}"
+        assert coll.dtype == torch.float32 and coll.shape == targets.shape and not coll.requires_grad, where
+        torch.testing.assert_close(coll.double(), ref_g, atol=1e-5, rtol=0, msg=where)
+        (lp * g_lp + ent * g_h).sum().backward()
+        plain = local.detach().clone().requires_grad_()
+        lp0, ent0 = vocab_parallel_logprobs_entropy(plain, targets, **kwargs)
+        (lp0 * g_lp + ent0 * g_h).sum().backward()
+        for got, want in ((lp, lp0), (ent, ent0), (local.grad, plain.grad)):
+            torch.testing.assert_close(got, want, atol=0, rtol=0, msg=where)
+
+
+def check_collision_of_uniform_logits(rank, world, group):
+    """Equal logits on V real columns: p = 1/V, G = 1 - 1/V; large padded logits must not count."""
+    shard = VOCAB // world
+    for real in (VOCAB, VOCAB - 13, VOCAB - 30):
+        logits = torch.full((4, VOCAB), 3.0)
+        logits[:, real:] = 50.0
+        _, _, coll = vocab_parallel_logprobs_entropy(
+            logits[:, rank * shard:(rank + 1) * shard], torch.zeros(4, dtype=torch.long), group=group,
+            temperature=0.7, vocab_size=real, return_collision=True,
+        )
+        torch.testing.assert_close(coll.double(), torch.full((4,), 1 - 1 / real, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
 def _ranks_main(rank, world):
     group = dist.group.WORLD
     check_all_cases(rank, world, group)
     check_only_one_output_used(rank, world, group)
     check_padded_vocabulary(rank, world, group)
+    check_collision(rank, world, group)
+    check_collision_of_uniform_logits(rank, world, group)
 
 
 def test_single_rank_matches_float64():
     check_all_cases(0, 1, None)
     check_only_one_output_used(0, 1, None)
     check_padded_vocabulary(0, 1, None)
+
+
+def test_single_rank_collision_matches_float64():
+    check_collision(0, 1, None)
+    check_collision_of_uniform_logits(0, 1, None)
 
 
 @pytest.mark.parametrize("world", [2, 4])
