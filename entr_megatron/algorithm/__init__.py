@@ -11,7 +11,8 @@ Tensors are padded [B, T] (B responses, T response positions) with a bool
   NLL warm-up loss (POLICY_LOSSES)
 - aggregation.py: token-mean and sequence reductions with global counts (LOSS_AGGREGATIONS)
 - metrics.py: mismatch metrics and their reducible sums
-- objective.py: compute_policy_loss, the composition the learner calls
+- objective.py: policy_loss_terms (what the learner calls per micro-batch) and
+  compute_policy_loss (the whole-batch scalar on one device)
 """
 
 from entr_megatron.algorithm.advantages import (
@@ -32,8 +33,8 @@ from entr_megatron.algorithm.metrics import (
     mismatch_metric_stats,
     mismatch_metrics,
 )
-from entr_megatron.algorithm.objective import compute_policy_loss
-from entr_megatron.algorithm.policy_losses import POLICY_LOSSES
+from entr_megatron.algorithm.objective import PolicyTerms, compute_policy_loss, policy_loss_terms
+from entr_megatron.algorithm.policy_losses import POLICY_LOSSES, PolicyLossOutput
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -46,6 +47,8 @@ __all__ = [
     "CorrectionFn",
     "CorrectionOutput",
     "MetricStats",
+    "PolicyLossOutput",
+    "PolicyTerms",
     "aggregate_loss",
     "broadcast_to_tokens",
     "compute_policy_loss",
@@ -56,5 +59,6 @@ __all__ = [
     "grpo_advantages",
     "mismatch_metric_stats",
     "mismatch_metrics",
+    "policy_loss_terms",
     "rloo_advantages",
 ]

@@ -4,10 +4,13 @@ Denominators use the RESPONSE mask, never a correction's keep mask: a token that
 ENTR masks still counts in the token-mean denominator (docs/ENTR.md), so masking
 shrinks the update instead of re-weighting the surviving tokens up.
 
+Some methods drop rejected tokens from the denominator (verl's rejection sampling):
+their callers pass the kept tokens as `response_mask_BT` (objective.PolicyTerms.denominator_BT).
+
 Global counts: a distributed learner splits a global batch into micro-batches and
-ranks. Passing the global `num_tokens` / `num_seqs` (and one `max_response_len`) makes
-the sum of the per-micro-batch results equal the loss of the whole batch. Without
-them the local counts are used.
+ranks. Passing the global `num_tokens` / `num_seqs` makes the sum of the
+per-micro-batch results equal the loss of the whole batch. Without them the local
+counts are used.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def _local_num_seqs(response_mask_BT: Tensor) -> Tensor:
 
 
 def token_mean(
-    loss_BT: Tensor, response_mask_BT: Tensor, num_tokens: Count | None, num_seqs: Count | None, max_len: Count | None
+    loss_BT: Tensor, response_mask_BT: Tensor, num_tokens: Count | None, num_seqs: Count | None, norm: Count | None
 ) -> Tensor:
     """sum_it l_it / num_tokens (default: local count of response tokens). ENTR's default."""
     total = zero_padding(loss_BT, response_mask_BT).sum()
@@ -41,7 +44,7 @@ def token_mean(
 
 
 def seq_mean_token_mean(
-    loss_BT: Tensor, response_mask_BT: Tensor, num_tokens: Count | None, num_seqs: Count | None, max_len: Count | None
+    loss_BT: Tensor, response_mask_BT: Tensor, num_tokens: Count | None, num_seqs: Count | None, norm: Count | None
 ) -> Tensor:
     """sum_i (sum_t l_it / |o_i|) / num_seqs (default: local non-empty sequences)."""
     per_seq_B = zero_padding(loss_BT, response_mask_BT).sum(dim=-1) / response_mask_BT.sum(dim=-1).clamp(min=1)
@@ -50,13 +53,15 @@ def seq_mean_token_mean(
 
 
 def seq_mean_token_sum_norm(
-    loss_BT: Tensor, response_mask_BT: Tensor, num_tokens: Count | None, num_seqs: Count | None, max_len: Count | None
+    loss_BT: Tensor, response_mask_BT: Tensor, num_tokens: Count | None, num_seqs: Count | None, norm: Count | None
 ) -> Tensor:
-    """Dr.GRPO: sum_it l_it / (num_seqs * max_response_len), a constant normaliser with no
-    length bias. Defaults: local non-empty sequences, and T."""
+    """Dr.GRPO (Liu et al. 2025, arXiv:2503.20783): sum_it l_it / (num_seqs * L), L a CONSTANT
+    (the generation budget, so one sequence's gradient does not depend on its batch-mates'
+    lengths; verl divides by the padded response width). Defaults: local non-empty
+    sequences, and the padded width T for L."""
     total = zero_padding(loss_BT, response_mask_BT).sum()
     seqs = _local_num_seqs(response_mask_BT) if num_seqs is None else num_seqs
-    length = response_mask_BT.shape[-1] if max_len is None else max_len
+    length = response_mask_BT.shape[-1] if norm is None else norm
     return total / (_positive(seqs, total) * _positive(length, total))
 
 
@@ -79,7 +84,8 @@ def aggregate_loss(
     num_seqs: Count | None = None,
     max_response_len: Count | None = None,
 ) -> Tensor:
-    """Scalar loss from per-token losses; `mode` is a key of LOSS_AGGREGATIONS."""
+    """Scalar loss from per-token losses; `mode` is a key of LOSS_AGGREGATIONS.
+    `max_response_len`: seq-mean-token-sum-norm's constant L (None: the padded width T)."""
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss aggregation mode {mode!r} is not valid; allowed: {', '.join(LOSS_AGGREGATIONS)}")
     return LOSS_AGGREGATIONS[mode](loss_BT, response_mask_BT.bool(), num_tokens, num_seqs, max_response_len)

@@ -7,7 +7,15 @@ optionally of a recomputed old/proximal policy, and returns:
 - weight_BT: a detached per-token factor on the loss (1 when it only masks),
 - keep_mask_BT: True where the token contributes (always False at padding),
 - anchor_logprobs_BT: the denominator of the policy ratio r = exp(logprobs - anchor),
+- denominator_BT: the tokens the loss aggregation counts (cfg.counts_rejected),
+- clip: whether the policy loss keeps its trust-region clip (M2PO's mask replaces it),
 - metrics: scalar tensors, at least `<name>/mask_fraction` over valid tokens.
+
+Two modes (cfg.correction_mode). 'published': each method as its authors define it;
+those on CORRECTIONS_ON_OLD_POLICY judge rho = pi_old / mu and run PPO against pi_old,
+where pi_old is `old_logprobs_BT` or, when it is None (no optimizer step yet in this
+rollout batch), the current policy detached. 'mask_only': only the keep rule, judged on
+pi_theta / mu, weight 1, PPO against mu (ENTR's composition).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ class CorrectionOutput(NamedTuple):
     weight_BT: Tensor
     keep_mask_BT: Tensor
     anchor_logprobs_BT: Tensor
+    denominator_BT: Tensor
+    clip: bool
     metrics: dict[str, Tensor]
 
 
@@ -73,10 +83,6 @@ class TokenInputs(NamedTuple):
         """log rho = log pi_src - log mu."""
         return self.ratio_source_BT - self.behaviour_BT
 
-    @property
-    def rejection_anchor_BT(self) -> Tensor:
-        """Anchor of the masking baselines: PPO against pi_old when recomputed, else mu."""
-        return self.behaviour_BT if self.old_BT is None else self.old_BT
 
 
 def prepare_inputs(
@@ -109,23 +115,42 @@ def log_band(band: tuple[float, float]) -> tuple[float, float]:
     return (-math.inf if lo == 0 else math.log(lo)), math.log(hi)
 
 
+def published(cfg: AlgorithmConfig) -> bool:
+    return cfg.correction_mode == "published"
+
+
+def judged_log_rho(x: TokenInputs, cfg: AlgorithmConfig) -> Tensor:
+    """The log-ratio a baseline's rule judges: log pi_old / mu as published (pi_old: the
+    recomputed old policy, else the current one), log pi_theta / mu in mask_only mode."""
+    return x.log_rho_BT if published(cfg) else x.delta_BT
+
+
+def baseline_anchor(x: TokenInputs, cfg: AlgorithmConfig) -> Tensor:
+    """PPO's anchor: pi_old as published (ratio 1 in value before the first update), mu in mask_only mode."""
+    return x.ratio_source_BT if published(cfg) else x.behaviour_BT
+
+
 def finish(
     name: str,
     inputs: TokenInputs,
+    cfg: AlgorithmConfig,
     weight_BT: Tensor,
     keep_BT: Tensor,
     anchor_BT: Tensor,
     extra_metrics: dict[str, Tensor] | None = None,
+    clip: bool = True,
 ) -> CorrectionOutput:
-    """Restrict keep to valid tokens, zero weights at padding, add the standard metrics:
-    `<name>/mask_fraction` (valid tokens dropped), `<name>/weight_mean|max` (kept tokens)."""
+    """Restrict keep to valid tokens, zero weights off the kept tokens, pick the denominator
+    (cfg.counts_rejected), add the standard metrics: `<name>/mask_fraction` (valid tokens
+    dropped), `<name>/weight_mean|max` (kept tokens)."""
     valid_BT = inputs.valid_BT
     keep_BT = keep_BT & valid_BT
-    weight_BT = zero_padding(weight_BT.expand_as(valid_BT).to(inputs.logprobs_BT.dtype), valid_BT)
+    weight_BT = zero_padding(weight_BT.expand_as(valid_BT).to(inputs.logprobs_BT.dtype), keep_BT)
     metrics = {
         f"{name}/mask_fraction": masked_fraction(~keep_BT, valid_BT),
         f"{name}/weight_mean": masked_mean(weight_BT, keep_BT),
         f"{name}/weight_max": masked_max(weight_BT, keep_BT),
     }
     metrics.update(extra_metrics or {})
-    return CorrectionOutput(weight_BT.detach(), keep_BT, anchor_BT.detach(), metrics)
+    denominator_BT = valid_BT if cfg.counts_rejected else keep_BT
+    return CorrectionOutput(weight_BT.detach(), keep_BT, anchor_BT.detach(), denominator_BT, clip, metrics)

@@ -1,7 +1,9 @@
 """Baselines that mask by a divergence rather than a ratio band: kpop and m2po.
 
-Like the other masking baselines they take rho's numerator from the recomputed
-old policy when given (else the current policy) and run PPO against pi_old or mu.
+kpop judges pi_old against mu and runs AReaL's decoupled PPO against pi_old (weight
+pi_old / mu); m2po judges the CURRENT policy against mu, recomputed every mini-batch,
+and replaces PPO's clip by its mask. In 'mask_only' mode both keep only their rule,
+judged on pi_theta / mu, on clipped PPO against mu.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ import math
 import torch
 from torch import Tensor
 
-from entr_megatron.algorithm.correction_base import CorrectionOutput, finish, prepare_inputs
+from entr_megatron.algorithm.correction_base import (
+    CorrectionOutput,
+    baseline_anchor,
+    finish,
+    judged_log_rho,
+    prepare_inputs,
+    published,
+)
 from entr_megatron.algorithm.masked_ops import masked_mean
 from entr_megatron.config.algorithm import AlgorithmConfig
 
@@ -47,28 +56,34 @@ def kpop_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """KPop: drop tokens whose two-outcome KL(q || p) > cfg.kpop_threshold, where the
-    outcomes are "sampled token y" and "any other token", q = mu(y), p = pi_src(y).
-
-    The exact published formula is unknown to us; this is a reconstruction from the
-    method's description (a Bernoulli KL between the two policies' probabilities of y).
-    Unlike a ratio band it is small for a large ratio on a tiny probability (both
-    policies agree y is unlikely) and large for a moderate ratio near p = 1.
+    """KPop ("Taming training-inference mismatch in RL with adaptive masking regions", Ant
+    Group / NUS 2026; AReaL's rejection_sampling metric 'binary_kl'): each policy's
+    probability of the sampled token y is a Bernoulli ("y" / "any other token"); a token is
+    dropped when max(D(p || q), D(q || p)) > cfg.kpop_threshold, p = pi_old(y), q = mu(y).
+    Kept tokens carry AReaL's decoupled weight pi_old / mu on PPO against pi_old; dropped
+    ones stay in the denominator. Unlike a ratio band the divergence is small for a large
+    ratio on a tiny probability (both policies agree y is unlikely) and large for a moderate
+    ratio near p = 1. The post's full objective was not available to us: this follows
+    AReaL's implementation.
     """
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    kl_BT = bernoulli_kl(x.behaviour_BT, x.ratio_source_BT)
+    judged_BT = x.behaviour_BT + judged_log_rho(x, cfg)  # log pi_old (published) or log pi_theta
+    kl_BT = torch.maximum(bernoulli_kl(judged_BT, x.behaviour_BT), bernoulli_kl(x.behaviour_BT, judged_BT))
     keep_BT = kl_BT <= cfg.kpop_threshold
+    log_rho_BT = torch.where(keep_BT, judged_log_rho(x, cfg), torch.zeros_like(kl_BT))
+    weight_BT = log_rho_BT.exp() if published(cfg) else torch.ones_like(log_rho_BT)
     metrics = {"kpop/kl_mean": masked_mean(kl_BT, x.valid_BT)}
-    return finish("kpop", x, torch.ones_like(x.delta_BT), keep_BT, x.rejection_anchor_BT, metrics)
+    return finish("kpop", x, cfg, weight_BT, keep_BT, baseline_anchor(x, cfg), metrics)
 
 
 def m2po_keep_mask(sq_delta_BT: Tensor, valid_BT: Tensor, threshold: float) -> Tensor:
     """Keep the most valid tokens, smallest sq_delta first, whose mean sq_delta <= threshold.
 
     Equivalent to dropping the largest values one by one until the rest has mean
-    <= threshold. Sorting ascending makes the prefix means non-decreasing, so the kept
-    set is the longest prefix whose mean is within the threshold. The sort is stable over
-    the row-major token order, so among equal values the earlier token is kept first.
+    <= threshold (the M2PO paper's Algorithm 1). Sorting ascending makes the prefix means
+    non-decreasing, so the kept set is the longest prefix whose mean is within the
+    threshold. The sort is stable over the row-major token order, so among equal values
+    the earlier token is kept first.
     """
     flat_sq = torch.where(valid_BT, sq_delta_BT, torch.full_like(sq_delta_BT, torch.inf)).flatten()
     sorted_sq, order = torch.sort(flat_sq.to(torch.float64), stable=True)
@@ -90,10 +105,15 @@ def m2po_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """M2PO: over all valid tokens of this call (micro-batch), drop the largest
-    (log rho)^2 until the mean (log rho)^2 of the kept tokens is <= cfg.m2po_threshold."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    sq_BT = x.log_rho_BT.square()
+    """M2PO (Zheng et al. 2025, "Prosperity before collapse: how far can off-policy RL reach
+    with stale data on LLMs?"): M2 = mean (log pi_theta / mu)^2 over the valid tokens of this
+    call (one micro-batch: the learner packs whole sequences); the largest are dropped until
+    the kept tokens' M2 <= cfg.m2po_threshold (tau = 0.04). The objective is the UNCLIPPED
+    surrogate (1 / sum |o_i|) sum M_t r_t A on the kept tokens, r = pi_theta / mu, all
+    response tokens in the denominator. mask_only: the same mask on clipped PPO against mu."""
+    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, None)
+    sq_BT = x.delta_BT.square()
     keep_BT = m2po_keep_mask(sq_BT, x.valid_BT, cfg.m2po_threshold)
     metrics = {"m2po/kept_mean_sq_log_ratio": masked_mean(sq_BT, keep_BT)}
-    return finish("m2po", x, torch.ones_like(x.delta_BT), keep_BT, x.rejection_anchor_BT, metrics)
+    return finish("m2po", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics,
+                  clip=not published(cfg))

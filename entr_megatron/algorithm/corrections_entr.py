@@ -35,7 +35,7 @@ def entr_correction(
     keep_BT = entr_mask(x.delta_BT, x.entropy_BT, cfg.tau, cfg.entr_eps)
     score_BT = entr_score(x.delta_BT, x.entropy_BT, cfg.entr_eps)
     metrics = {"entr/score_mean": masked_mean(score_BT, x.valid_BT)}
-    return finish("entr", x, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
+    return finish("entr", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
 
 
 def entr_calibrated_correction(
@@ -66,7 +66,7 @@ def entr_calibrated_correction(
         "entr_calibrated/sigma2_hat": sigma2,
         "entr_calibrated/score_mean": masked_mean(score_BT, x.valid_BT),
     }
-    return finish("entr_calibrated", x, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
+    return finish("entr_calibrated", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
 
 
 def entr_soft_correction(
@@ -89,4 +89,4 @@ def entr_soft_correction(
     weight_BT = torch.clamp(x.delta_BT, min=-bound_BT, max=bound_BT).exp()
     keep_BT = x.delta_BT.abs() <= cfg.soft_mask_multiple * bound_BT
     metrics = {"entr_soft/clamp_fraction": masked_fraction(x.delta_BT.abs() > bound_BT, x.valid_BT)}
-    return finish("entr_soft", x, weight_BT, keep_BT, x.logprobs_BT, metrics)
+    return finish("entr_soft", x, cfg, weight_BT, keep_BT, x.logprobs_BT, metrics)

@@ -1,8 +1,19 @@
-"""Baselines that act on the importance ratio rho = pi_src / mu (magnitude only).
+"""Baselines that act on the importance ratio rho = pi_old / mu (magnitude only).
 
-pi_src is the recomputed old policy when `old_logprobs_BT` is given, otherwise the
-detached current policy ("bypass mode": no extra forward pass). The masking
-baselines (mis_*, icepop) then run PPO against pi_old if it exists, else against mu.
+As published (cfg.correction_mode 'published', the default) each runs PPO against
+pi_old, the policy before the rollout batch's first optimizer step: the recomputed
+`old_logprobs_BT` when given, otherwise the detached current policy (exact while no
+step has been taken; the ratio pi_theta / pi_old is then 1 in value). In 'mask_only'
+mode the masking ones keep only their rule, judged on pi_theta / mu, on PPO against mu.
+
+| name      | weight on the PPO term                 | dropped                          | denominator | source |
+|-----------|----------------------------------------|----------------------------------|-------------|--------|
+| tis       | min(rho, C)                            | -                                | all tokens  | Yao et al. 2025; verl token_is |
+| icepop    | rho inside [lo, hi], else 0            | (weight 0 outside the band)      | all tokens  | Ring-1T (arXiv:2510.18855) |
+| mis_token | rho inside [lo, hi]                    | tokens outside                   | kept only   | verl token IS + token rejection |
+| mis_seq   | prod_t rho_t inside [lo, hi]           | whole sequences outside          | kept only   | verl decoupled_seq_is_rs (Seq-MIS) |
+| mis_geo   | 1                                      | sequences, exp(mean log rho)     | kept only   | verl geo_rs |
+| decoupled | pi_prox / mu, 'drop' above the cap      | tokens above the cap ('drop')    | all tokens  | AReaL (arXiv:2505.24298) |
 """
 
 from __future__ import annotations
@@ -10,7 +21,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from entr_megatron.algorithm.correction_base import CorrectionOutput, TokenInputs, finish, log_band, prepare_inputs
+from entr_megatron.algorithm.correction_base import (
+    CorrectionOutput,
+    TokenInputs,
+    baseline_anchor,
+    finish,
+    judged_log_rho,
+    log_band,
+    prepare_inputs,
+    published,
+)
 from entr_megatron.algorithm.masked_ops import masked_fraction, sequence_mean, sequence_sum
 from entr_megatron.config.algorithm import AlgorithmConfig
 
@@ -26,7 +46,7 @@ def none_correction(
 ) -> CorrectionOutput:
     """No correction: weight 1, keep every token, plain PPO against mu ("GRPO async")."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, None)
-    return finish("none", x, torch.ones_like(x.delta_BT), x.valid_BT, x.behaviour_BT)
+    return finish("none", x, cfg, torch.ones_like(x.delta_BT), x.valid_BT, x.behaviour_BT)
 
 
 def tis_correction(
@@ -38,11 +58,12 @@ def tis_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """Truncated importance sampling (Yao et al.): w = min(pi_src / mu, tis_cap), keep all,
-    PPO against pi_src (ratio 1 in value in bypass mode)."""
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"; verl PR #2953): w = min(pi_old / mu, C), C = tis_cap
+    (2), multiplied on PPO against pi_old (after its clip); every token kept."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
     weight_BT = x.log_rho_BT.exp().clamp(max=cfg.tis_cap)
-    return finish("tis", x, weight_BT, x.valid_BT, x.ratio_source_BT)
+    return finish("tis", x, cfg, weight_BT, x.valid_BT, x.ratio_source_BT)
 
 
 def decoupled_correction(
@@ -54,34 +75,51 @@ def decoupled_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """Decoupled PPO (AReaL): w = min(pi_prox / mu, decoupled_cap), keep all, PPO against
-    pi_prox. `old_logprobs_BT` must hold the proximal policy's log-probs."""
-    if old_logprobs_BT is None:
-        raise ValueError(
-            "correction 'decoupled' requires old_logprobs_BT: the proximal policy's log-probs "
-            "from an extra forward pass before the update"
-        )
+    """Decoupled PPO (AReaL, arXiv:2505.24298; areal/utils/functional ppo_actor_loss_fn):
+    w = pi_prox / mu on PPO against pi_prox, pi_prox = pi_old. decoupled_cap_mode 'drop'
+    (AReaL's behav_imp_weight_cap): a token with w > decoupled_cap gets weight 0, still
+    counted in the denominator; 'clamp': w = min(w, cap), as TIS. mask_only: drop
+    pi_theta / mu > cap, weight 1, PPO against mu."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    weight_BT = x.log_rho_BT.exp().clamp(max=cfg.decoupled_cap)
-    return finish("decoupled", x, weight_BT, x.valid_BT, x.ratio_source_BT)
+    log_rho_BT = judged_log_rho(x, cfg)
+    weight_BT = log_rho_BT.exp() if published(cfg) else torch.ones_like(log_rho_BT)
+    keep_BT = x.valid_BT
+    if cfg.decoupled_cap_mode == "clamp" and published(cfg):
+        weight_BT = weight_BT.clamp(max=cfg.decoupled_cap)
+    else:
+        keep_BT = keep_BT & (log_rho_BT <= torch.log(torch.tensor(cfg.decoupled_cap, dtype=log_rho_BT.dtype)))
+    return finish("decoupled", x, cfg, weight_BT, keep_BT, baseline_anchor(x, cfg))
 
 
-def _token_band(name: str, x: TokenInputs, band: tuple[float, float]) -> CorrectionOutput:
-    """Mask tokens whose rho lies outside the band; weight 1."""
+def _band_keep(log_value: Tensor, band: tuple[float, float]) -> Tensor:
     lo, hi = log_band(band)
-    log_rho_BT = x.log_rho_BT
-    keep_BT = (log_rho_BT >= lo) & (log_rho_BT <= hi)
-    return finish(name, x, torch.ones_like(log_rho_BT), keep_BT, x.rejection_anchor_BT)
+    return (log_value >= lo) & (log_value <= hi)
 
 
-def _sequence_band(name: str, x: TokenInputs, seq_log_rho_B: Tensor, band: tuple[float, float]) -> CorrectionOutput:
-    """Mask whole sequences whose sequence-level log-ratio lies outside the band; weight 1."""
-    lo, hi = log_band(band)
-    keep_B = (seq_log_rho_B >= lo) & (seq_log_rho_B <= hi)
+def _token_band(name: str, x: TokenInputs, cfg: AlgorithmConfig, band: tuple[float, float]) -> CorrectionOutput:
+    """Keep tokens whose rho lies inside the band; as published their weight is rho (masked IS)."""
+    log_rho_BT = judged_log_rho(x, cfg)
+    keep_BT = _band_keep(log_rho_BT, band)
+    # Outside the band the weight is never used (the token is dropped): no overflow from exp.
+    inside_BT = torch.where(keep_BT, log_rho_BT, torch.zeros_like(log_rho_BT))
+    weight_BT = inside_BT.exp() if published(cfg) else torch.ones_like(log_rho_BT)
+    return finish(name, x, cfg, weight_BT, keep_BT, baseline_anchor(x, cfg))
+
+
+def _sequence_band(name: str, x: TokenInputs, cfg: AlgorithmConfig, seq_log_rho_B: Tensor,
+                   band: tuple[float, float], weighted: bool) -> CorrectionOutput:
+    """Keep whole sequences whose sequence-level log-ratio lies inside the band; `weighted`
+    (and published): every token of a kept sequence carries exp(seq_log_rho)."""
+    keep_B = _band_keep(seq_log_rho_B, band)
     nonempty_B = x.valid_BT.any(dim=-1)
     metrics = {f"{name}/seq_mask_fraction": masked_fraction(~keep_B, nonempty_B)}
     keep_BT = keep_B.unsqueeze(-1) & x.valid_BT
-    return finish(name, x, torch.ones_like(x.delta_BT), keep_BT, x.rejection_anchor_BT, metrics)
+    if weighted and published(cfg):
+        weight_B = torch.where(keep_B, seq_log_rho_B, torch.zeros_like(seq_log_rho_B)).exp()
+        weight_BT = weight_B.unsqueeze(-1).expand_as(x.delta_BT)
+    else:
+        weight_BT = torch.ones_like(x.delta_BT)
+    return finish(name, x, cfg, weight_BT, keep_BT, baseline_anchor(x, cfg), metrics)
 
 
 def mis_token_correction(
@@ -93,10 +131,12 @@ def mis_token_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """Masked IS per token (verl rollout_rs "token"): drop tokens with rho outside
-    cfg.mis_token_band (default [0.5, 2])."""
+    """Token-level masked IS (verl rollout correction: token IS weights truncated at 2 with
+    token rejection, lower bound 1 / upper): weight rho_t = pi_old / mu inside
+    cfg.mis_token_band (default [0.5, 2]), tokens outside dropped and removed from the
+    denominator (verl multiplies the response mask by the rejection mask)."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    return _token_band("mis_token", x, cfg.mis_token_band)
+    return _token_band("mis_token", x, cfg, cfg.mis_token_band)
 
 
 def mis_seq_correction(
@@ -108,10 +148,13 @@ def mis_seq_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """Masked IS per sequence (verl "seq"): drop a whole sequence when prod_t rho_t, i.e.
-    exp(sum of log rho over its valid tokens), is outside cfg.mis_seq_band (default [0.5, 2])."""
+    """Sequence-level masked IS (Seq-MIS, Liu et al. 2025 "When speed kills stability"; verl's
+    decoupled_seq_is_rs): rho_i = prod_t pi_old / mu over the sequence's tokens; inside
+    cfg.mis_seq_band (default [0.5, 2]) every token of it carries weight rho_i, outside the
+    whole sequence is dropped and leaves the denominator."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    return _sequence_band("mis_seq", x, sequence_sum(x.log_rho_BT, x.valid_BT), cfg.mis_seq_band)
+    seq_log_rho_B = sequence_sum(judged_log_rho(x, cfg), x.valid_BT)
+    return _sequence_band("mis_seq", x, cfg, seq_log_rho_B, cfg.mis_seq_band, weighted=True)
 
 
 def mis_geo_correction(
@@ -123,10 +166,12 @@ def mis_geo_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """Masked IS, geometric mean (verl "geo"): drop a whole sequence when
-    exp(mean of log rho over its valid tokens) is outside cfg.mis_geo_band (default [0.5, 2])."""
+    """Geometric rejection sampling (verl's geo_rs presets, rs_threshold "0.999_1.001"): drop a
+    whole sequence when exp(mean_t log pi_old / mu) is outside cfg.mis_geo_band (default
+    [0.999, 1.001]); weight 1; dropped sequences leave the denominator."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    return _sequence_band("mis_geo", x, sequence_mean(x.log_rho_BT, x.valid_BT), cfg.mis_geo_band)
+    seq_log_rho_B = sequence_mean(judged_log_rho(x, cfg), x.valid_BT)
+    return _sequence_band("mis_geo", x, cfg, seq_log_rho_B, cfg.mis_geo_band, weighted=False)
 
 
 def icepop_correction(
@@ -138,7 +183,9 @@ def icepop_correction(
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
 ) -> CorrectionOutput:
-    """IcePop (Ring-1T): drop tokens with rho outside cfg.icepop_band (default [0.5, 5]).
-    The magnitude-only band ENTR is compared against."""
+    """IcePop (Ring-1T, arXiv:2510.18855): each token's PPO term (ratio pi_theta / pi_old) is
+    weighted by M(k) = k for k = pi_old / mu inside cfg.icepop_band [alpha, beta] = [0.5, 5]
+    and 0 outside; every response token stays in the denominator (verl's "0.5_5.0" IS
+    weights, slime's icepop_function). The magnitude-only band ENTR is compared against."""
     x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
-    return _token_band("icepop", x, cfg.icepop_band)
+    return _token_band("icepop", x, cfg, cfg.icepop_band)

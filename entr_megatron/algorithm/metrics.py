@@ -203,7 +203,9 @@ def mismatch_metrics(
       of KL(mu || pi) from tokens sampled by mu; mismatch/mean_abs_delta; mismatch/tokens.
     - mask/fraction: valid tokens dropped (needs keep_mask_BT).
     - is/ess: (sum w)^2 / (n sum w^2) of the effective weights w * keep over the n valid
-      tokens, in [0, 1] (needs weight_BT or keep_mask_BT; a missing one counts as 1).
+      tokens, in [0, 1] (needs weight_BT or keep_mask_BT; a missing one counts as 1). Pass
+      as weight_BT the importance weight the loss applies (objective.PolicyTerms.is_weight_BT:
+      the policy ratio times the correction's weight), not the correction's weight alone.
     - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, mean_score, mask_fraction, low_prob_share}
       per bin edges[i] <= H < edges[i+1] (H below the first edge joins the first bin, above
       the last the last bin); score S = delta^2 / (H + eps); low_prob_share: mu(y) < 1e-3.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo")
 CORRECTION_NAMES = (
@@ -30,6 +30,33 @@ POLICY_LOSS_NAMES = ("ppo_clip", "reinforce", "cispo", "gspo", "nll")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ENTROPY_SOURCES = ("learner", "rollout")
 
+CorrectionMode = Literal["published", "mask_only"]
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
+CapMode = Literal["drop", "clamp"]
+CAP_MODES: tuple[str, ...] = get_args(CapMode)
+
+# The aggregation each loss's paper uses, when loss_agg_mode is unset. GSPO averages per
+# sequence (1/G sum_i 1/|y_i| sum_t, arXiv:2507.18071 eq. 5); CISPO (arXiv:2506.13585 eq. 4)
+# and DAPO's PPO (arXiv:2503.14476 eq. 8) normalise by all tokens of the batch.
+DEFAULT_LOSS_AGG_MODES: dict[str, str] = {
+    "ppo_clip": "token-mean",
+    "reinforce": "token-mean",
+    "cispo": "token-mean",
+    "gspo": "seq-mean-token-mean",
+    "nll": "token-mean",
+}
+
+# Corrections whose rejected tokens leave the loss denominator by default: verl's
+# rejection sampling multiplies the response mask by the rejection mask
+# (verl/trainer/ppo/rollout_corr_helper.py). ENTR counts them (docs/ENTR.md), and so do
+# AReaL's decoupled loss (its token count is taken before behav_imp_weight_cap drops
+# tokens, areal/utils/functional) and the weighting methods (a zero weight is still a token).
+REJECTED_LEAVE_DENOMINATOR = ("mis_token", "mis_seq", "mis_geo")
+
+# Corrections that, as published, run PPO against pi_old (the policy before the rollout
+# batch's first optimizer step) and judge pi_old / mu. The rest compare pi_theta with mu.
+CORRECTIONS_ON_OLD_POLICY = ("tis", "icepop", "mis_token", "mis_seq", "mis_geo", "kpop", "decoupled")
+
 # (eps_clip_low, eps_clip_high) used when the config leaves them unset. Each loss
 # has its own scale: GSPO clips a sequence-level ratio, which moves far less than
 # a token ratio (GSPO paper: 3e-4 / 4e-4); CISPO (MiniMax-M1) disables the lower
@@ -44,9 +71,6 @@ CLIP_RANGE_DEFAULTS: dict[str, tuple[float, float]] = {
     "nll": (0.2, 0.28),
 }
 
-# Corrections that cannot run without the log-probs of a recomputed proximal/old policy.
-CORRECTIONS_REQUIRING_OLD_LOGPROBS = ("decoupled",)
-
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
@@ -57,6 +81,13 @@ class AlgorithmConfig:
 
     correction: str = "entr"
     """Off-policy correction (per-token weight / mask / ratio anchor): one of CORRECTION_NAMES."""
+
+    correction_mode: CorrectionMode = "published"
+    """'published': each baseline as its authors define it (docs/ENTR.md's table: e.g. IcePop
+    weights pi_old/mu inside its band on PPO against pi_old). 'mask_only': every baseline is
+    only its keep rule, judged like ENTR on pi_theta / mu, weight 1, PPO against mu, masked
+    tokens in the denominator: ENTR's composition with another rule, to isolate the masks.
+    ENTR and 'none' are the same in both; 'tis' has no mask and refuses 'mask_only'."""
 
     tau: float = 0.5
     """ENTR threshold: keep a token when delta^2 / (H + entr_eps) <= tau. Also sets the
@@ -76,28 +107,41 @@ class AlgorithmConfig:
     """entr_soft: hard-mask tokens with |delta| > soft_mask_multiple * b, b = sqrt(tau (H + eps)). >= 1."""
 
     tis_cap: float = 2.0
-    """tis: truncation C of the importance weight min(pi_old / mu, C). > 0."""
+    """tis: truncation C of the importance weight min(pi_old / mu, C) (Yao et al. 2025; verl's
+    rollout_is_threshold 2.0, slime's --tis-clip 2.0). > 0."""
 
     mis_token_band: tuple[float, float] = (0.5, 2.0)
-    """mis_token: keep tokens whose ratio pi / mu lies in [lo, hi]; 0 <= lo <= 1 <= hi."""
+    """mis_token: token-level masked IS, weight rho * 1[lo <= rho <= hi], rho = pi_old / mu
+    (verl: IS cap 2, rejection lower bound 1 / upper). 0 <= lo <= 1 <= hi."""
 
     mis_seq_band: tuple[float, float] = (0.5, 2.0)
-    """mis_seq: keep sequences whose product of token ratios lies in [lo, hi]; 0 <= lo <= 1 <= hi."""
+    """mis_seq: sequence-level masked IS (Seq-MIS, verl's decoupled_seq_is_rs preset): weight
+    prod_t rho_t inside [lo, hi], the whole sequence dropped outside. 0 <= lo <= 1 <= hi."""
 
-    mis_geo_band: tuple[float, float] = (0.5, 2.0)
-    """mis_geo: keep sequences whose geometric-mean token ratio lies in [lo, hi]; 0 <= lo <= 1 <= hi."""
+    mis_geo_band: tuple[float, float] = (0.999, 1.001)
+    """mis_geo: geometric rejection (verl's geo_rs presets, rs_threshold "0.999_1.001"): drop a
+    sequence whose exp(mean_t log rho_t) is outside [lo, hi], weight 1. 0 <= lo <= 1 <= hi."""
 
     icepop_band: tuple[float, float] = (0.5, 5.0)
-    """icepop: keep tokens whose ratio lies in [lo, hi] (Ring-1T uses [0.5, 5]); 0 <= lo <= 1 <= hi."""
+    """icepop: weight k * 1[lo <= k <= hi], k = pi_old / mu (Ring-1T's alpha = 0.5, beta = 5).
+    0 <= lo <= 1 <= hi."""
 
-    kpop_threshold: float = 0.05
-    """kpop: drop tokens whose two-outcome Bernoulli KL(mu(y) || pi(y)) exceeds this (nats). > 0."""
+    kpop_threshold: float = 0.1
+    """kpop: drop a token when max(D(p || q), D(q || p)) > this (nats), D the KL between the
+    Bernoulli outcomes "token y / any other" with p = pi_old(y), q = mu(y) (AReaL's binary_kl
+    rejection; 0.1 is the value reported as the post's default, unverified). > 0."""
 
     m2po_threshold: float = 0.04
-    """m2po: drop the largest delta^2 until the mean delta^2 of the kept tokens is <= this. > 0."""
+    """m2po: drop the largest (log pi_theta / mu)^2 until the mean of the kept tokens is <= this
+    (the M2PO paper's tau = 0.04 in every experiment). > 0."""
 
     decoupled_cap: float = 5.0
-    """decoupled (AReaL): cap of the behaviour weight min(pi_prox / mu, cap). > 0."""
+    """decoupled (AReaL): cap of the behaviour weight pi_prox / mu (AReaL's examples:
+    behav_imp_weight_cap 5.0). > 0."""
+
+    decoupled_cap_mode: CapMode = "drop"
+    """decoupled: 'drop' tokens whose behaviour weight exceeds decoupled_cap (AReaL: weight 0,
+    still counted in the denominator) or 'clamp' the weight to the cap (truncated IS)."""
 
     policy_loss: str = "ppo_clip"
     """Per-token policy loss: one of POLICY_LOSS_NAMES. "nll" is the supervised (SFT)
@@ -114,9 +158,20 @@ class AlgorithmConfig:
     dual_clip_c: float | None = 3.0
     """ppo_clip dual clip: for A < 0 the loss is bounded by -c * A. > 1; None disables."""
 
-    loss_agg_mode: str = "token-mean"
-    """How per-token losses become one scalar: one of LOSS_AGG_MODES. token-mean divides by
-    every response token, masked ones included (ENTR.md)."""
+    loss_agg_mode: str | None = None
+    """How per-token losses become one scalar: one of LOSS_AGG_MODES; None takes the policy
+    loss's published one (DEFAULT_LOSS_AGG_MODES: seq-mean-token-mean for GSPO, token-mean
+    otherwise). The resolved mode is `aggregation`."""
+
+    loss_norm_tokens: int | None = None
+    """seq-mean-token-sum-norm's constant L in sum_it l_it / (num_seqs * L): Dr.GRPO divides
+    by the generation budget, so a run fills it from rollout.sampling.max_new_tokens when unset.
+    >= 1. None outside a run: the batch's padded width."""
+
+    rejected_in_denominator: bool | None = None
+    """Whether tokens a correction rejects still count in the loss denominator. None: the
+    method's own choice (False for mis_* as verl's rejection sampling, True otherwise, always
+    True with correction_mode 'mask_only'). The resolved value is `counts_rejected`."""
 
     entropy_source: str = "learner"
     """Which entropy ENTR divides by: 'learner' (H(pi_theta), same forward pass) or
@@ -126,8 +181,23 @@ class AlgorithmConfig:
         _require_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES)
         _require_choice("correction", self.correction, CORRECTION_NAMES)
         _require_choice("policy_loss", self.policy_loss, POLICY_LOSS_NAMES)
-        _require_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.loss_agg_mode is not None:
+            _require_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _require_choice("entropy_source", self.entropy_source, ENTROPY_SOURCES)
+        _require_choice("correction_mode", self.correction_mode, CORRECTION_MODES)
+        _require_choice("decoupled_cap_mode", self.decoupled_cap_mode, CAP_MODES)
+        if self.correction_mode == "mask_only" and self.correction == "tis":
+            raise ValueError("AlgorithmConfig.correction_mode='mask_only' is not valid with correction='tis': "
+                             "TIS only weights tokens and has no mask; use correction_mode='published'")
+        if self.loss_norm_tokens is not None and (
+            isinstance(self.loss_norm_tokens, bool) or not isinstance(self.loss_norm_tokens, int)
+            or self.loss_norm_tokens < 1
+        ):
+            raise ValueError(f"AlgorithmConfig.loss_norm_tokens={self.loss_norm_tokens!r} is not valid; "
+                             "must be null or an integer >= 1")
+        if self.rejected_in_denominator is not None and not isinstance(self.rejected_in_denominator, bool):
+            raise ValueError(f"AlgorithmConfig.rejected_in_denominator={self.rejected_in_denominator!r} is not "
+                             "valid; must be null, true or false")
         for name in (
             "tau",
             "entr_eps",
@@ -159,9 +229,24 @@ class AlgorithmConfig:
         return low, high
 
     @property
-    def requires_old_logprobs(self) -> bool:
-        """True when the correction needs a recomputed old/proximal policy forward pass."""
-        return self.correction in CORRECTIONS_REQUIRING_OLD_LOGPROBS
+    def aggregation(self) -> str:
+        """The loss aggregation in force: loss_agg_mode, or the policy loss's published default."""
+        return self.loss_agg_mode or DEFAULT_LOSS_AGG_MODES[self.policy_loss]
+
+    @property
+    def counts_rejected(self) -> bool:
+        """rejected_in_denominator resolved (see there)."""
+        if self.rejected_in_denominator is not None:
+            return self.rejected_in_denominator
+        return self.correction_mode == "mask_only" or self.correction not in REJECTED_LEAVE_DENOMINATOR
+
+    @property
+    def uses_old_logprobs(self) -> bool:
+        """True when the correction anchors on pi_old, the policy before the rollout batch's first
+        optimizer step (published mode of CORRECTIONS_ON_OLD_POLICY). With several optimizer
+        steps per rollout batch the learner then recomputes it; with one it is the current
+        policy, detached, in the same pass."""
+        return self.correction_mode == "published" and self.correction in CORRECTIONS_ON_OLD_POLICY
 
 
 def _require_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:

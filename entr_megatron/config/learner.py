@@ -103,9 +103,16 @@ class LearnerConfig:
     """Sampling temperature of the rollouts: log-probs and entropy are taken of softmax(z / T),
     the distribution the behaviour log-probs were measured under. > 0."""
 
-    vocab_size: int | None = None
-    """True (unpadded) vocabulary size; output columns beyond it (Megatron pads the vocabulary
-    to a multiple of the TP size) are excluded from the softmax. None: all columns are real."""
+    mini_batches: int = 1
+    """Optimizer steps per pass over a rollout batch: the global batch is split into this many
+    contiguous mini-batches of (nearly) equal sequence counts, each one optimizer step (verl's
+    train_batch_size / ppo_mini_batch_size, slime's num_steps_per_rollout). Every correction
+    and the ENTR mask are recomputed on each mini-batch against the current weights. >= 1;
+    each mini-batch needs at least one sequence per data-parallel rank."""
+
+    epochs: int = 1
+    """Passes over each rollout batch (verl's ppo_epochs); mini_batches * epochs optimizer steps
+    per rollout batch, all of one policy version. >= 1."""
 
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the vocab-parallel log-prob/entropy op (bounds its fp32 temporaries).
@@ -125,11 +132,16 @@ class LearnerConfig:
             raise ValueError(f"LearnerConfig.optim={self.optim!r} is not valid; must be an OptimConfig or a mapping")
         _require_int("max_tokens_per_microbatch", self.max_tokens_per_microbatch, low=1)
         _require_range("temperature", self.temperature, low=0.0, low_open=True)
-        if self.vocab_size is not None:
-            _require_int("vocab_size", self.vocab_size, low=1)
+        _require_int("mini_batches", self.mini_batches, low=1)
+        _require_int("epochs", self.epochs, low=1)
         if self.logprob_chunk_size is not None:
             _require_int("logprob_chunk_size", self.logprob_chunk_size, low=1)
         _require_choice("precision", self.precision, PRECISIONS)
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps (and LR-schedule steps) per rollout batch: mini_batches * epochs."""
+        return self.mini_batches * self.epochs
 
 
 def _require_choice(field_name: str, value: Any, allowed: tuple[str, ...]) -> None:

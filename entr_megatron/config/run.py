@@ -9,6 +9,7 @@ what is allowed. YAML files and dotted overrides: see `loader.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -725,6 +726,18 @@ class RunConfig:
                 "controller.global_batch_size", self.controller.global_batch_size,
                 f"must equal rollout.prompts_per_step * rollout.sampling.n = {expected} (or be null)",
             )
+        dp = self.parallel.data_parallel_size(self.launcher.world_size)
+        if self.learner.mini_batches * dp > expected:
+            raise _bad(
+                "learner.mini_batches", self.learner.mini_batches,
+                f"must be at most {max(expected // dp, 1)}: each mini-batch of the {expected} sequences of a step "
+                f"(rollout.prompts_per_step * rollout.sampling.n) needs one per data-parallel rank (dp={dp})",
+            )
+        if self.algorithm.loss_norm_tokens is None:
+            # Dr.GRPO's constant: the generation budget (the loss of a sequence then does not
+            # depend on how long its batch-mates are).
+            algorithm = dataclasses.replace(self.algorithm, loss_norm_tokens=self.rollout.sampling.max_new_tokens)
+            object.__setattr__(self, "algorithm", algorithm)
 
     def _check_parallel(self) -> None:
         p, world = self.parallel, self.launcher.world_size

@@ -115,21 +115,22 @@ class LearnerWorker:
                 "cp": g.cp_size, "local_params": params}
 
     def train(self, batch: TrainBatch, version: int | None = None) -> dict[str, float]:
-        """One optimizer step on the global `batch` (this rank trains its data-parallel share)."""
-        from entr_megatron.learner.batching import split_for_data_parallel
-        from entr_megatron.learner.train_step import train_step
+        """The optimizer steps of one rollout batch (`learner.mini_batches` x `learner.epochs`) on
+        the global `batch`; each rank trains its data-parallel share of every mini-batch. Returns
+        the steps' metrics merged (`merge_step_metrics`)."""
+        from entr_megatron.learner.rollout_batch import merge_step_metrics, train_rollout_batch
 
-        local = batch
-        if self.groups.dp_size > 1:
-            local = split_for_data_parallel(batch, self.groups.dp_size)[self.groups.dp_rank]
         t0 = time.perf_counter()
         waited = [0.0]
 
         def before_update():  # the weights a push borrowed must be on the wire before they change
-            waited[0] = self.sync.wait_borrowed() if self.sync is not None else 0.0
+            if self.sync is not None:
+                waited[0] += self.sync.wait_borrowed()
 
-        metrics = train_step(self.ddp, self.optimizer, self.scheduler, local, self.groups, self.algo_cfg,
-                             self.learner_cfg, current_version=version, before_update=before_update)
+        steps = train_rollout_batch(self.ddp, self.optimizer, self.scheduler, batch, self.groups, self.algo_cfg,
+                                    self.learner_cfg, vocab_size=self.model_spec.vocab_size,
+                                    current_version=version, before_update=before_update)
+        metrics = merge_step_metrics(steps)
         metrics["timing/learner_step_s"] = time.perf_counter() - t0
         metrics["timing/weight_borrow_wait_s"] = waited[0]
         return metrics

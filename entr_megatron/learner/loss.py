@@ -29,24 +29,27 @@ the global denominator (``_AGGREGATION_PARTS``):
 ===========================  ======================================  ===============================
 mode                         numerator of a micro-batch               count
 ===========================  ======================================  ===============================
-token-mean                   sum of per-token losses                  response tokens
-seq-mean-token-mean          sum over sequences of their token-mean   sequences with a response token
-seq-mean-token-sum-norm      sum of per-token losses / L_max          sequences with a response token
+token-mean                   sum of per-token losses                  denominator tokens
+seq-mean-token-mean          sum over sequences of their token-mean   sequences with a denominator token
+seq-mean-token-sum-norm      sum of per-token losses / L              sequences with a denominator token
 ===========================  ======================================  ===============================
 
-with ``L_max`` the longest response span of the GLOBAL batch (all-reduced MAX
-by the caller). Sequences are never split across micro-batches, so the
-sequence-level terms are whole. The numerators come from ``compute_policy_loss``
-with unit global counts (``aggregate_loss`` divides by them). The count must be
+with ``L`` Dr.GRPO's constant (``AlgorithmConfig.loss_norm_tokens``, the generation
+budget) and the denominator tokens every response token, or only the kept ones
+for methods that drop rejected tokens (``PolicyTerms.denominator_BT``).
+Sequences are never split across micro-batches, so the sequence-level terms are
+whole. The numerators come from ``policy_loss_terms`` and ``aggregate_loss`` with
+unit global counts (it divides by them). The count must be
 an integer tensor (``total_num_tokens`` is ``torch.int``); the counts here are.
 Megatron scales MoE auxiliary losses assuming ``count`` is a token count
 (``moe/router.py`` l. 456-466), which only holds for token-mean.
 
 Metrics: ``report`` carries sums, maxima and minima that the train step adds
 over micro-batches and data-parallel ranks before dividing, so the loss and the
-mismatch metrics (``mismatch_metric_stats``) are exact for the global batch; the
-correction's and policy loss's own metrics are token-weighted means of their
-per-micro-batch values (exact for those that average over all response tokens).
+mismatch metrics (``mismatch_metric_stats``, with the loss's own keep mask and
+importance weights) are exact for the global batch; the correction's and policy
+loss's own metrics are token-weighted means of their per-micro-batch values
+(exact for those that average over all response tokens).
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from entr_megatron.algorithm import CORRECTIONS, compute_policy_loss, mismatch_metric_stats
+from entr_megatron.algorithm import aggregate_loss, mismatch_metric_stats, policy_loss_terms
+from entr_megatron.algorithm.objective import PolicyTerms
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import MicroBatch
@@ -70,39 +74,41 @@ LOSS_NUMERATOR = "loss/numerator"
 LOSS_COUNT = "loss/count"
 
 
-def packed_logprobs_entropy(logits_bsv: Tensor, mb: MicroBatch, tp_group,
-                            learner_cfg: LearnerConfig) -> tuple[Tensor, Tensor]:
-    """Per-position ``[T]`` log-prob of the next token and entropy from the vocab-sharded logits.
+def packed_logprobs_entropy(logits_bsv: Tensor, mb: MicroBatch, tp_group, learner_cfg: LearnerConfig,
+                            vocab_size: int | None = None, collision: bool = False) -> tuple[Tensor, ...]:
+    """Per-position ``[T]`` log-prob of the next token and entropy from the vocab-sharded logits
+    (and, with ``collision``, 1 - sum p^2, in the same pass).
 
     ``logits_bsv`` is what ``GPTModel.forward`` returns without labels: ``[b=1, s=T, V/tp]``
     (it transposes the output layer's ``[s, b, V/tp]``). Every TP rank holds its contiguous
-    vocabulary shard; nothing is gathered. Entropy is returned detached: no loss here
-    differentiates it, so its backward is skipped.
+    vocabulary shard; nothing is gathered. ``vocab_size``: the true vocabulary; Megatron's
+    padding columns beyond it stay out of the softmax. Entropy is returned detached: no loss
+    here differentiates it, so its backward is skipped.
     """
     if logits_bsv.dim() != 3 or logits_bsv.shape[:2] != (1, mb.length):
         raise ValueError(f"expected logits [1, {mb.length}, V/tp] (b, s, vocab shard), got {tuple(logits_bsv.shape)}")
-    logprobs, entropy = vocab_parallel_logprobs_entropy(
+    out = vocab_parallel_logprobs_entropy(
         logits_bsv[0], mb.targets[0].to(logits_bsv.device), tp_group, learner_cfg.temperature,
-        learner_cfg.logprob_chunk_size, learner_cfg.vocab_size,
+        learner_cfg.logprob_chunk_size, vocab_size, return_collision=collision,
     )
-    return logprobs, entropy.detach()
+    return (out[0], out[1].detach(), *out[2:])
 
 
-def _token_mean_parts(mask_BT: Tensor, max_len: int) -> tuple[dict, Tensor]:
+def _token_mean_parts(mask_BT: Tensor) -> tuple[dict, Tensor]:
     return {"num_tokens": 1}, mask_BT.sum()
 
 
-def _seq_mean_token_mean_parts(mask_BT: Tensor, max_len: int) -> tuple[dict, Tensor]:
+def _seq_mean_token_mean_parts(mask_BT: Tensor) -> tuple[dict, Tensor]:
     return {"num_seqs": 1}, mask_BT.any(dim=-1).sum()
 
 
-def _seq_mean_token_sum_norm_parts(mask_BT: Tensor, max_len: int) -> tuple[dict, Tensor]:
-    return {"num_seqs": 1, "max_response_len": max(max_len, 1)}, mask_BT.any(dim=-1).sum()
+def _seq_mean_token_sum_norm_parts(mask_BT: Tensor) -> tuple[dict, Tensor]:
+    return {"num_seqs": 1}, mask_BT.any(dim=-1).sum()
 
 
-# loss_agg_mode -> (aggregate_loss kwargs that make it return this micro-batch's numerator,
+# aggregation -> (aggregate_loss kwargs that make it return this micro-batch's numerator,
 # the count Megatron sums into the global denominator). Keys: config.algorithm.LOSS_AGG_MODES.
-_AGGREGATION_PARTS: dict[str, Callable[[Tensor, int], tuple[dict, Tensor]]] = {
+_AGGREGATION_PARTS: dict[str, Callable[[Tensor], tuple[dict, Tensor]]] = {
     "token-mean": _token_mean_parts,
     "seq-mean-token-mean": _seq_mean_token_mean_parts,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm_parts,
@@ -118,29 +124,25 @@ def _entropy_for_algorithm(mb: MicroBatch, learner_entropy_BT: Tensor, cfg: Algo
     return mb.rollout_entropy_BT.to(learner_entropy_BT.device)
 
 
-def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, mask_BT: Tensor, old_BT,
-            cfg: AlgorithmConfig, algo_metrics: dict[str, Tensor], current_version: int | None) -> dict:
+def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, mask_BT: Tensor, terms: PolicyTerms,
+            cfg: AlgorithmConfig, current_version: int | None) -> dict:
     """Reducible metrics of one micro-batch: {'sums', 'maxima', 'minima'} of scalar tensors.
 
-    Mismatch metrics come from their exact stats; ENTR's keep mask and weights are
-    recomputed (detached, elementwise: cheap) because compute_policy_loss keeps them inside.
-    The correction's and the loss's own metrics are per-micro-batch values: they are
-    reduced as token-weighted means (``*_max`` as maxima), exact for those averaging over
-    all response tokens.
+    Mismatch metrics come from their exact stats, with the loss's own keep mask and
+    importance weights. The correction's and the loss's own metrics are per-micro-batch
+    values: they are reduced as token-weighted means (``*_max`` as maxima), exact for those
+    averaging over all response tokens.
     """
-    correction = CORRECTIONS[cfg.correction](lp_BT.detach(), blp_BT, entropy_BT, mask_BT, cfg, old_logprobs_BT=old_BT)
     versions = None if mb.versions_BT is None else mb.versions_BT.to(lp_BT.device)
     stats = mismatch_metric_stats(
-        lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=correction.keep_mask_BT, weight_BT=correction.weight_BT,
+        lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT,
         versions_BT=versions, current_version=current_version, eps=cfg.entr_eps,
     )
     sums = {f"mismatch_stats/{k}": v for k, v in stats.sums.items()}
     maxima = {f"mismatch_stats/{k}": v for k, v in stats.maxima.items()}
     minima = {f"mismatch_stats/{k}": v for k, v in stats.minima.items()}
     tokens = mask_BT.sum().double()
-    for key, value in algo_metrics.items():
-        if key.startswith(("mismatch/", "mask/", "is/", "entropy_bin/")) or key == "policy_loss/value":
-            continue  # recomputed exactly from the stats, or replaced by the exact global loss
+    for key, value in terms.metrics.items():
         if key.endswith("_max"):
             maxima[key] = value.detach().double() if tokens > 0 else torch.tensor(-math.inf, dtype=torch.float64)
         else:
@@ -149,22 +151,28 @@ def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, m
     return {"sums": sums, "maxima": maxima, "minima": minima}
 
 
-def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig,
-                          max_response_len: int, old_logprobs_T: Tensor | None = None,
+def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *,
+                          vocab_size: int | None = None, old_logprobs_T: Tensor | None = None,
                           current_version: int | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
     """Megatron ``loss_func`` of one micro-batch: ``logits [1, T, V/tp] -> (numerator, count, report)``.
 
     Args:
         mb: the micro-batch the logits belong to.
         tp_group: tensor-parallel group of the vocab shards (``groups.tp``).
-        max_response_len: longest response span of the global batch (seq-mean-token-sum-norm).
-        old_logprobs_T: recomputed old/proximal log-probs in the DP-local batch's packed
-            layout (``compute_logprobs``), required when ``algo_cfg.requires_old_logprobs``.
+        vocab_size: the true (unpadded) vocabulary size; None: every column is real.
+        old_logprobs_T: pi_old in the DP-local batch's packed layout (``compute_logprobs``) for
+            corrections that anchor on it; None: the current policy, detached (exact before
+            the rollout batch's first optimizer step).
         current_version: policy version being trained, for the policy-lag metrics.
 
     See the module docstring for why (numerator, count) is exact under Megatron's schedules.
     """
-    parts = _AGGREGATION_PARTS[algo_cfg.loss_agg_mode]
+    aggregation = algo_cfg.aggregation
+    parts = _AGGREGATION_PARTS[aggregation]
+    if aggregation == "seq-mean-token-sum-norm" and algo_cfg.loss_norm_tokens is None:
+        raise ValueError("AlgorithmConfig.loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_tokens, Dr.GRPO's "
+                         "constant divisor (a run sets it to rollout.sampling.max_new_tokens)")
+    wants_collision = algo_cfg.correction == "entr_calibrated"
 
     def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
         device = logits_bsv.device
@@ -173,22 +181,20 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
             # Padding-only micro-batch: contributes nothing, but backward must still reach the model.
             zero = logits_bsv.sum() * 0.0
             return zero, torch.zeros([], dtype=count_dtype, device=device), {"sums": {}, "maxima": {}, "minima": {}}
-        if algo_cfg.requires_old_logprobs and old_logprobs_T is None:
-            # Checked here, not at construction: only the last stage has (and needs) them.
-            raise ValueError(f"AlgorithmConfig.correction={algo_cfg.correction!r} needs old log-probs: "
-                             "pass old_logprobs_T (train_step computes them)")
-        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg)
+        out = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision)
+        logprobs_T, entropy_T = out[0], out[1]
         mask_BT = mb.response_mask_BT.to(device)
         lp_BT = mb.to_padded(logprobs_T)
         entropy_BT = _entropy_for_algorithm(mb, mb.to_padded(entropy_T), algo_cfg)
+        collision_BT = mb.to_padded(out[2]) if wants_collision else None
         blp_BT = mb.behaviour_logprobs_BT.to(device)
         old_BT = None if old_logprobs_T is None else mb.padded_from_batch(old_logprobs_T.to(device))
-        unit_counts, count = parts(mask_BT, max_response_len)
-        numerator, algo_metrics = compute_policy_loss(
-            lp_BT, entropy_BT, blp_BT, mb.advantages_B.to(device), mask_BT, algo_cfg,
-            old_logprobs_BT=old_BT, **unit_counts,
-        )
-        report = _report(mb, lp_BT, entropy_BT, blp_BT, mask_BT, old_BT, algo_cfg, algo_metrics, current_version)
+        terms = policy_loss_terms(lp_BT, entropy_BT, blp_BT, mb.advantages_B.to(device), mask_BT, algo_cfg,
+                                  old_logprobs_BT=old_BT, collision_BT=collision_BT)
+        unit_counts, count = parts(terms.denominator_BT)
+        numerator = aggregate_loss(terms.loss_BT, terms.denominator_BT, aggregation,
+                                   max_response_len=algo_cfg.loss_norm_tokens, **unit_counts)
+        report = _report(mb, lp_BT, entropy_BT, blp_BT, mask_BT, terms, algo_cfg, current_version)
         report["sums"][LOSS_NUMERATOR] = numerator.detach().double()
         report["sums"][LOSS_COUNT] = count.double()
         return numerator, count.to(count_dtype), report
@@ -196,8 +202,8 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
     return loss_func
 
 
-def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: LearnerConfig
-                           ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
+def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: LearnerConfig,
+                           vocab_size: int | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
     """Forward-only ``loss_func``: reports the micro-batch's per-position log-probs and entropy.
 
     The report is ``{"index": index, "logprobs": [T], "entropy": [T]}`` in the micro-batch's
@@ -205,7 +211,7 @@ def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: Le
     """
 
     def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
-        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg)
+        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size)
         zero = torch.zeros([], dtype=logits_bsv.dtype, device=logits_bsv.device)
         count = torch.zeros([], dtype=torch.int, device=logits_bsv.device)
         return zero, count, {"index": index, "logprobs": logprobs_T.detach(), "entropy": entropy_T}

@@ -39,7 +39,6 @@ from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import (
     MicroBatch,
-    batch_counts,
     build_microbatch,
     padded_length,
     plan_microbatches,
@@ -223,7 +222,8 @@ def _from_last_stage(metrics: dict, groups) -> dict:
 # --- public API ---------------------------------------------------------------------------------------
 
 def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, groups,
-               algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, current_version: int | None = None,
+               algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, vocab_size: int | None = None,
+               old_logprobs: Tensor | None = None, current_version: int | None = None,
                before_update: Callable[[], object] | None = None) -> dict[str, float]:
     """One optimizer step of the RL loss on ``batch`` (this data-parallel rank's sequences).
 
@@ -234,6 +234,13 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
         batch: this DP rank's share of the global batch (``batching.split_for_data_parallel``),
             the same on every TP/PP rank of the replica.
         groups: the ``ParallelGroups`` of the layout.
+        vocab_size: the true (unpadded) vocabulary size: output columns beyond it (Megatron pads
+            the vocabulary to a multiple of the TP size) stay out of the softmax, as in the
+            engines and ``score``. None: every column is real.
+        old_logprobs: pi_old, the log-probs of ``batch`` (packed ``[T]``, ``compute_logprobs``)
+            under the weights before this rollout batch's first optimizer step, for corrections
+            that anchor on it (``algo_cfg.uses_old_logprobs``). None: the weights have not moved
+            since then, so pi_old is the current policy, detached, taken in the same pass (exact).
         current_version: the policy version being trained (policy-lag metrics).
         before_update: called after forward and backward, just before the optimizer changes
             the weights (e.g. `WeightSync.wait_borrowed`: a push still reading them).
@@ -252,11 +259,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
     _prepare_config(config, groups)
     config.finalize_model_grads_func = finalize_model_grads
 
-    old_logprobs = None
-    if algo_cfg.requires_old_logprobs:
-        old_logprobs = compute_logprobs(model_chunks, batch, groups, learner_cfg)[0]
     micro = microbatches_for_step(batch, groups, learner_cfg, config)
-    max_response_len = _all_reduce_max([batch_counts(batch).max_response_len], groups.dp, groups.dp_size)[0]
 
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
@@ -264,7 +267,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
     last = groups.is_last_stage()
 
     def make_loss(index: int, mb: MicroBatch):
-        return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, max_response_len,
+        return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, vocab_size=vocab_size,
                                      old_logprobs_T=old_logprobs, current_version=current_version)
 
     reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
@@ -281,8 +284,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
     return metrics
 
 
-def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg: LearnerConfig
-                     ) -> tuple[Tensor, Tensor] | tuple[None, None]:
+def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg: LearnerConfig,
+                     vocab_size: int | None = None) -> tuple[Tensor, Tensor] | tuple[None, None]:
     """Log-probs and entropy of every target position of ``batch`` under the current weights.
 
     Forward only (no gradients, modules in eval mode), through the same packing and
@@ -290,6 +293,7 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     packed layout (position j of a sequence: log p(token j+1 | tokens 0..j); 0 at each
     sequence's last position) on the LAST pipeline stage, ``(None, None)`` elsewhere.
     Used for the old/proximal policy of corrections that need one and for scoring.
+    ``vocab_size``: the true vocabulary size (see ``train_step``).
     """
     config = get_model_config(model_chunks[0])
     _check_layout(groups)
@@ -302,7 +306,8 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
         with torch.no_grad():
             reports = _run_schedule(
                 model_chunks, micro, groups,
-                partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg), forward_only=True,
+                partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg, vocab_size=vocab_size),
+                forward_only=True,
             )
     finally:
         for c, training in zip(model_chunks, was_training):
@@ -323,5 +328,5 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     return logprobs, entropy
 
 
-def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig):
-    return make_logprob_loss_func(mb, index, groups.tp, learner_cfg)
+def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig, vocab_size: int | None):
+    return make_logprob_loss_func(mb, index, groups.tp, learner_cfg, vocab_size=vocab_size)

@@ -92,11 +92,11 @@ def algo_config(**overrides):
     return AlgorithmConfig(**{"correction": "entr", "tau": 0.02, **overrides})
 
 
-def learner_config(max_tokens=24, distributed_optimizer=False):
+def learner_config(max_tokens=24, distributed_optimizer=False, mini_batches=1, epochs=1):
     from entr_megatron.config.learner import LearnerConfig, OptimConfig
 
-    return LearnerConfig(max_tokens_per_microbatch=max_tokens, temperature=0.9,
-                         optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer))
+    return LearnerConfig(max_tokens_per_microbatch=max_tokens, temperature=0.9, mini_batches=mini_batches,
+                         epochs=epochs, optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer))
 
 
 def close(got, want, what, tol=REL_TOL, floor=1e-6, atol=0.0):
@@ -140,9 +140,8 @@ def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4):
 
     lp_BT, mask_BT = pad("lp"), pad("mask", False)
     entropy_BT = pad("ent") if algo_cfg.entropy_source == "learner" else pad("rent")
-    old = lp_BT.detach() if algo_cfg.requires_old_logprobs else None  # no update before the step
-    loss, metrics = compute_policy_loss(lp_BT, entropy_BT, pad("blp"), batch.advantages_B, mask_BT, algo_cfg,
-                                        old_logprobs_BT=old)
+    # pi_old is the current policy: no update before the step.
+    loss, metrics = compute_policy_loss(lp_BT, entropy_BT, pad("blp"), batch.advantages_B, mask_BT, algo_cfg)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
@@ -295,6 +294,103 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
     return metrics
 
 
+def mini_batch_reference(batch, algo_cfg, learner_cfg):
+    """Every optimizer step of a rollout batch on one rank, without the code under test: the
+    mini-batches are sequences [0, 4) and [4, 7) (7 sequences, 2 mini-batches), pi_old is each
+    mini-batch's log-probs under the initial weights, each step is compute_policy_loss on the
+    whole mini-batch, clip_grad_norm_ and torch's AdamW (Megatron's Adam on CPU, the same
+    param groups). Returns the per-step losses and metrics and the final weights."""
+    from entr_megatron.algorithm import compute_policy_loss
+    from entr_megatron.learner.batching import select_sequences
+    from entr_megatron.learner.model import build_gpt_model
+    from entr_megatron.parallel.groups import initialize_model_parallel
+
+    assert batch.num_seqs == 7 and learner_cfg.mini_batches == 2
+    groups = initialize_model_parallel(1, 1, seed=SEED)
+    model = build_gpt_model(model_config(), VOCAB, MAX_SEQ, groups=groups)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    o = learner_cfg.optim
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() == 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+
+    def padded(mini):
+        rows = []
+        for i in range(mini.num_seqs):
+            s = slice(int(mini.cu_seqlens[i]), int(mini.cu_seqlens[i + 1]))
+            tokens = mini.tokens_T[s]
+            logits = model(tokens[None], torch.arange(tokens.numel())[None], None)[0]
+            logp = torch.log_softmax(logits.float() / learner_cfg.temperature, dim=-1)[:-1]
+            lp = logp.gather(-1, tokens[1:, None])[:, 0]
+            ent = -(logp.exp() * logp).sum(-1)
+            mask = mini.loss_mask_T[s][:-1]
+            hits = mask.nonzero().flatten()
+            span = slice(int(hits[0]), int(hits[-1]) + 1) if hits.numel() else slice(0, 0)
+            rows.append(dict(lp=lp[span], ent=ent[span].detach(), mask=mask[span],
+                             blp=mini.behaviour_logprobs_T[s][span]))
+        width = max(r["mask"].numel() for r in rows)
+        return {k: torch.stack([F.pad(r[k], (0, width - r[k].numel()), value=False if k == "mask" else 0.0)
+                                for r in rows]) for k in rows[0]}
+
+    minis = [select_sequences(batch, list(range(0, 4))), select_sequences(batch, list(range(4, 7)))]
+    initial_masks = []
+    with torch.no_grad():
+        old = [padded(m)["lp"].detach() for m in minis]
+        for m in minis:  # what each mini-batch's mask would be under the initial weights
+            t = padded(m)
+            _, metrics = compute_policy_loss(t["lp"], t["ent"], t["blp"], m.advantages_B, t["mask"], algo_cfg)
+            initial_masks.append(float(metrics["mask/fraction"]))
+    steps = []
+    for _ in range(learner_cfg.epochs):
+        for k, mini in enumerate(minis):
+            t = padded(mini)
+            loss, metrics = compute_policy_loss(t["lp"], t["ent"], t["blp"], mini.advantages_B, t["mask"], algo_cfg,
+                                                old_logprobs_BT=old[k] if algo_cfg.uses_old_logprobs else None)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+            optimizer.step()
+            steps.append(dict(loss=loss.item(), metrics={n: float(v) for n, v in metrics.items()}))
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(params=params, steps=steps, final=final, initial_masks=initial_masks)
+
+
+def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1):
+    """``train_rollout_batch`` with 2 mini-batches (x epochs) against ``mini_batch_reference``: each
+    step's loss and mask (the second computed against the weights the first step moved), and the
+    final weights."""
+    from entr_megatron.learner.rollout_batch import train_rollout_batch
+
+    ref = mini_batch_reference(batch, algo_cfg, learner_cfg)
+    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
+    where = f"mini-batches tp={tp} dp={groups.dp_size} {algo_cfg.correction} epochs={learner_cfg.epochs}"
+    steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg, current_version=5)
+    assert len(steps) == len(ref["steps"]) == 2 * learner_cfg.epochs
+    assert [s["optim/minibatch"] for s in steps] == [0.0, 1.0] * learner_cfg.epochs
+    masked = [step["metrics"]["mask/fraction"] for step in ref["steps"]]
+    if algo_cfg.correction == "entr":
+        # The case discriminates: mini-batch 2's mask under the weights step 1 left differs from
+        # the one the initial weights would give, and the learner must match the former.
+        assert masked[1] != ref["initial_masks"][1], (masked, ref["initial_masks"])
+    for i, (got, want) in enumerate(zip(steps, ref["steps"])):
+        close(got["loss"], want["loss"], f"{where}: step {i} loss", tol=1e-4)
+        for key in ("mask/fraction", "mismatch/k3", "is/ess"):
+            close(got[key], want["metrics"][key], f"{where}: step {i} {key}", floor=1.0, tol=1e-4)
+    for ddp_chunk in ddp:
+        chunk = ddp_chunk.module
+        for name, p in chunk.named_parameters():
+            gname = global_name(chunk, name, groups, cfg)
+            got = gather_full(gname, p.detach(), groups)
+            want = ref["final"][gname]
+            ulps = 4 * torch.finfo(torch.float32).eps * ref["params"][gname].abs().max().item()  # fp32 weights
+            close(got - ref["params"][gname], want - ref["params"][gname], f"{where}: update of {gname}", tol=1e-4,
+                  atol=ulps)
+    if dist.get_rank() == 0:
+        print(f"  ok {where}: losses {[round(s['loss'], 5) for s in steps]}, masked {masked}", flush=True)
+
+
 def check_nonfinite_step_is_skipped(ref, learner_cfg, tp=1):
     """A NaN advantage makes the gradient norm NaN: no weight moves, the LR schedule does not
     advance, the step is reported skipped; the next finite step is applied normally."""
@@ -361,12 +457,16 @@ def _two_ranks(rank, world):
     assert one["batch/microbatches"] == 1 and many["batch/microbatches"] >= 3
     close(many["loss"], one["loss"], "loss with 1 vs many micro-batches")
     for mode, source in (("seq-mean-token-mean", "rollout"), ("seq-mean-token-sum-norm", "learner")):
-        cfg = algo_config(loss_agg_mode=mode, entropy_source=source)
+        cfg = algo_config(loss_agg_mode=mode, entropy_source=source, loss_norm_tokens=16)
         run_layout(reference(batch, cfg, small), batch, cfg, learner_config(max_tokens=12))
     distopt = learner_config(max_tokens=12, distributed_optimizer=True)
     run_layout(dense, batch, algo, distopt)
-    decoupled = algo_config(correction="decoupled")  # needs the old-policy forward pass
+    decoupled = algo_config(correction="decoupled")  # pi_prox: the current policy, in the same pass
     run_layout(reference(batch, decoupled, small), batch, decoupled, small, pp=2)
+    # Several optimizer steps per rollout batch: DP=2 (each mini-batch split over the ranks), then TP=2
+    # with a correction on pi_old (recomputed for the second mini-batch before the first step).
+    check_mini_batches(batch, algo_config(), learner_config(max_tokens=12, mini_batches=2))
+    check_mini_batches(batch, algo_config(correction="icepop"), learner_config(mini_batches=2, epochs=2), tp=2)
     moe = reference(batch, algo, small, moe=True, num_layers=2)
     # Two micro-batches per rank of different lengths: the all-to-alls run in lockstep all the same.
     run_layout(moe, batch, algo, learner_config(max_tokens=12), ep=2, moe=True, num_layers=2)

@@ -36,10 +36,27 @@ def test_config_module_does_not_import_the_algorithm_layer():
 def test_defaults_follow_entr_md():
     cfg = AlgorithmConfig()
     assert (cfg.correction, cfg.tau, cfg.entr_eps) == ("entr", 0.5, 0.01)
-    assert (cfg.policy_loss, cfg.loss_agg_mode, cfg.entropy_source) == ("ppo_clip", "token-mean", "learner")
+    assert (cfg.policy_loss, cfg.aggregation, cfg.entropy_source) == ("ppo_clip", "token-mean", "learner")
+    assert cfg.loss_agg_mode is None and cfg.correction_mode == "published" and cfg.counts_rejected
     assert cfg.clip_range() == (0.2, 0.28)
     assert cfg.icepop_band == (0.5, 5.0) and cfg.tis_cap == 2.0 and cfg.decoupled_cap == 5.0
-    assert cfg.kpop_threshold == 0.05 and cfg.m2po_threshold == 0.04 and cfg.calibrated_z == 3.5
+    assert cfg.decoupled_cap_mode == "drop" and cfg.mis_geo_band == (0.999, 1.001)
+    assert cfg.kpop_threshold == 0.1 and cfg.m2po_threshold == 0.04 and cfg.calibrated_z == 3.5
+
+
+def test_published_aggregation_and_denominator_per_method():
+    # GSPO averages per sequence (the paper's 1/G sum_i 1/|y_i|); the rest per token.
+    assert AlgorithmConfig(policy_loss="gspo").aggregation == "seq-mean-token-mean"
+    assert AlgorithmConfig(policy_loss="cispo").aggregation == "token-mean"
+    assert AlgorithmConfig(policy_loss="gspo", loss_agg_mode="token-mean").aggregation == "token-mean"
+    # verl's rejection sampling drops rejected tokens from the denominator; ENTR and IcePop count them.
+    for name in ("mis_token", "mis_seq", "mis_geo"):
+        assert not AlgorithmConfig(correction=name).counts_rejected
+        assert AlgorithmConfig(correction=name, correction_mode="mask_only").counts_rejected
+        assert AlgorithmConfig(correction=name, rejected_in_denominator=True).counts_rejected
+    for name in ("entr", "icepop", "decoupled", "kpop", "m2po"):
+        assert AlgorithmConfig(correction=name).counts_rejected
+    assert not AlgorithmConfig(correction="entr", rejected_in_denominator=False).counts_rejected
 
 
 def test_every_field_has_a_docstring():
@@ -58,9 +75,12 @@ def test_clip_range_per_loss():
     assert AlgorithmConfig(eps_clip_low=0.1).clip_range() == (0.1, 0.28)
 
 
-def test_requires_old_logprobs():
-    assert AlgorithmConfig(correction="decoupled").requires_old_logprobs
-    assert not AlgorithmConfig(correction="tis").requires_old_logprobs
+def test_uses_old_logprobs():
+    for name in ("tis", "icepop", "mis_token", "mis_seq", "mis_geo", "kpop", "decoupled"):
+        assert AlgorithmConfig(correction=name).uses_old_logprobs, name
+    for name in ("none", "entr", "entr_calibrated", "entr_soft", "m2po"):
+        assert not AlgorithmConfig(correction=name).uses_old_logprobs, name
+    assert not AlgorithmConfig(correction="icepop", correction_mode="mask_only").uses_old_logprobs
 
 
 def test_bands_from_yaml_lists_become_tuples():

@@ -37,7 +37,8 @@ def test_entr_hand_case_and_mask_fraction_counts_valid_tokens_only():
     out = _run("entr", logprobs, behaviour, entropy, mask)
     assert out.keep_mask_BT.tolist() == [[True, False, True], [False, False, False]]
     assert out.metrics["entr/mask_fraction"].item() == pytest.approx(1 / 3)
-    assert out.weight_BT[0].tolist() == [1.0, 1.0, 1.0]
+    assert out.weight_BT[0].tolist() == [1.0, 0.0, 1.0]  # weight 1 on kept tokens
+    assert out.denominator_BT[0].all() and not out.denominator_BT[1].any()  # masked ones still counted
     assert out.anchor_logprobs_BT[0].tolist() == behaviour[0].tolist()  # ratio against mu
     assert out.metrics["entr/score_mean"].item() == pytest.approx((0.25 + 0.64 + 0.49) / 3)
     assert all(torch.isfinite(t).all() for t in (out.weight_BT, out.anchor_logprobs_BT))
@@ -78,71 +79,104 @@ def test_tis_hand_case_bypass_and_recomputed():
     out = _run("tis", logprobs, behaviour)
     torch.testing.assert_close(out.weight_BT, _t([[2.0, math.exp(-0.3)]]))  # min(e^0.9 = 2.46, C = 2)
     torch.testing.assert_close(out.anchor_logprobs_BT, logprobs)  # bypass: ratio 1 in value
-    assert out.keep_mask_BT.all()
+    assert out.keep_mask_BT.all() and out.denominator_BT.all() and out.clip
     old = behaviour + _t([[0.1, 0.2]])
     out = _run("tis", logprobs, behaviour, old=old)
     torch.testing.assert_close(out.weight_BT, _t([[math.exp(0.1), math.exp(0.2)]]))
     torch.testing.assert_close(out.anchor_logprobs_BT, old)
+    with pytest.raises(ValueError, match="correction_mode='mask_only' is not valid with correction='tis'"):
+        AlgorithmConfig(correction="tis", correction_mode="mask_only")
 
 
-def test_decoupled_hand_case_and_requirement():
+def test_decoupled_drops_above_the_cap_like_areal_or_clamps():
     behaviour = _t([[-2.0, -2.0]])
-    prox = behaviour + _t([[1.0, 2.0]])  # e^1 = 2.72 under the cap, e^2 = 7.39 capped at 5
-    out = _run("decoupled", behaviour + 0.3, behaviour, old=prox)
-    torch.testing.assert_close(out.weight_BT, _t([[math.e, 5.0]]))
+    prox = behaviour + _t([[1.0, 2.0]])  # e^1 = 2.72 under the cap, e^2 = 7.39 above 5
+    out = _run("decoupled", behaviour + 0.3, behaviour, old=prox, cfg=AlgorithmConfig(correction="decoupled"))
+    assert out.keep_mask_BT.tolist() == [[True, False]]  # AReaL's behav_imp_weight_cap drops it
+    assert out.denominator_BT.tolist() == [[True, True]]  # ... but counts it
+    assert out.weight_BT.tolist() == [[pytest.approx(math.e), 0.0]]
     torch.testing.assert_close(out.anchor_logprobs_BT, prox)
-    with pytest.raises(ValueError, match="old_logprobs_BT"):
-        _run("decoupled", behaviour + 0.3, behaviour)
+    clamp = AlgorithmConfig(correction="decoupled", decoupled_cap_mode="clamp")
+    out = _run("decoupled", behaviour + 0.3, behaviour, old=prox, cfg=clamp)
+    torch.testing.assert_close(out.weight_BT, _t([[math.e, 5.0]]))
+    assert out.keep_mask_BT.all()
+    # Before any optimizer step pi_prox is the current policy: no extra forward pass is needed.
+    current = behaviour + _t([[1.0, 2.0]])
+    bypass = _run("decoupled", current, behaviour, cfg=AlgorithmConfig(correction="decoupled"))
+    assert bypass.keep_mask_BT.tolist() == [[True, False]]
+    torch.testing.assert_close(bypass.anchor_logprobs_BT, current)
 
 
-def test_mis_token_and_icepop_bands():
+def test_icepop_weights_k_inside_its_band_on_ppo_against_pi_old():
+    """Ring-1T's M(k) = k on [0.5, 5], 0 outside; mis_token is the same weight on [0.5, 2]
+    but drops the rejected tokens from the denominator (verl's rejection sampling)."""
     behaviour = torch.full((1, 5), -2.0, dtype=F64)
     log_rho = _t([[-0.8, -0.6, 0.6, 1.0, 1.7]])  # ratios 0.45, 0.55, 1.82, 2.72, 5.47
     old = behaviour + log_rho
-    mis = _run("mis_token", behaviour + 0.01, behaviour, old=old)
-    ice = _run("icepop", behaviour + 0.01, behaviour, old=old)
+    mis = _run("mis_token", behaviour + 0.01, behaviour, old=old, cfg=AlgorithmConfig(correction="mis_token"))
+    ice = _run("icepop", behaviour + 0.01, behaviour, old=old, cfg=AlgorithmConfig(correction="icepop"))
     assert mis.keep_mask_BT.tolist() == [[False, True, True, False, False]]  # [0.5, 2]
     assert ice.keep_mask_BT.tolist() == [[False, True, True, True, False]]  # [0.5, 5]
-    torch.testing.assert_close(mis.anchor_logprobs_BT, old)
-    bypass = _run("mis_token", old, behaviour)  # no old: rho from the current policy, PPO against mu
+    ratios = [0.0, math.exp(-0.6), math.exp(0.6), math.exp(1.0), 0.0]
+    torch.testing.assert_close(ice.weight_BT, _t([ratios]))
+    torch.testing.assert_close(mis.weight_BT, _t([[0.0, ratios[1], ratios[2], 0.0, 0.0]]))
+    torch.testing.assert_close(ice.anchor_logprobs_BT, old)
+    assert ice.denominator_BT.all() and mis.denominator_BT.tolist() == mis.keep_mask_BT.tolist()
+    # mask_only: the band judged on pi_theta / mu, weight 1, PPO against mu, all tokens counted.
+    only = AlgorithmConfig(correction="mis_token", correction_mode="mask_only")
+    bypass = _run("mis_token", old, behaviour, cfg=only)
     assert bypass.keep_mask_BT.tolist() == mis.keep_mask_BT.tolist()
     torch.testing.assert_close(bypass.anchor_logprobs_BT, behaviour)
+    assert (bypass.weight_BT[bypass.keep_mask_BT] == 1).all() and bypass.denominator_BT.all()
 
 
 def test_mis_seq_and_geo_hand_case():
     behaviour = torch.full((4, 2), -1.0, dtype=F64)
     log_rho = _t([[0.3, 0.3], [0.5, 0.3], [-0.4, -0.4], [0.75, 0.75]])
     # products: e^0.6 = 1.82 keep, e^0.8 = 2.23 drop, e^-0.8 = 0.45 drop, e^1.5 = 4.48 drop
-    # geometric means: e^0.3, e^0.4, e^-0.4 = 0.67 keep; e^0.75 = 2.12 drop
-    seq = _run("mis_seq", behaviour + log_rho, behaviour)
-    geo = _run("mis_geo", behaviour + log_rho, behaviour)
+    # geometric means with a [0.5, 2] band: e^0.3, e^0.4, e^-0.4 = 0.67 keep; e^0.75 = 2.12 drop
+    seq = _run("mis_seq", behaviour + log_rho, behaviour, cfg=AlgorithmConfig(correction="mis_seq"))
+    geo_cfg = AlgorithmConfig(correction="mis_geo", mis_geo_band=(0.5, 2.0))
+    geo = _run("mis_geo", behaviour + log_rho, behaviour, cfg=geo_cfg)
     assert seq.keep_mask_BT.all(dim=1).tolist() == [True, False, False, False]
     assert geo.keep_mask_BT.all(dim=1).tolist() == [True, True, True, False]
+    torch.testing.assert_close(seq.weight_BT[0], _t([math.exp(0.6)] * 2))  # Seq-MIS: rho_seq on each token
+    assert (geo.weight_BT[geo.keep_mask_BT] == 1).all()
     assert seq.metrics["mis_seq/seq_mask_fraction"].item() == pytest.approx(3 / 4)
     assert geo.metrics["mis_geo/mask_fraction"].item() == pytest.approx(2 / 8)
+    # verl's default geometric band [0.999, 1.001]: only the sequence within 0.1% survives.
+    tight = _run("mis_geo", behaviour + _t([[0.0005, 0.0], [0.01, 0.0], [0.0, 0.0], [-0.01, -0.01]]), behaviour,
+                 cfg=AlgorithmConfig(correction="mis_geo"))
+    assert tight.keep_mask_BT.all(dim=1).tolist() == [True, False, True, False]
+    assert AlgorithmConfig().mis_geo_band == (0.999, 1.001)
 
 
 def test_mis_seq_ignores_padding_in_the_product():
     behaviour = torch.full((1, 3), -1.0, dtype=F64)
     logprobs = behaviour + _t([[0.3, 0.3, 5.0]])  # the 5.0 is padding
     mask = torch.tensor([[True, True, False]])
-    out = _run("mis_seq", logprobs, behaviour, mask=mask)
+    out = _run("mis_seq", logprobs, behaviour, mask=mask, cfg=AlgorithmConfig(correction="mis_seq"))
     assert out.keep_mask_BT.tolist() == [[True, True, False]]
 
 
+def _bkl(a, b):
+    return a * math.log(a / b) + (1 - a) * math.log((1 - a) / (1 - b))
+
+
 def test_kpop_hand_values():
-    # q = mu(y), p = pi(y). (0.9, 0.99): a ratio of only 1.1 near p = 1 -> large KL, drop.
+    # q = mu(y), p = pi_old(y). (0.9, 0.99): a ratio of only 1.1 near p = 1 -> large KL, drop.
     # (1e-4, 1e-3): a ratio of 10 on a rare token -> tiny KL, keep (IcePop would drop it).
     q = [0.9, 1e-4]
     p = [0.99, 1e-3]
-    expected = [a * math.log(a / b) + (1 - a) * math.log((1 - a) / (1 - b)) for a, b in zip(q, p)]
-    assert expected[0] == pytest.approx(0.14448, abs=1e-5) and expected[1] < 1e-3
+    expected = [max(_bkl(a, b), _bkl(b, a)) for a, b in zip(q, p)]
+    assert expected[0] == pytest.approx(0.14448, abs=1e-5) and expected[1] < 1e-2
     behaviour = _t([[math.log(v) for v in q]])
     logprobs = _t([[math.log(v) for v in p]])
-    out = _run("kpop", logprobs, behaviour)
+    out = _run("kpop", logprobs, behaviour, cfg=AlgorithmConfig(correction="kpop"))
     assert out.keep_mask_BT.tolist() == [[False, True]]
-    torch.testing.assert_close(bernoulli_kl(behaviour, logprobs), _t([expected]))
+    torch.testing.assert_close(bernoulli_kl(behaviour, logprobs), _t([[_bkl(a, b) for a, b in zip(q, p)]]))
     assert out.metrics["kpop/kl_mean"].item() == pytest.approx(sum(expected) / 2)
+    assert out.weight_BT[0, 1].item() == pytest.approx(10.0)  # AReaL's decoupled weight pi_old / mu
 
 
 def test_bernoulli_kl_is_accurate_near_certainty_and_finite_at_extremes():
@@ -160,10 +194,12 @@ def test_bernoulli_kl_is_accurate_near_certainty_and_finite_at_extremes():
 def test_m2po_hand_cases():
     # delta^2 = 0.01, 0.04, 0.09, 0.16: prefix means 0.01, 0.025, 0.0467 > 0.04 -> keep 2.
     behaviour = torch.full((2, 2), -1.0, dtype=F64)
-    out = _run("m2po", behaviour + _t([[0.1, -0.4], [0.3, -0.2]]), behaviour)
+    out = _run("m2po", behaviour + _t([[0.1, -0.4], [0.3, -0.2]]), behaviour, cfg=AlgorithmConfig(correction="m2po"))
     assert out.keep_mask_BT.tolist() == [[True, False], [False, True]]
     assert out.metrics["m2po/mask_fraction"].item() == pytest.approx(0.5)
     assert out.metrics["m2po/kept_mean_sq_log_ratio"].item() == pytest.approx(0.025)
+    assert not out.clip and out.denominator_BT.all()  # the mask replaces PPO's clip; 1 / sum |o_i|
+    torch.testing.assert_close(out.anchor_logprobs_BT, behaviour)  # r = pi_theta / mu
     # Tie: 0.01, 0.09, 0.09 with threshold 0.06: means 0.01, 0.05, 0.0633 -> one of the tied
     # tokens stays, the one earlier in row-major order.
     sq = _t([[0.09, 0.01], [0.09, 0.0]])
@@ -188,16 +224,19 @@ def _lower_median(values):
 
 
 def _reference(name, lp, mu, H, mask, cfg, old):
-    """Per-token float64 loops: (weight, keep, anchor) as nested lists over valid tokens."""
+    """Per-token float64 loops from the published formulas (docs/ENTR.md's table):
+    (weight, keep, anchor) as dicts over valid tokens; `old` is pi_old or None (then pi_old
+    is the current policy)."""
     B, T = len(lp), len(lp[0])
     valid = [(b, t) for b in range(B) for t in range(T) if mask[b][t]]
     delta = {k: lp[k[0]][k[1]] - mu[k[0]][k[1]] for k in valid}
-    src = {k: (old if old is not None else lp)[k[0]][k[1]] for k in valid}
+    mask_only = cfg.correction_mode == "mask_only"
+    src = {k: (old if old is not None and not mask_only else lp)[k[0]][k[1]] for k in valid}
     log_rho = {k: src[k] - mu[k[0]][k[1]] for k in valid}
-    reject_anchor = {k: (old if old is not None else mu)[k[0]][k[1]] for k in valid}
     weight = {k: 1.0 for k in valid}
     keep = {k: True for k in valid}
     anchor = {k: mu[k[0]][k[1]] for k in valid}
+    weighted = name in ("tis", "decoupled", "mis_token", "mis_seq", "icepop", "kpop") and not mask_only
     eps = cfg.entr_eps
     if name == "entr":
         keep = {k: delta[k] ** 2 / (H[k[0]][k[1]] + eps) <= cfg.tau for k in valid}
@@ -211,14 +250,13 @@ def _reference(name, lp, mu, H, mask, cfg, old):
             weight[k] = math.exp(min(max(delta[k], -b), b))
             keep[k] = abs(delta[k]) <= 2 * b
             anchor[k] = lp[k[0]][k[1]]
-    elif name in ("tis", "decoupled"):
-        cap = cfg.tis_cap if name == "tis" else cfg.decoupled_cap
-        weight = {k: min(math.exp(log_rho[k]), cap) for k in valid}
-        anchor = src
+    elif name == "tis":
+        weight = {k: min(math.exp(log_rho[k]), cfg.tis_cap) for k in valid}
+    elif name == "decoupled":
+        keep = {k: math.exp(log_rho[k]) <= cfg.decoupled_cap for k in valid}
     elif name in ("mis_token", "icepop"):
         lo, hi = cfg.mis_token_band if name == "mis_token" else cfg.icepop_band
         keep = {k: lo <= math.exp(log_rho[k]) <= hi for k in valid}
-        anchor = reject_anchor
     elif name in ("mis_seq", "mis_geo"):
         lo, hi = cfg.mis_seq_band if name == "mis_seq" else cfg.mis_geo_band
         for b in range(B):
@@ -231,21 +269,22 @@ def _reference(name, lp, mu, H, mask, cfg, old):
                 value = math.exp(sum(log_rho[k] for k in members) / len(members))
             for k in members:
                 keep[k] = lo <= value <= hi
-        anchor = reject_anchor
+                weight[k] = value if name == "mis_seq" and not mask_only else 1.0
     elif name == "kpop":
         for k in valid:
             q, p = math.exp(mu[k[0]][k[1]]), math.exp(src[k])
-            kl = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
-            keep[k] = kl <= cfg.kpop_threshold
-        anchor = reject_anchor
+            keep[k] = max(_bkl(q, p), _bkl(p, q)) <= cfg.kpop_threshold
     elif name == "m2po":
-        remaining = sorted(valid, key=lambda k: (log_rho[k] ** 2, k))
-        while remaining and sum(log_rho[k] ** 2 for k in remaining) / len(remaining) > cfg.m2po_threshold:
+        remaining = sorted(valid, key=lambda k: (delta[k] ** 2, k))
+        while remaining and sum(delta[k] ** 2 for k in remaining) / len(remaining) > cfg.m2po_threshold:
             dropped = remaining.pop()  # the largest; among ties the latest token goes first
             keep[dropped] = False
-        anchor = reject_anchor
     else:
         assert name == "none"
+    if weighted and name != "mis_seq":
+        weight = {k: weight[k] if name == "tis" else math.exp(log_rho[k]) for k in valid}
+    if name in ("tis", "decoupled", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop") and not mask_only:
+        anchor = src
     return weight, keep, anchor
 
 
@@ -268,16 +307,18 @@ def _random_batch(seed, B=8, T=7):
 MASKING = {"entr", "entr_calibrated", "entr_soft", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop", "m2po"}
 
 
-# decoupled without old log-probs is an error, tested above.
-@pytest.mark.parametrize(
-    "name, with_old", [(n, w) for n in sorted(CORRECTIONS) for w in (False, True) if n != "decoupled" or w]
-)
-def test_against_loop_reference(name, with_old):
+CASES = [(n, w, m) for n in sorted(CORRECTIONS) for w in (False, True) for m in ("published", "mask_only")
+         if not (n == "tis" and m == "mask_only")]
+
+
+@pytest.mark.parametrize("name, with_old, mode", CASES)
+def test_against_loop_reference(name, with_old, mode):
     lp, mu, H, mask, old = _random_batch(seed=11)
-    cfg = AlgorithmConfig(correction=name, calibrated_z=1.5)  # z = 1.5 so the calibrated mask bites
+    # z = 1.5 so the calibrated mask bites; a wider geometric band than verl's for this drift.
+    cfg = AlgorithmConfig(correction=name, correction_mode=mode, calibrated_z=1.5, mis_geo_band=(0.5, 2.0))
     out = CORRECTIONS[name](lp, mu, H, mask, cfg, old_logprobs_BT=old if with_old else None)
-    # The ENTR family compares with mu directly and ignores old log-probs.
-    uses_old = with_old and not name.startswith("entr") and name != "none"
+    # ENTR, none and m2po compare pi_theta with mu directly and ignore old log-probs.
+    uses_old = with_old and cfg.uses_old_logprobs
     weight, keep, anchor = _reference(
         name, lp.tolist(), mu.tolist(), H.tolist(), mask.tolist(), cfg, old.tolist() if uses_old else None
     )
@@ -290,6 +331,10 @@ def test_against_loop_reference(name, with_old):
             assert out.weight_BT[k].item() == pytest.approx(weight[k], rel=1e-12)
     dropped = sum(not v for v in keep.values())
     assert out.metrics[f"{name}/mask_fraction"].item() == pytest.approx(dropped / len(keep))
+    want_denominator = mask if cfg.counts_rejected else out.keep_mask_BT
+    assert out.denominator_BT.tolist() == want_denominator.tolist()
+    assert cfg.counts_rejected == (mode == "mask_only" or name not in ("mis_token", "mis_seq", "mis_geo"))
+    assert out.clip == (name != "m2po" or mode == "mask_only")
     if name in MASKING:
         assert 0 < dropped < len(keep), f"{name}: random batch should drop some but not all tokens"
 

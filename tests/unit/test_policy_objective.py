@@ -125,7 +125,12 @@ def test_shape_errors_name_the_tensor():
         compute_policy_loss(logprobs, entropy, behaviour, advantages[:1], mask, AlgorithmConfig())
 
 
-def test_decoupled_without_old_logprobs_is_a_clear_error():
+def test_decoupled_before_any_update_needs_no_old_logprobs():
+    """pi_prox before the first optimizer step is the current policy: without old log-probs
+    the loss equals the one given them explicitly (detached current log-probs)."""
     logprobs, entropy, behaviour, advantages, mask = _hand_batch()
-    with pytest.raises(ValueError, match="old_logprobs_BT"):
-        compute_policy_loss(logprobs, entropy, behaviour, advantages, mask, AlgorithmConfig(correction="decoupled"))
+    cfg = AlgorithmConfig(correction="decoupled")
+    implicit, _ = compute_policy_loss(logprobs, entropy, behaviour, advantages, mask, cfg)
+    explicit, _ = compute_policy_loss(logprobs, entropy, behaviour, advantages, mask, cfg,
+                                      old_logprobs_BT=logprobs.detach())
+    torch.testing.assert_close(implicit, explicit)
