@@ -130,8 +130,13 @@ def prepare_model(cfg: RunConfig, paths: RunPaths, tokenizer: Any) -> Path:
 
     arch = dict(cfg.model.architecture)
     model_type = arch.pop("model_type")
+    # A model's vocabulary may be larger than its tokenizer's (Qwen: 151936 rows, 151665 tokens).
+    vocab_size = arch.pop("vocab_size", len(tokenizer))
+    if not isinstance(vocab_size, int) or vocab_size < len(tokenizer):
+        raise ValueError(f"model.architecture.vocab_size={vocab_size!r} is not valid; must be an integer >= the "
+                         f"tokenizer's {len(tokenizer)} tokens (or left out to take exactly those)")
     hf_config = transformers.AutoConfig.for_model(
-        model_type, **arch, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        model_type, **arch, vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(cfg.controller.seed)
@@ -392,7 +397,8 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             _say("pushing the learner's weights to the engines (version 0)")
             learner.push(0).wait()
 
-        if resume_step is None and not paths.eval.exists():
+        evals = cfg.task.eval_size > 0  # task.eval_size 0: no held-out evaluation at all
+        if evals and resume_step is None and not paths.eval.exists():
             before = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed)
             _save_eval(paths, "before_rl", before)
             _say(f"held-out accuracy before RL: greedy {before['eval/accuracy']:.3f}, sampled "
@@ -423,7 +429,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             _say(f"checkpoint at step {ctl.step} ({time.perf_counter() - t0:.1f} s)")
 
         def on_eval(ctl: Controller) -> dict:
-            return evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed)
+            return evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed) if evals else {}
 
         stop = stack.enter_context(_StopFlag())
         controller.hooks = ControllerHooks(on_step=[on_step], checkpoint_interval=c.checkpoint_interval,
@@ -440,8 +446,9 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             on_checkpoint(controller)
         if finished and not stop():
             controller.drain()
-            after = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed)
-            _save_eval(paths, "after_rl", after)
+            after = evaluate(engine, task, cfg.task.eval_size, cfg.rollout.sampling, c.seed) if evals else None
+            if after is not None:
+                _save_eval(paths, "after_rl", after)
             out["eval_after"] = after
             if paths.final_model.exists():  # an earlier end of this run (train_steps since raised)
                 previous = paths.final_model.with_name(paths.final_model.name + ".previous")
@@ -452,10 +459,11 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             _copy_tokenizer(start_dir, paths.final_model)
             before = out["eval_before"] or {}
             nan = float("nan")
-            _say(f"held-out accuracy, {int(after['eval/num_problems'])} problems: greedy "
-                 f"{before.get('eval/accuracy', nan):.3f} before RL -> {after['eval/accuracy']:.3f} after; "
-                 f"sampled as in training {before.get('eval/sampled_accuracy', nan):.3f} -> "
-                 f"{after['eval/sampled_accuracy']:.3f}")
+            if after is not None:
+                _say(f"held-out accuracy, {int(after['eval/num_problems'])} problems: greedy "
+                     f"{before.get('eval/accuracy', nan):.3f} before RL -> {after['eval/accuracy']:.3f} after; "
+                     f"sampled as in training {before.get('eval/sampled_accuracy', nan):.3f} -> "
+                     f"{after['eval/sampled_accuracy']:.3f}")
         out["stopped"] = stop()
         if stop():
             _say(f"stopped at step {controller.step} (checkpoint saved); run the same command to resume")
