@@ -53,7 +53,8 @@ class LearnerWorkerSpec:
 
 def sft_learner_config(run: RunConfig) -> LearnerConfig:
     """The learner settings of the warm-up: the run's, with the `sft` section's learning rate,
-    a 10% warm-up and a cosine decay to a tenth over `sft.steps`."""
+    a 10% warm-up and a cosine decay to a tenth over `sft.steps`, and one optimizer step per
+    batch (`learner.mini_batches` and `learner.epochs` are RL settings)."""
     sft = run.sft
     if sft is None:
         raise ValueError("the config has no `sft` section")
@@ -63,7 +64,7 @@ def sft_learner_config(run: RunConfig) -> LearnerConfig:
         lr_decay_style="cosine" if sft.steps > warmup + 1 else "constant",
         lr_decay_steps=sft.steps if sft.steps > warmup + 1 else None,
     )
-    return dataclasses.replace(run.learner, optim=optim)
+    return dataclasses.replace(run.learner, optim=optim, mini_batches=1, epochs=1)
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -19,6 +19,7 @@ many layouts, destroying and re-initialising model parallel between them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -110,7 +111,7 @@ def close(got, want, what, tol=REL_TOL, floor=1e-6, atol=0.0):
 
 # --- the independent single-rank reference ----------------------------------------------------------
 
-def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4):
+def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4, exact_collision=True):
     """Loss, metrics, logprobs, weights, gradients, grad norm and AdamW-updated weights at TP=PP=EP=DP=1."""
     from entr_megatron.algorithm import compute_policy_loss
     from entr_megatron.learner.model import build_gpt_model
@@ -127,12 +128,13 @@ def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4):
         logp = torch.log_softmax(logits.float() / learner_cfg.temperature, dim=-1)[:-1]
         lp = logp.gather(-1, tokens[1:, None])[:, 0]  # position j predicts token j + 1
         ent = -(logp.exp() * logp).sum(-1)
+        coll = 1 - logp.exp().square().sum(-1)  # 1 - sum p^2, entr_calibrated's exact scale
         all_logprobs.append(torch.cat([lp.detach(), lp.new_zeros(1)]))
         mask = batch.loss_mask_T[s][:-1]
         hits = mask.nonzero().flatten()
         span = slice(int(hits[0]), int(hits[-1]) + 1) if hits.numel() else slice(0, 0)
         rows.append(dict(lp=lp[span], ent=ent[span].detach(), mask=mask[span], blp=batch.behaviour_logprobs_T[s][span],
-                         rent=batch.rollout_entropy_T[s][span]))
+                         rent=batch.rollout_entropy_T[s][span], coll=coll[span].detach()))
     width = max(r["mask"].numel() for r in rows)
 
     def pad(key, fill=0.0):
@@ -141,7 +143,9 @@ def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4):
     lp_BT, mask_BT = pad("lp"), pad("mask", False)
     entropy_BT = pad("ent") if algo_cfg.entropy_source == "learner" else pad("rent")
     # pi_old is the current policy: no update before the step.
-    loss, metrics = compute_policy_loss(lp_BT, entropy_BT, pad("blp"), batch.advantages_B, mask_BT, algo_cfg)
+    collision = pad("coll") if exact_collision and algo_cfg.correction == "entr_calibrated" else None
+    loss, metrics = compute_policy_loss(lp_BT, entropy_BT, pad("blp"), batch.advantages_B, mask_BT, algo_cfg,
+                                        collision_BT=collision)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
@@ -461,6 +465,18 @@ def _two_ranks(rank, world):
         run_layout(reference(batch, cfg, small), batch, cfg, learner_config(max_tokens=12))
     distopt = learner_config(max_tokens=12, distributed_optimizer=True)
     run_layout(dense, batch, algo, distopt)
+    # entr_calibrated gets the exact 1 - sum p^2 from the vocab-parallel op (one micro-batch: its
+    # per-micro-batch sigma2_hat is the reference's whole-batch one).
+    # A low temperature sharpens the near-uniform random model, so 1 - sum p^2 and its bound
+    # 1 - exp(-H) differ.
+    calibrated = algo_config(correction="entr_calibrated", calibrated_z=1.0)
+    sharp = dataclasses.replace(learner_config(max_tokens=10_000), temperature=0.05)
+    exact = reference(batch, calibrated, sharp)
+    got = run_layout(exact, batch, calibrated, sharp, tp=2)
+    bound = reference(batch, calibrated, sharp, exact_collision=False)  # G from the bound 1 - exp(-H)
+    want, loose = exact["metrics"]["entr_calibrated/sigma2_hat"], bound["metrics"]["entr_calibrated/sigma2_hat"]
+    assert math.isclose(got["entr_calibrated/sigma2_hat"], want, rel_tol=1e-4), (got, want)
+    assert not math.isclose(want, loose, rel_tol=1e-2), "the case must tell the exact G from the bound"
     decoupled = algo_config(correction="decoupled")  # pi_prox: the current policy, in the same pass
     run_layout(reference(batch, decoupled, small), batch, decoupled, small, pp=2)
     # Several optimizer steps per rollout batch: DP=2 (each mini-batch split over the ranks), then TP=2

@@ -183,6 +183,10 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
         (["task.math.train_files=[a.csv]"], "task.math.train_files"),
         (["launcher.ray_address=auto"], "launcher.ray_address"),
         (["model.path=null", "model.architecture=null"], "model.path"),
+        # 8 prompts x 8 samples = 64 sequences: at most 64 mini-batches of one sequence per DP rank
+        (["learner.mini_batches=65"], "learner.mini_batches"),
+        (["algorithm.correction=tis", "algorithm.correction_mode=mask_only"], "correction_mode"),
+        (["algorithm.loss_norm_tokens=0"], "loss_norm_tokens"),
     ],
 )
 def test_cross_field_rules(overrides, field):
@@ -275,3 +279,17 @@ def test_python_construction_uses_the_reused_sections():
     cfg = RunConfig(algorithm=AlgorithmConfig(correction="icepop"))
     assert cfg.algorithm.correction == "icepop"
     assert load_config(None, ["algorithm.correction=icepop"]) == cfg
+
+
+def test_dr_grpo_constant_is_the_generation_budget_unless_set():
+    cfg = load_config(None, ["rollout.sampling.max_new_tokens=24"])
+    assert cfg.algorithm.loss_norm_tokens == 24
+    assert load_config(None, ["algorithm.loss_norm_tokens=100"]).algorithm.loss_norm_tokens == 100
+    assert RunConfig().algorithm.loss_norm_tokens == RunConfig().rollout.sampling.max_new_tokens
+
+
+def test_mini_batches_and_epochs():
+    cfg = load_config(None, ["learner.mini_batches=4", "learner.epochs=2"])
+    assert cfg.learner.steps_per_batch == 8
+    with pytest.raises(ValueError, match=r"learner\.epochs=0"):
+        load_config(None, ["learner.epochs=0"])
