@@ -115,10 +115,11 @@ def test_m2po_replaces_the_clip_by_its_second_moment_mask():
 
 def test_kpop_drops_by_the_two_way_bernoulli_kl_and_weights_pi_old_over_mu():
     # mu(y) = e^-2 = 0.135. Token 0: pi_old(y) = 0.9, D = max(1.49, 1.61) > 0.1: dropped.
-    # Token 1: pi_old / mu = 1.1: D ~ 0.0008, kept with weight 1.1.
-    log_k = [[math.log(0.9) - MU, math.log(1.1)]]
+    # Token 1: pi_old / mu = 1.5: D ~ 0.02, kept with weight 1.5 on a PPO ratio of 1 (against mu,
+    # as before, the ratio 1.5 would be clipped at 1.28 and the gradient 0).
+    log_k = [[math.log(0.9) - MU, math.log(1.5)]]
     _, grad, metrics = _loss_grad(AlgorithmConfig(correction="kpop"), log_k)
-    _close(grad, [[0.0, -1.1 / 2]])
+    _close(grad, [[0.0, -1.5 / 2]])
     assert metrics["kpop/mask_fraction"].item() == pytest.approx(0.5)
 
 
