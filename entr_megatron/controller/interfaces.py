@@ -15,8 +15,9 @@ class Learner(Protocol):
     """The training side (all learner ranks behind one call)."""
 
     def train(self, batch: TrainBatch, current_version: int) -> dict[str, float]:
-        """One optimizer step on `batch` with the policy at `current_version`; returns metrics.
-        Blocks until the step is done (engines keep generating in their own processes)."""
+        """Train on the rollout batch `batch` with the policy at `current_version` (one or more
+        optimizer steps: learner.mini_batches x learner.epochs; still one policy version); returns
+        metrics. Blocks until done (engines keep generating in their own processes)."""
         ...
 
 

@@ -1,7 +1,7 @@
 """The controller's `Learner` and `WeightPusher` over a worker group of learner ranks.
 
     learner = RemoteLearner(group, engines, receivers)     # group: ProcessWorkerGroup / RayWorkerGroup
-    learner.train(batch, version)                          # every rank, one optimizer step
+    learner.train(batch, version)                          # every rank: the rollout batch's optimizer steps
     handle = learner.push(version)                         # engines start receiving, ranks snapshot
     ...                                                    # the next train step runs meanwhile
     handle.wait()                                          # every engine samples from `version`
