@@ -22,7 +22,7 @@ from entr_megatron.algorithm.advantages import (
     rloo_advantages,
 )
 from entr_megatron.algorithm.aggregation import LOSS_AGGREGATIONS, aggregate_loss
-from entr_megatron.algorithm.correction_base import CorrectionFn, CorrectionOutput
+from entr_megatron.algorithm.correction_base import CorrectionFn, CorrectionInputs, CorrectionOutput
 from entr_megatron.algorithm.corrections import CORRECTIONS
 from entr_megatron.algorithm.entr import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, entr_score
 from entr_megatron.algorithm.masked_ops import broadcast_to_tokens
@@ -34,7 +34,7 @@ from entr_megatron.algorithm.metrics import (
     mismatch_metrics,
 )
 from entr_megatron.algorithm.objective import PolicyTerms, compute_policy_loss, policy_loss_terms
-from entr_megatron.algorithm.policy_losses import POLICY_LOSSES, PolicyLossOutput
+from entr_megatron.algorithm.policy_losses import POLICY_LOSSES, LossInputs, PolicyLossOutput
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -45,7 +45,9 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
     "CorrectionFn",
+    "CorrectionInputs",
     "CorrectionOutput",
+    "LossInputs",
     "MetricStats",
     "PolicyLossOutput",
     "PolicyTerms",

@@ -21,7 +21,7 @@ pi_theta / mu, weight 1, PPO against mu (ENTR's composition).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,20 +41,25 @@ class CorrectionOutput(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-class CorrectionFn(Protocol):
-    """fn(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, cfg,
-    old_logprobs_BT=None, collision_BT=None) -> CorrectionOutput."""
+class CorrectionInputs(NamedTuple):
+    """What a correction sees of one micro-batch; [B, T]."""
 
-    def __call__(
-        self,
-        logprobs_BT: Tensor,
-        behaviour_logprobs_BT: Tensor,
-        entropy_BT: Tensor,
-        response_mask_BT: Tensor,
-        cfg: AlgorithmConfig,
-        old_logprobs_BT: Tensor | None = None,
-        collision_BT: Tensor | None = None,
-    ) -> CorrectionOutput: ...
+    logprobs_BT: Tensor
+    """The learner's current log-probs, pi_theta (read detached)."""
+    behaviour_logprobs_BT: Tensor
+    """mu: the engine's log-probs at the moment it sampled each token."""
+    entropy_BT: Tensor
+    """The entropy ENTR divides by (cfg.entropy_source)."""
+    response_mask_BT: Tensor
+    """True at the response tokens the loss sees."""
+    old_logprobs_BT: Tensor | None = None
+    """pi_old, the policy before the rollout batch's first optimizer step; None: the current one."""
+    collision_BT: Tensor | None = None
+    """1 - sum_j p_j^2 of the learner, for entr_calibrated; None: its bound 1 - exp(-H)."""
+
+
+CorrectionFn = Callable[[CorrectionInputs, AlgorithmConfig], CorrectionOutput]
+"""fn(inputs, cfg) -> CorrectionOutput."""
 
 
 class TokenInputs(NamedTuple):
@@ -85,27 +90,24 @@ class TokenInputs(NamedTuple):
 
 
 
-def prepare_inputs(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    old_logprobs_BT: Tensor | None,
-) -> TokenInputs:
-    """Detach, upcast to a common float dtype (>= float32), zero the padding."""
-    tensors = [logprobs_BT, behaviour_logprobs_BT, entropy_BT]
-    if old_logprobs_BT is not None:
-        tensors.append(old_logprobs_BT)
+def prepare_inputs(inputs: CorrectionInputs, use_old: bool = True) -> TokenInputs:
+    """Detach, upcast to a common float dtype (>= float32), zero the padding. `use_old=False`:
+    ignore pi_old (the methods that compare pi_theta with mu directly)."""
+    old = inputs.old_logprobs_BT if use_old else None
+    tensors = [inputs.logprobs_BT, inputs.behaviour_logprobs_BT, inputs.entropy_BT]
+    if old is not None:
+        tensors.append(old)
     dtype = torch.float32
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
-    valid_BT = response_mask_BT.bool()
+    valid_BT = inputs.response_mask_BT.bool()
 
     def clean(t: Tensor) -> Tensor:
         return zero_padding(float_detached(t).to(dtype), valid_BT)
 
-    old_BT = None if old_logprobs_BT is None else clean(old_logprobs_BT)
-    return TokenInputs(clean(logprobs_BT), clean(behaviour_logprobs_BT), clean(entropy_BT), valid_BT, old_BT)
+    old_BT = None if old is None else clean(old)
+    return TokenInputs(clean(inputs.logprobs_BT), clean(inputs.behaviour_logprobs_BT), clean(inputs.entropy_BT),
+                       valid_BT, old_BT)
 
 
 def log_band(band: tuple[float, float]) -> tuple[float, float]:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from entr_megatron.algorithm.correction_base import (
+    CorrectionInputs,
     CorrectionOutput,
     baseline_anchor,
     finish,
@@ -47,15 +48,7 @@ def bernoulli_kl(log_q: Tensor, log_p: Tensor) -> Tensor:
     return kl.clamp(min=0.0)  # rounding can leave -1e-17 where q == p
 
 
-def kpop_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def kpop_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """KPop ("Taming training-inference mismatch in RL with adaptive masking regions", Ant
     Group / NUS 2026; AReaL's rejection_sampling metric 'binary_kl'): each policy's
     probability of the sampled token y is a Bernoulli ("y" / "any other token"); a token is
@@ -66,7 +59,7 @@ def kpop_correction(
     ratio near p = 1. The post's full objective was not available to us: this follows
     AReaL's implementation.
     """
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     judged_BT = x.behaviour_BT + judged_log_rho(x, cfg)  # log pi_old (published) or log pi_theta
     kl_BT = torch.maximum(bernoulli_kl(judged_BT, x.behaviour_BT), bernoulli_kl(x.behaviour_BT, judged_BT))
     keep_BT = kl_BT <= cfg.kpop_threshold
@@ -96,22 +89,14 @@ def m2po_keep_mask(sq_delta_BT: Tensor, valid_BT: Tensor, threshold: float) -> T
     return keep_flat.view_as(valid_BT) & valid_BT
 
 
-def m2po_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def m2po_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """M2PO (Zheng et al. 2025, "Prosperity before collapse: how far can off-policy RL reach
     with stale data on LLMs?"): M2 = mean (log pi_theta / mu)^2 over the valid tokens of this
     call (one micro-batch: the learner packs whole sequences); the largest are dropped until
     the kept tokens' M2 <= cfg.m2po_threshold (tau = 0.04). The objective is the UNCLIPPED
     surrogate (1 / sum |o_i|) sum M_t r_t A on the kept tokens, r = pi_theta / mu, all
     response tokens in the denominator. mask_only: the same mask on clipped PPO against mu."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, None)
+    x = prepare_inputs(inputs, use_old=False)
     sq_BT = x.delta_BT.square()
     keep_BT = m2po_keep_mask(sq_BT, x.valid_BT, cfg.m2po_threshold)
     metrics = {"m2po/kept_mean_sq_log_ratio": masked_mean(sq_BT, keep_BT)}

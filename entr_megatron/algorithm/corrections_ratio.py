@@ -2,7 +2,7 @@
 
 As published (cfg.correction_mode 'published', the default) each runs PPO against
 pi_old, the policy before the rollout batch's first optimizer step: the recomputed
-`old_logprobs_BT` when given, otherwise the detached current policy (exact while no
+`inputs.old_logprobs_BT` when given, otherwise the detached current policy (exact while no
 step has been taken; the ratio pi_theta / pi_old is then 1 in value). In 'mask_only'
 mode the masking ones keep only their rule, judged on pi_theta / mu, on PPO against mu.
 
@@ -18,10 +18,13 @@ mode the masking ones keep only their rule, judged on pi_theta / mu, on PPO agai
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from entr_megatron.algorithm.correction_base import (
+    CorrectionInputs,
     CorrectionOutput,
     TokenInputs,
     baseline_anchor,
@@ -35,59 +38,35 @@ from entr_megatron.algorithm.masked_ops import masked_fraction, sequence_mean, s
 from entr_megatron.config.algorithm import AlgorithmConfig
 
 
-def none_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def none_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """No correction: weight 1, keep every token, plain PPO against mu ("GRPO async")."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, None)
+    x = prepare_inputs(inputs, use_old=False)
     return finish("none", x, cfg, torch.ones_like(x.delta_BT), x.valid_BT, x.behaviour_BT)
 
 
-def tis_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def tis_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
     brings you off-policy RL training"; verl PR #2953): w = min(pi_old / mu, C), C = tis_cap
     (2), multiplied on PPO against pi_old (after its clip); every token kept."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     weight_BT = x.log_rho_BT.exp().clamp(max=cfg.tis_cap)
     return finish("tis", x, cfg, weight_BT, x.valid_BT, x.ratio_source_BT)
 
 
-def decoupled_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def decoupled_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """Decoupled PPO (AReaL, arXiv:2505.24298; areal/utils/functional ppo_actor_loss_fn):
     w = pi_prox / mu on PPO against pi_prox, pi_prox = pi_old. decoupled_cap_mode 'drop'
     (AReaL's behav_imp_weight_cap): a token with w > decoupled_cap gets weight 0, still
     counted in the denominator; 'clamp': w = min(w, cap), as TIS. mask_only: drop
     pi_theta / mu > cap, weight 1, PPO against mu."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     log_rho_BT = judged_log_rho(x, cfg)
     weight_BT = log_rho_BT.exp() if published(cfg) else torch.ones_like(log_rho_BT)
     keep_BT = x.valid_BT
     if cfg.decoupled_cap_mode == "clamp" and published(cfg):
         weight_BT = weight_BT.clamp(max=cfg.decoupled_cap)
     else:
-        keep_BT = keep_BT & (log_rho_BT <= torch.log(torch.tensor(cfg.decoupled_cap, dtype=log_rho_BT.dtype)))
+        keep_BT = keep_BT & (log_rho_BT <= math.log(cfg.decoupled_cap))
     return finish("decoupled", x, cfg, weight_BT, keep_BT, baseline_anchor(x, cfg))
 
 
@@ -122,70 +101,38 @@ def _sequence_band(name: str, x: TokenInputs, cfg: AlgorithmConfig, seq_log_rho_
     return finish(name, x, cfg, weight_BT, keep_BT, baseline_anchor(x, cfg), metrics)
 
 
-def mis_token_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def mis_token_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """Token-level masked IS (verl rollout correction: token IS weights truncated at 2 with
     token rejection, lower bound 1 / upper): weight rho_t = pi_old / mu inside
     cfg.mis_token_band (default [0.5, 2]), tokens outside dropped and removed from the
     denominator (verl multiplies the response mask by the rejection mask)."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     return _token_band("mis_token", x, cfg, cfg.mis_token_band)
 
 
-def mis_seq_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def mis_seq_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """Sequence-level masked IS (Seq-MIS, Liu et al. 2025 "When speed kills stability"; verl's
     decoupled_seq_is_rs): rho_i = prod_t pi_old / mu over the sequence's tokens; inside
     cfg.mis_seq_band (default [0.5, 2]) every token of it carries weight rho_i, outside the
     whole sequence is dropped and leaves the denominator."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     seq_log_rho_B = sequence_sum(judged_log_rho(x, cfg), x.valid_BT)
     return _sequence_band("mis_seq", x, cfg, seq_log_rho_B, cfg.mis_seq_band, weighted=True)
 
 
-def mis_geo_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def mis_geo_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """Geometric rejection sampling (verl's geo_rs presets, rs_threshold "0.999_1.001"): drop a
     whole sequence when exp(mean_t log pi_old / mu) is outside cfg.mis_geo_band (default
     [0.999, 1.001]); weight 1; dropped sequences leave the denominator."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     seq_log_rho_B = sequence_mean(judged_log_rho(x, cfg), x.valid_BT)
     return _sequence_band("mis_geo", x, cfg, seq_log_rho_B, cfg.mis_geo_band, weighted=False)
 
 
-def icepop_correction(
-    logprobs_BT: Tensor,
-    behaviour_logprobs_BT: Tensor,
-    entropy_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    old_logprobs_BT: Tensor | None = None,
-    collision_BT: Tensor | None = None,
-) -> CorrectionOutput:
+def icepop_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """IcePop (Ring-1T, arXiv:2510.18855): each token's PPO term (ratio pi_theta / pi_old) is
     weighted by M(k) = k for k = pi_old / mu inside cfg.icepop_band [alpha, beta] = [0.5, 5]
     and 0 outside; every response token stays in the denominator (verl's "0.5_5.0" IS
     weights, slime's icepop_function). The magnitude-only band ENTR is compared against."""
-    x = prepare_inputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT, old_logprobs_BT)
+    x = prepare_inputs(inputs)
     return _token_band("icepop", x, cfg, cfg.icepop_band)

@@ -52,8 +52,6 @@ def mismatch_metric_stats(
     response_mask_BT: Tensor,
     keep_mask_BT: Tensor | None = None,
     weight_BT: Tensor | None = None,
-    versions_BT: Tensor | None = None,
-    current_version: int | None = None,
     entropy_bins: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES,
     eps: float = ENTR_DEFAULT_EPS,
 ) -> MetricStats:
@@ -95,15 +93,10 @@ def mismatch_metric_stats(
         per_bin["dropped"] = dropped
     sums.update(_entropy_bin_sums(entropy, per_bin, entropy_bins))
 
+    # No statistic here needs MAX or MIN today (policy lag is the controller's metric); the
+    # reduction keeps both so a future extremum needs no protocol change.
     maxima: dict[str, Tensor] = {}
     minima: dict[str, Tensor] = {}
-    if versions_BT is not None:
-        maxima["intra_seq_spread_max"] = _intra_seq_spread_max(versions_BT, valid_BT)
-        if current_version is not None:
-            lag_BT = current_version - versions_BT.to(torch.float64)
-            sums["lag"] = zero_padding(lag_BT, valid_BT).sum()
-            maxima["lag_max"] = _masked_extreme(lag_BT, valid_BT, largest=True)
-            minima["lag_min"] = _masked_extreme(lag_BT, valid_BT, largest=False)
     return MetricStats(sums, maxima, minima)
 
 
@@ -122,33 +115,8 @@ def _entropy_bin_sums(
     return sums
 
 
-def _masked_extreme(values: Tensor, mask: Tensor, largest: bool) -> Tensor:
-    """Max (or min) over the masked entries; -inf (+inf) when empty, neutral for all-reduce."""
-    neutral = -math.inf if largest else math.inf
-    filled = torch.where(mask, values, torch.full_like(values, neutral))
-    if filled.numel() == 0:
-        return values.new_tensor(neutral)
-    return filled.amax() if largest else filled.amin()
-
-
-def _intra_seq_spread_max(versions_BT: Tensor, valid_BT: Tensor) -> Tensor:
-    """max over non-empty sequences of v(last valid token) - v(first valid token)."""
-    if versions_BT.numel() == 0:
-        return versions_BT.new_tensor(-math.inf, dtype=torch.float64)
-    last_col = valid_BT.shape[-1] - 1
-    first_B = valid_BT.to(torch.int8).argmax(dim=-1)  # argmax returns the first maximum
-    last_B = last_col - valid_BT.flip(-1).to(torch.int8).argmax(dim=-1)
-    versions = versions_BT.to(torch.float64)
-    spread_B = (versions.gather(1, last_B.unsqueeze(-1)) - versions.gather(1, first_B.unsqueeze(-1))).squeeze(-1)
-    return _masked_extreme(spread_B, valid_BT.any(dim=-1), largest=True)
-
-
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
     return numerator / denominator.clamp(min=1)
-
-
-def _finite_or_zero(value: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(value), value, torch.zeros_like(value))
 
 
 def finalize_mismatch_metrics(stats: MetricStats) -> dict[str, Tensor]:
@@ -176,12 +144,6 @@ def finalize_mismatch_metrics(stats: MetricStats) -> dict[str, Tensor]:
             metrics[f"{prefix}low_prob_share"] = _ratio(s[f"{prefix}low_prob"], count)
             if f"{prefix}dropped" in s:
                 metrics[f"{prefix}mask_fraction"] = _ratio(s[f"{prefix}dropped"], count)
-    if "lag" in s:
-        metrics["policy_lag/mean"] = _ratio(s["lag"], tokens)
-        metrics["policy_lag/max"] = _finite_or_zero(stats.maxima["lag_max"])
-        metrics["policy_lag/min"] = _finite_or_zero(stats.minima["lag_min"])
-    if "intra_seq_spread_max" in stats.maxima:
-        metrics["policy_lag/intra_seq_spread_max"] = _finite_or_zero(stats.maxima["intra_seq_spread_max"])
     return metrics
 
 
@@ -192,8 +154,6 @@ def mismatch_metrics(
     response_mask_BT: Tensor,
     keep_mask_BT: Tensor | None = None,
     weight_BT: Tensor | None = None,
-    versions_BT: Tensor | None = None,
-    current_version: int | None = None,
     entropy_bins: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES,
     eps: float = ENTR_DEFAULT_EPS,
 ) -> dict[str, Tensor]:
@@ -209,9 +169,9 @@ def mismatch_metrics(
     - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, mean_score, mask_fraction, low_prob_share}
       per bin edges[i] <= H < edges[i+1] (H below the first edge joins the first bin, above
       the last the last bin); score S = delta^2 / (H + eps); low_prob_share: mu(y) < 1e-3.
-    - policy_lag/{min, mean, max} of current_version - version over valid tokens, and
-      policy_lag/intra_seq_spread_max = max over sequences of v_last - v_first
-      (needs versions_BT [B, T] of per-token policy versions; lag also current_version).
+
+    Policy-version lag is not here: the controller computes it where the versions live
+    (controller.buffer.lag_metrics).
     """
     stats = mismatch_metric_stats(
         logprobs_BT,
@@ -220,8 +180,6 @@ def mismatch_metrics(
         response_mask_BT,
         keep_mask_BT,
         weight_BT,
-        versions_BT,
-        current_version,
         entropy_bins,
         eps,
     )

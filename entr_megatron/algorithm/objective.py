@@ -15,10 +15,11 @@ from typing import NamedTuple
 from torch import Tensor
 
 from entr_megatron.algorithm.aggregation import Count, aggregate_loss
+from entr_megatron.algorithm.correction_base import CorrectionInputs
 from entr_megatron.algorithm.corrections import CORRECTIONS
 from entr_megatron.algorithm.masked_ops import broadcast_to_tokens
 from entr_megatron.algorithm.metrics import mismatch_metrics
-from entr_megatron.algorithm.policy_losses import POLICY_LOSSES
+from entr_megatron.algorithm.policy_losses import POLICY_LOSSES, LossInputs
 from entr_megatron.config.algorithm import AlgorithmConfig
 
 
@@ -68,16 +69,11 @@ def policy_loss_terms(
                   collision_BT=collision_BT)
     mask_BT = response_mask_BT.bool()
     correction = CORRECTIONS[cfg.correction](
-        logprobs_BT, behaviour_logprobs_BT, entropy_BT, mask_BT, cfg,
-        old_logprobs_BT=old_logprobs_BT, collision_BT=collision_BT,
+        CorrectionInputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, mask_BT, old_logprobs_BT, collision_BT), cfg
     )
     loss = POLICY_LOSSES[cfg.policy_loss](
-        logprobs_BT,
-        correction.anchor_logprobs_BT,
-        broadcast_to_tokens(advantages_B, mask_BT),
-        correction.weight_BT,
-        correction.keep_mask_BT,
-        mask_BT,
+        LossInputs(logprobs_BT, correction.anchor_logprobs_BT, broadcast_to_tokens(advantages_B, mask_BT),
+                   correction.weight_BT, correction.keep_mask_BT, mask_BT),
         cfg,
         clip=correction.clip,
     )

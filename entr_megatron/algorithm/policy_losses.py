@@ -1,5 +1,5 @@
-"""Per-token policy losses: fn(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT,
-keep_mask_BT, response_mask_BT, cfg, clip=True) -> PolicyLossOutput(loss_BT, is_weight_BT, metrics).
+"""Per-token policy losses: fn(LossInputs(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT,
+keep_mask_BT, response_mask_BT), cfg, clip=True) -> PolicyLossOutput(loss_BT, is_weight_BT, metrics).
 
 loss_BT is 0 where a token is not kept or not valid, and the gradient flows through
 `logprobs_BT` only (anchor, advantages and weights are treated as constants). The
@@ -22,6 +22,23 @@ from entr_megatron.algorithm.masked_ops import masked_fraction, masked_max, mask
 from entr_megatron.config.algorithm import AlgorithmConfig
 
 
+class LossInputs(NamedTuple):
+    """What a policy loss sees of one micro-batch; [B, T]."""
+
+    logprobs_BT: Tensor
+    """pi_theta: the gradient flows through it."""
+    anchor_logprobs_BT: Tensor
+    """The ratio's denominator, r = exp(logprobs - anchor) (the correction's choice)."""
+    advantages_BT: Tensor
+    """Each token's advantage (its sequence's, spread over the tokens)."""
+    weight_BT: Tensor
+    """The correction's detached per-token weight."""
+    keep_mask_BT: Tensor
+    """Tokens the correction keeps."""
+    response_mask_BT: Tensor
+    """Valid response tokens."""
+
+
 class _Inputs(NamedTuple):
     logprobs_BT: Tensor  # carries the gradient on active tokens only
     anchor_BT: Tensor
@@ -34,23 +51,16 @@ class _Inputs(NamedTuple):
         return torch.exp(self.logprobs_BT - self.anchor_BT)
 
 
-def _prepare(
-    logprobs_BT: Tensor,
-    anchor_logprobs_BT: Tensor,
-    advantages_BT: Tensor,
-    weight_BT: Tensor,
-    keep_mask_BT: Tensor,
-    response_mask_BT: Tensor,
-) -> _Inputs:
-    active_BT = keep_mask_BT.bool() & response_mask_BT.bool()
-    dtype = torch.promote_types(logprobs_BT.dtype, torch.float32)
-    anchor_BT = zero_padding(anchor_logprobs_BT.detach().to(dtype), active_BT)
+def _prepare(inputs: LossInputs) -> _Inputs:
+    active_BT = inputs.keep_mask_BT.bool() & inputs.response_mask_BT.bool()
+    dtype = torch.promote_types(inputs.logprobs_BT.dtype, torch.float32)
+    anchor_BT = zero_padding(inputs.anchor_logprobs_BT.detach().to(dtype), active_BT)
     # Inactive tokens take the anchor's value through a branch without gradient: their
     # ratio is exactly 1, so an extreme delta (the reason it was masked) or padding
     # garbage cannot put inf into the forward or 0 * inf = NaN into the backward.
-    logprobs = torch.where(active_BT, logprobs_BT.to(dtype), anchor_BT)
-    advantages = zero_padding(advantages_BT.detach().to(dtype), active_BT)
-    weight = zero_padding(weight_BT.detach().to(dtype).expand_as(active_BT), active_BT)
+    logprobs = torch.where(active_BT, inputs.logprobs_BT.to(dtype), anchor_BT)
+    advantages = zero_padding(inputs.advantages_BT.detach().to(dtype), active_BT)
+    weight = zero_padding(inputs.weight_BT.detach().to(dtype).expand_as(active_BT), active_BT)
     return _Inputs(logprobs, anchor_BT, advantages, weight, active_BT)
 
 
@@ -86,21 +96,12 @@ class PolicyLossOutput(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-def ppo_clip_loss(
-    logprobs_BT: Tensor,
-    anchor_logprobs_BT: Tensor,
-    advantages_BT: Tensor,
-    weight_BT: Tensor,
-    keep_mask_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    clip: bool = True,
-) -> PolicyLossOutput:
+def ppo_clip_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
     """PPO-clip with asymmetric clip and dual clip (Schulman et al. 2017; DAPO's clip-higher):
     l = -w min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and for A < 0 at most -w c A
     (c = cfg.dual_clip_c, Ye et al. 2020; None disables). Defaults eps_low 0.2, eps_high 0.28.
     clip=False: the unclipped surrogate l = -w r A (no clip, no dual clip)."""
-    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    x = _prepare(inputs)
     ratio_BT = x.ratio_BT
     is_weight_BT = zero_padding((x.weight_BT * ratio_BT).detach(), x.active_BT)
     if not clip:
@@ -119,19 +120,10 @@ def ppo_clip_loss(
     return PolicyLossOutput(zero_padding(x.weight_BT * loss_BT, x.active_BT), is_weight_BT, metrics)
 
 
-def reinforce_loss(
-    logprobs_BT: Tensor,
-    anchor_logprobs_BT: Tensor,
-    advantages_BT: Tensor,
-    weight_BT: Tensor,
-    keep_mask_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    clip: bool = True,
-) -> PolicyLossOutput:
+def reinforce_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
     """Importance-weighted REINFORCE: l = -sg[w r] A log pi, gradient -w r A grad log pi.
     Never clipped (cfg's clip range and `clip` are unused)."""
-    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    x = _prepare(inputs)
     ratio_BT = x.ratio_BT
     coefficient_BT = (x.weight_BT * ratio_BT).detach()
     loss_BT = -coefficient_BT * x.advantages_BT * x.logprobs_BT
@@ -139,23 +131,14 @@ def reinforce_loss(
                             _ratio_metrics(ratio_BT, x.active_BT))
 
 
-def cispo_loss(
-    logprobs_BT: Tensor,
-    anchor_logprobs_BT: Tensor,
-    advantages_BT: Tensor,
-    weight_BT: Tensor,
-    keep_mask_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    clip: bool = True,
-) -> PolicyLossOutput:
+def cispo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
     """CISPO (MiniMax-M1, arXiv:2506.13585): l = -sg[w clip(r, 1 - eps_low, 1 + eps_high)] A log pi.
 
     Clipping truncates the weight but never cuts a token's gradient. Defaults
     (CLIP_RANGE_DEFAULTS["cispo"]): eps_low = 1.0, i.e. lower bound 0 (no lower clip, as
     in the paper), eps_high = 0.28. The clip fractions count truncated tokens.
     clip=False: the weight is w r, untruncated."""
-    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    x = _prepare(inputs)
     eps_low, eps_high = cfg.clip_range("cispo") if clip else (1.0, math.inf)
     ratio_BT = x.ratio_BT
     coefficient_BT = (x.weight_BT * ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)).detach()
@@ -168,16 +151,7 @@ def cispo_loss(
     return PolicyLossOutput(zero_padding(loss_BT, x.active_BT), zero_padding(coefficient_BT, x.active_BT), metrics)
 
 
-def gspo_loss(
-    logprobs_BT: Tensor,
-    anchor_logprobs_BT: Tensor,
-    advantages_BT: Tensor,
-    weight_BT: Tensor,
-    keep_mask_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    clip: bool = True,
-) -> PolicyLossOutput:
+def gspo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
     """GSPO (arXiv:2507.18071, token form GSPO-token): s_i = exp(mean_t (log pi - anchor)) over the sequence's kept
     tokens, s_it = sg[s_i] exp(log pi_t - sg[log pi_t]) (value s_i, gradient s_i grad log pi_t),
     l = -w min(s_it A, clip(s_it, 1 - eps_low, 1 + eps_high) A).
@@ -187,7 +161,7 @@ def gspo_loss(
     eps_low 3e-4, eps_high 4e-4, the GSPO paper's values for a sequence ratio. The paper
     averages per sequence (1/G sum_i 1/|y_i| sum_t): its default aggregation is
     seq-mean-token-mean (DEFAULT_LOSS_AGG_MODES). clip=False: l = -w s_it A."""
-    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    x = _prepare(inputs)
     eps_low, eps_high = cfg.clip_range("gspo") if clip else (1.0, math.inf)
     seq_ratio_B = sequence_mean(x.logprobs_BT - x.anchor_BT, x.active_BT).detach().exp()
     ratio_BT = seq_ratio_B.unsqueeze(-1) * torch.exp(x.logprobs_BT - x.logprobs_BT.detach())
@@ -202,20 +176,11 @@ def gspo_loss(
     return PolicyLossOutput(zero_padding(x.weight_BT * loss_BT, x.active_BT), is_weight_BT, metrics)
 
 
-def nll_loss(
-    logprobs_BT: Tensor,
-    anchor_logprobs_BT: Tensor,
-    advantages_BT: Tensor,
-    weight_BT: Tensor,
-    keep_mask_BT: Tensor,
-    response_mask_BT: Tensor,
-    cfg: AlgorithmConfig,
-    clip: bool = True,
-) -> PolicyLossOutput:
+def nll_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
     """Supervised negative log-likelihood l = -log pi on active tokens, for SFT warm-up
     (run with correction "none"). Anchor, advantages, weight and the clip range are
     unused; the gradient is -1 on each active token's log-prob before aggregation."""
-    x = _prepare(logprobs_BT, anchor_logprobs_BT, advantages_BT, weight_BT, keep_mask_BT, response_mask_BT)
+    x = _prepare(inputs)
     # Inactive tokens hold the anchor's value (no gradient); zero_padding drops them.
     loss_BT = zero_padding(-x.logprobs_BT, x.active_BT)
     ones_BT = zero_padding(torch.ones_like(loss_BT.detach()), x.active_BT)

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from entr_megatron.algorithm import CORRECTIONS, mismatch_metrics
+from entr_megatron.algorithm import CORRECTIONS, CorrectionInputs, mismatch_metrics
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.parallel import vocab_parallel_logprobs_entropy
 
@@ -65,7 +65,7 @@ def run(args) -> None:
     logprobs, entropy, behaviour, is_noise = simulate(args.positions, args.vocab, args.sigma, args.noise, args.seed)
     valid = torch.ones_like(is_noise)
     cfg = AlgorithmConfig(tau=args.tau)
-    kept = {name: CORRECTIONS[name](logprobs, behaviour, entropy, valid, cfg).keep_mask_BT for name in ("icepop", "entr")}
+    kept = {name: CORRECTIONS[name](CorrectionInputs(logprobs, behaviour, entropy, valid), cfg).keep_mask_BT for name in ("icepop", "entr")}
     delta = (logprobs - behaviour).abs()
 
     print(f"{args.positions} tokens, vocab {args.vocab}, staleness sigma {args.sigma}, "

@@ -83,7 +83,7 @@ class LearnerWorker:
         self.spec, self.run = spec, run
         self.info = init_distributed_from_env()
         if not torch.cuda.is_available():
-            from entr_megatron.learner.compat import enable_cpu_compat
+            from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
             enable_cpu_compat()
         p = run.parallel
@@ -130,7 +130,7 @@ class LearnerWorker:
 
         steps = train_rollout_batch(self.ddp, self.optimizer, self.scheduler, batch, self.groups, self.algo_cfg,
                                     self.learner_cfg, vocab_size=self.model_spec.vocab_size,
-                                    current_version=version, before_update=before_update)
+                                    before_update=before_update)
         metrics = merge_step_metrics(steps)
         metrics["timing/learner_step_s"] = time.perf_counter() - t0
         metrics["timing/weight_borrow_wait_s"] = waited[0]
@@ -202,14 +202,14 @@ class LearnerWorker:
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, root: str, step: int, extra_state: Any = None, keep_last: int | None = None) -> str:
-        from entr_megatron.learner.checkpoint import save_checkpoint
+        from entr_megatron.checkpoint.io import save_checkpoint
 
         path = save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, extra_state,
                                keep_last=keep_last, model_config=self.hf_config)
         return os.fspath(path)
 
     def load(self, root: str, step: int | None = None) -> tuple[int, Any]:
-        from entr_megatron.learner.checkpoint import load_checkpoint
+        from entr_megatron.checkpoint.io import load_checkpoint
 
         if self.sync is not None:
             self.sync.wait_borrowed()  # the weights are about to change

@@ -124,8 +124,8 @@ def _entropy_for_algorithm(mb: MicroBatch, learner_entropy_BT: Tensor, cfg: Algo
     return mb.rollout_entropy_BT.to(learner_entropy_BT.device)
 
 
-def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, mask_BT: Tensor, terms: PolicyTerms,
-            cfg: AlgorithmConfig, current_version: int | None) -> dict:
+def _report(lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, mask_BT: Tensor, terms: PolicyTerms,
+            cfg: AlgorithmConfig) -> dict:
     """Reducible metrics of one micro-batch: {'sums', 'maxima', 'minima'} of scalar tensors.
 
     Mismatch metrics come from their exact stats, with the loss's own keep mask and
@@ -133,10 +133,9 @@ def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, m
     values: they are reduced as token-weighted means (``*_max`` as maxima), exact for those
     averaging over all response tokens.
     """
-    versions = None if mb.versions_BT is None else mb.versions_BT.to(lp_BT.device)
     stats = mismatch_metric_stats(
         lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT,
-        versions_BT=versions, current_version=current_version, eps=cfg.entr_eps,
+        eps=cfg.entr_eps,
     )
     sums = {f"mismatch_stats/{k}": v for k, v in stats.sums.items()}
     maxima = {f"mismatch_stats/{k}": v for k, v in stats.maxima.items()}
@@ -153,7 +152,7 @@ def _report(mb: MicroBatch, lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, m
 
 def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *,
                           vocab_size: int | None = None, old_logprobs_T: Tensor | None = None,
-                          current_version: int | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
+                          ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
     """Megatron ``loss_func`` of one micro-batch: ``logits [1, T, V/tp] -> (numerator, count, report)``.
 
     Args:
@@ -163,7 +162,6 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         old_logprobs_T: pi_old in the DP-local batch's packed layout (``compute_logprobs``) for
             corrections that anchor on it; None: the current policy, detached (exact before
             the rollout batch's first optimizer step).
-        current_version: policy version being trained, for the policy-lag metrics.
 
     See the module docstring for why (numerator, count) is exact under Megatron's schedules.
     """
@@ -194,7 +192,7 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         unit_counts, count = parts(terms.denominator_BT)
         numerator = aggregate_loss(terms.loss_BT, terms.denominator_BT, aggregation,
                                    max_response_len=algo_cfg.loss_norm_tokens, **unit_counts)
-        report = _report(mb, lp_BT, entropy_BT, blp_BT, mask_BT, terms, algo_cfg, current_version)
+        report = _report(lp_BT, entropy_BT, blp_BT, mask_BT, terms, algo_cfg)
         report["sums"][LOSS_NUMERATOR] = numerator.detach().double()
         report["sums"][LOSS_COUNT] = count.double()
         return numerator, count.to(count_dtype), report

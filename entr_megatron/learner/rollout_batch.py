@@ -47,7 +47,6 @@ def split_mini_batches(batch: TrainBatch, count: int) -> list[TrainBatch]:
 
 def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, groups, algo_cfg: AlgorithmConfig,
                         learner_cfg: LearnerConfig, *, vocab_size: int | None = None,
-                        current_version: int | None = None,
                         before_update: Callable[[], object] | None = None) -> list[dict[str, float]]:
     """``learner_cfg.mini_batches * learner_cfg.epochs`` optimizer steps on the GLOBAL ``batch``.
 
@@ -76,7 +75,7 @@ def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, g
     for epoch in range(learner_cfg.epochs):
         for k, share in enumerate(shares):
             metrics = train_step(model_chunks, optimizer, scheduler, share, groups, algo_cfg, learner_cfg,
-                                 vocab_size=vocab_size, old_logprobs=old[k], current_version=current_version,
+                                 vocab_size=vocab_size, old_logprobs=old[k],
                                  before_update=before_update)
             metrics["optim/minibatch"], metrics["optim/epoch"] = float(k), float(epoch)
             steps.append(metrics)

@@ -223,7 +223,7 @@ def _from_last_stage(metrics: dict, groups) -> dict:
 
 def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, groups,
                algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, vocab_size: int | None = None,
-               old_logprobs: Tensor | None = None, current_version: int | None = None,
+               old_logprobs: Tensor | None = None,
                before_update: Callable[[], object] | None = None) -> dict[str, float]:
     """One optimizer step of the RL loss on ``batch`` (this data-parallel rank's sequences).
 
@@ -241,14 +241,12 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
             under the weights before this rollout batch's first optimizer step, for corrections
             that anchor on it (``algo_cfg.uses_old_logprobs``). None: the weights have not moved
             since then, so pi_old is the current policy, detached, taken in the same pass (exact).
-        current_version: the policy version being trained (policy-lag metrics).
         before_update: called after forward and backward, just before the optimizer changes
             the weights (e.g. `WeightSync.wait_borrowed`: a push still reading them).
 
     Returns the same metrics on every rank: ``loss`` (exact: global numerator / global
-    count), the mismatch metrics (mismatch/*, mask/fraction, is/ess, entropy_bin/*,
-    policy_lag/* with versions), the correction's and loss's metrics (token-weighted over
-    micro-batches and DP), ``optim/grad_norm``, ``optim/skipped`` (1.0 when the non-finite
+    count), the mismatch metrics (mismatch/*, mask/fraction, is/ess, entropy_bin/*), the
+    correction's and loss's metrics (token-weighted over micro-batches and DP), ``optim/grad_norm``, ``optim/skipped`` (1.0 when the non-finite
     norm skipped the step), ``optim/lr`` and ``batch/microbatches``.
     """
     config = get_model_config(model_chunks[0])
@@ -268,7 +266,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
 
     def make_loss(index: int, mb: MicroBatch):
         return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, vocab_size=vocab_size,
-                                     old_logprobs_T=old_logprobs, current_version=current_version)
+                                     old_logprobs_T=old_logprobs)
 
     reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
     step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad, before_update=before_update)

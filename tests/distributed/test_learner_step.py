@@ -28,37 +28,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import close, model_config
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB, MAX_SEQ = 128, 32
 SEED = 1234
-REL_TOL = 1e-5  # max |got - want| <= REL_TOL * max |want|, per tensor (fp32)
 # Adam's first step is lr * g / (|g| + eps): an eps above the gradient scale keeps it ~linear in g,
 # so fp32 noise in near-zero gradients is not blown up to full-size steps (~lr * sign(g)).
 OPTIM = dict(lr=0.5, adam_eps=0.1, weight_decay=0.1, clip_grad=0.2)
 
 
 # --- model and data -------------------------------------------------------------------------------
-
-def model_config(tp=1, pp=1, ep=1, vpp=None, sp=False, moe=False, num_layers=4):
-    from megatron.core.transformer import TransformerConfig
-
-    kw = dict(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=96, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1, calculate_per_token_loss=True,
-    )
-    if moe:
-        kw.update(
-            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0] + [1] * (num_layers - 1),
-            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-        )
-    return TransformerConfig(**kw)
-
 
 def make_global_batch(num_seqs=7, nan_advantage=False):
     """Variable-length prompt + response samples: tool tokens (loss mask off) inside responses,
@@ -98,15 +78,6 @@ def learner_config(max_tokens=24, distributed_optimizer=False, mini_batches=1, e
 
     return LearnerConfig(max_tokens_per_microbatch=max_tokens, temperature=0.9, mini_batches=mini_batches,
                          epochs=epochs, optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer))
-
-
-def close(got, want, what, tol=REL_TOL, floor=1e-6, atol=0.0):
-    """max |got - want| <= tol * max(max |want|, floor) + atol."""
-    got, want = torch.as_tensor(got).double(), torch.as_tensor(want).double()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    err = (got - want).abs().max().item() if want.numel() else 0.0
-    scale = want.abs().max().item() if want.numel() else 0.0
-    assert err <= tol * max(scale, floor) + atol, f"{what}: max error {err:.3g}, max |want| {scale:.3g}"
 
 
 # --- the independent single-rank reference ----------------------------------------------------------
@@ -277,7 +248,7 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
                         and any(p.main_grad.abs().sum() > 0 for c in ddp for p in c.parameters() if p.requires_grad
                                 and getattr(p, "main_grad", None) is not None and p.main_grad.numel() > 0))
 
-    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg, current_version=5,
+    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg,
                          before_update=before_update)
     assert hook_saw == [True], f"{where}: before_update saw changed weights or no gradients: {hook_saw}"
     assert any(not torch.equal(p.detach(), p0) for p, p0 in zip((p for c in ddp for p in c.parameters()), before))
@@ -289,7 +260,6 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
         if key.startswith(EXACT_METRICS):
             # Means of +-deviations nearly cancel: judge them on the scale of 1, not of their value.
             close(metrics[key], want, f"{where}: metric {key}", floor=1.0)
-    assert metrics["policy_lag/max"] == 2.0 and metrics["policy_lag/min"] == 1.0
     # Weights and clipped gradients; the distributed optimizer keeps only a DP shard of reduced grads.
     compare_weights_and_grads(ddp, ref, groups, cfg, where, grads=not learner_cfg.optim.use_distributed_optimizer)
     if dist.get_rank() == 0:
@@ -370,7 +340,7 @@ def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1):
     ref = mini_batch_reference(batch, algo_cfg, learner_cfg)
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
     where = f"mini-batches tp={tp} dp={groups.dp_size} {algo_cfg.correction} epochs={learner_cfg.epochs}"
-    steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg, current_version=5)
+    steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg)
     assert len(steps) == len(ref["steps"]) == 2 * learner_cfg.epochs
     assert [s["optim/minibatch"] for s in steps] == [0.0, 1.0] * learner_cfg.epochs
     masked = [step["metrics"]["mask/fraction"] for step in ref["steps"]]
@@ -446,7 +416,7 @@ def check_lr_schedule(ref):
 # --- launches ----------------------------------------------------------------------------------------------
 
 def _two_ranks(rank, world):
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     batch = make_global_batch()
@@ -491,7 +461,7 @@ def _two_ranks(rank, world):
 
 
 def _four_ranks(rank, world):
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     batch = make_global_batch()

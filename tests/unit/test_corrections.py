@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from entr_megatron.algorithm import CORRECTIONS
+from entr_megatron.algorithm import CORRECTIONS, CorrectionInputs
 from entr_megatron.algorithm.corrections_divergence import bernoulli_kl, m2po_keep_mask
 from entr_megatron.algorithm.entr import CHI2_1_MEDIAN
 from entr_megatron.config.algorithm import AlgorithmConfig
@@ -21,7 +21,7 @@ def _t(rows):
 def _run(name, logprobs, behaviour, entropy=None, mask=None, cfg=CFG, old=None, collision=None):
     entropy = torch.ones_like(logprobs) if entropy is None else entropy
     mask = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask
-    return CORRECTIONS[name](logprobs, behaviour, entropy, mask, cfg, old_logprobs_BT=old, collision_BT=collision)
+    return CORRECTIONS[name](CorrectionInputs(logprobs, behaviour, entropy, mask, old, collision), cfg)
 
 
 # ---------------------------------------------------------------- hand-computed cases
@@ -316,7 +316,7 @@ def test_against_loop_reference(name, with_old, mode):
     lp, mu, H, mask, old = _random_batch(seed=11)
     # z = 1.5 so the calibrated mask bites; a wider geometric band than verl's for this drift.
     cfg = AlgorithmConfig(correction=name, correction_mode=mode, calibrated_z=1.5, mis_geo_band=(0.5, 2.0))
-    out = CORRECTIONS[name](lp, mu, H, mask, cfg, old_logprobs_BT=old if with_old else None)
+    out = CORRECTIONS[name](CorrectionInputs(lp, mu, H, mask, old if with_old else None), cfg)
     # ENTR, none and m2po compare pi_theta with mu directly and ignore old log-probs.
     uses_old = with_old and cfg.uses_old_logprobs
     weight, keep, anchor = _reference(
@@ -347,7 +347,7 @@ def test_outputs_detached_finite_and_padding_dropped(name):
     padding = ~mask
     mu = torch.where(padding, torch.full_like(mu, -math.inf), mu)  # engine-style padding
     H = torch.where(padding, torch.full_like(H, math.nan), H)
-    out = CORRECTIONS[name](lp, mu, H, mask, AlgorithmConfig(correction=name), old_logprobs_BT=old)
+    out = CORRECTIONS[name](CorrectionInputs(lp, mu, H, mask, old), AlgorithmConfig(correction=name))
     for tensor in (out.weight_BT, out.keep_mask_BT, out.anchor_logprobs_BT):
         assert not tensor.requires_grad
     assert torch.isfinite(out.weight_BT).all() and torch.isfinite(out.anchor_logprobs_BT).all()
@@ -361,7 +361,9 @@ def test_outputs_detached_finite_and_padding_dropped(name):
 
 def test_bf16_inputs_are_upcast():
     lp, mu, H, mask, _ = _random_batch(seed=2)
-    out = CORRECTIONS["entr"](lp.bfloat16(), mu.bfloat16(), H.bfloat16(), mask, CFG)
+    out = CORRECTIONS["entr"](CorrectionInputs(lp.bfloat16(), mu.bfloat16(), H.bfloat16(), mask), CFG)
     assert out.weight_BT.dtype == torch.float32 and out.anchor_logprobs_BT.dtype == torch.float32
-    reference = CORRECTIONS["entr"](lp.bfloat16().double(), mu.bfloat16().double(), H.bfloat16().double(), mask, CFG)
+    reference = CORRECTIONS["entr"](
+        CorrectionInputs(lp.bfloat16().double(), mu.bfloat16().double(), H.bfloat16().double(), mask), CFG
+    )
     assert out.keep_mask_BT.tolist() == reference.keep_mask_BT.tolist()

@@ -6,7 +6,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from entr_megatron.algorithm import CORRECTIONS, entr_mask, entr_score
+from entr_megatron.algorithm import CORRECTIONS, CorrectionInputs, entr_mask, entr_score
 from entr_megatron.algorithm.entr import (
     CHI2_1_MEDIAN,
     calibrated_score,
@@ -79,8 +79,8 @@ def test_entropy_normalisation_disagrees_with_icepop_where_it_should():
     entropy = torch.tensor([[5.0, 0.01]], dtype=torch.float64)
     valid = torch.ones(1, 2, dtype=torch.bool)
     cfg = AlgorithmConfig()
-    entr_keep = CORRECTIONS["entr"](logprobs, behaviour, entropy, valid, cfg).keep_mask_BT
-    icepop_keep = CORRECTIONS["icepop"](logprobs, behaviour, entropy, valid, cfg).keep_mask_BT
+    entr_keep = CORRECTIONS["entr"](CorrectionInputs(logprobs, behaviour, entropy, valid), cfg).keep_mask_BT
+    icepop_keep = CORRECTIONS["icepop"](CorrectionInputs(logprobs, behaviour, entropy, valid), cfg).keep_mask_BT
     assert entr_keep.tolist() == [[True, False]]
     assert icepop_keep.tolist() == [[False, True]]
 

@@ -25,13 +25,12 @@ def _hand_batch():
     mask = torch.tensor([[True, True, True], [True, False, False]])
     keep = torch.tensor([[True, False, True], [False, False, False]])
     weight = torch.tensor([[1.0, 2.0, 0.5], [3.0, 0.0, 0.0]], dtype=F64)
-    versions = torch.tensor([[5, 6, 6], [3, 9, 9]])  # 9 is padding: would give lag -2, spread 6
-    return behaviour + delta, behaviour, entropy, mask, keep, weight, versions
+    return behaviour + delta, behaviour, entropy, mask, keep, weight
 
 
 def test_hand_case():
-    logprobs, behaviour, entropy, mask, keep, weight, versions = _hand_batch()
-    m = mismatch_metrics(logprobs, behaviour, entropy, mask, keep, weight, versions, current_version=7)
+    logprobs, behaviour, entropy, mask, keep, weight = _hand_batch()
+    m = mismatch_metrics(logprobs, behaviour, entropy, mask, keep, weight)
     deltas = [0.1, -0.2, 0.5, 1.0]
     assert m["mismatch/k1"].item() == pytest.approx(-1.4 / 4)
     assert m["mismatch/k3"].item() == pytest.approx(sum(math.exp(d) - 1 - d for d in deltas) / 4)
@@ -50,10 +49,7 @@ def test_hand_case():
     assert m["entropy_bin/0-0.001/count"].item() == 1 and m["entropy_bin/0-0.001/low_prob_share"].item() == 0
     assert m["entropy_bin/1-10/mean_score"].item() == pytest.approx(0.25 / 2.01)
     assert m["entropy_bin/10-inf/count"].item() == 0 and m["entropy_bin/10-inf/mean_abs_delta"].item() == 0
-    # Lags 2, 1, 1, 4; spreads 6 - 5 = 1 and 3 - 3 = 0.
-    assert m["policy_lag/min"].item() == 1 and m["policy_lag/max"].item() == 4
-    assert m["policy_lag/mean"].item() == pytest.approx(2.0)
-    assert m["policy_lag/intra_seq_spread_max"].item() == 1
+    assert not any(k.startswith("policy_lag/") for k in m)  # the controller's metric (buffer.lag_metrics)
 
 
 def test_optional_groups_are_absent_without_their_inputs():
@@ -69,7 +65,7 @@ def test_bin_labels():
         mismatch_metrics(*_hand_batch()[:4], entropy_bins=(0.0, 1.0, 1.0))
 
 
-def _loop_reference(lp, mu, H, mask, keep, weight, versions, current, edges, eps=0.01):
+def _loop_reference(lp, mu, H, mask, keep, weight, edges, eps=0.01):
     B, T = len(lp), len(lp[0])
     valid = [(b, t) for b in range(B) for t in range(T) if mask[b][t]]
     d = {k: lp[k[0]][k[1]] - mu[k[0]][k[1]] for k in valid}
@@ -92,14 +88,6 @@ def _loop_reference(lp, mu, H, mask, keep, weight, versions, current, edges, eps
         out[f"entropy_bin/{label}/mean_score"] = sum(d[k] ** 2 / (H[k[0]][k[1]] + eps) for k in members) / div
         out[f"entropy_bin/{label}/mask_fraction"] = sum(not keep[k[0]][k[1]] for k in members) / div
         out[f"entropy_bin/{label}/low_prob_share"] = sum(math.exp(mu[k[0]][k[1]]) < 1e-3 for k in members) / div
-    lags = [current - versions[k[0]][k[1]] for k in valid]
-    out["policy_lag/min"], out["policy_lag/max"], out["policy_lag/mean"] = min(lags), max(lags), sum(lags) / n
-    spreads = []
-    for b in range(B):
-        cols = [t for t in range(T) if mask[b][t]]
-        if cols:
-            spreads.append(versions[b][cols[-1]] - versions[b][cols[0]])
-    out["policy_lag/intra_seq_spread_max"] = max(spreads)
     return out
 
 
@@ -112,17 +100,14 @@ def _random_batch(seed, B=9, T=11):
     mask[0] = False  # an empty sequence
     keep = torch.rand(B, T, generator=g) > 0.25
     weight = torch.rand(B, T, generator=g, dtype=F64) * 2
-    # Versions grow along a sequence (weights arrive mid-generation) and may jump.
-    versions = 10 + torch.randint(0, 3, (B, T), generator=g).cumsum(-1)
-    return lp, mu, H, mask, keep, weight, versions
+    return lp, mu, H, mask, keep, weight
 
 
 def test_against_loop_reference():
-    lp, mu, H, mask, keep, weight, versions = _random_batch(seed=21)
-    current = 40
-    got = mismatch_metrics(lp, mu, H, mask, keep, weight, versions, current)
-    lists = (t.tolist() for t in (lp, mu, H, mask, keep, weight, versions))
-    expected = _loop_reference(*lists, current, DEFAULT_ENTROPY_BIN_EDGES)
+    lp, mu, H, mask, keep, weight = _random_batch(seed=21)
+    got = mismatch_metrics(lp, mu, H, mask, keep, weight)
+    lists = (t.tolist() for t in (lp, mu, H, mask, keep, weight))
+    expected = _loop_reference(*lists, DEFAULT_ENTROPY_BIN_EDGES)
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert got[key].item() == pytest.approx(value, rel=1e-10, abs=1e-12), key
@@ -131,16 +116,15 @@ def test_against_loop_reference():
 
 
 def test_stats_reduced_across_ranks_equal_the_whole_batch():
-    lp, mu, H, mask, keep, weight, versions = _random_batch(seed=8)
-    args = dict(current_version=40)
-    whole = mismatch_metrics(lp, mu, H, mask, keep, weight, versions, **args)
+    lp, mu, H, mask, keep, weight = _random_batch(seed=8)
+    whole = mismatch_metrics(lp, mu, H, mask, keep, weight)
     # Three "ranks": rows 0-3, rows 4-8, and one with no valid tokens at all.
     shards = [slice(0, 4), slice(4, 9)]
     stats = [
-        mismatch_metric_stats(lp[s], mu[s], H[s], mask[s], keep[s], weight[s], versions[s], **args) for s in shards
+        mismatch_metric_stats(lp[s], mu[s], H[s], mask[s], keep[s], weight[s]) for s in shards
     ]
     empty = torch.zeros_like(mask[:2])
-    stats.append(mismatch_metric_stats(lp[:2], mu[:2], H[:2], empty, keep[:2], weight[:2], versions[:2], **args))
+    stats.append(mismatch_metric_stats(lp[:2], mu[:2], H[:2], empty, keep[:2], weight[:2]))
     # What all_reduce(SUM / MAX / MIN) would produce.
     reduced = MetricStats(
         sums={k: sum(s.sums[k] for s in stats) for k in stats[0].sums},
@@ -154,8 +138,8 @@ def test_stats_reduced_across_ranks_equal_the_whole_batch():
 
 
 def test_no_valid_tokens_gives_zeros_not_nan():
-    lp, mu, H, mask, keep, weight, versions = _random_batch(seed=1, B=2, T=3)
-    m = mismatch_metrics(lp, mu, H, torch.zeros_like(mask), keep, weight, versions, current_version=50)
+    lp, mu, H, mask, keep, weight = _random_batch(seed=1, B=2, T=3)
+    m = mismatch_metrics(lp, mu, H, torch.zeros_like(mask), keep, weight)
     assert all(v.item() == 0.0 for v in m.values())
 
 

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from entr_megatron.algorithm import POLICY_LOSSES, compute_policy_loss
+from entr_megatron.algorithm import POLICY_LOSSES, LossInputs, compute_policy_loss
 from entr_megatron.config.algorithm import AlgorithmConfig
+from helpers import assert_close_f64 as _close
 
 F64 = torch.float64
 
@@ -22,13 +23,9 @@ def _loss_and_grad(name, log_ratio, advantages, weight=None, keep=None, mask=Non
     mask = torch.ones_like(log_ratio, dtype=torch.bool) if mask is None else torch.tensor(mask)
     cfg = cfg or AlgorithmConfig(policy_loss=name)
     adv = torch.tensor(advantages, dtype=F64)
-    loss, _, metrics = POLICY_LOSSES[name](logprobs, anchor, adv, weight, keep, mask, cfg)
+    loss, _, metrics = POLICY_LOSSES[name](LossInputs(logprobs, anchor, adv, weight, keep, mask), cfg)
     (grad,) = torch.autograd.grad(loss.sum(), logprobs)
     return loss.detach(), grad, metrics
-
-
-def _close(actual, expected):
-    torch.testing.assert_close(actual, torch.tensor(expected, dtype=F64), rtol=1e-9, atol=1e-12)
 
 
 # ---------------------------------------------------------------- hand-computed cases
@@ -144,7 +141,7 @@ def test_masked_and_padded_tokens_get_zero_loss_and_gradient(name):
     adv = torch.tensor([[1.0, -1.0, 1.0]])
     keep = torch.tensor([[True, False, True]])
     mask = torch.tensor([[True, True, False]])
-    loss, _, _ = POLICY_LOSSES[name](logprobs, anchor, adv, torch.ones(1, 3), keep, mask, AlgorithmConfig())
+    loss, _, _ = POLICY_LOSSES[name](LossInputs(logprobs, anchor, adv, torch.ones(1, 3), keep, mask), AlgorithmConfig())
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
     assert loss[0, 1:].tolist() == [0.0, 0.0] and logprobs.grad[0, 1:].tolist() == [0.0, 0.0]
@@ -157,7 +154,7 @@ def test_gradient_flows_through_logprobs_only(name):
     logprobs = torch.full(shape, -1.0, requires_grad=True)
     others = [torch.full(shape, v, requires_grad=True) for v in (-1.1, 0.7, 1.3)]  # anchor, adv, weight
     ones = torch.ones(shape, dtype=torch.bool)
-    loss, _, _ = POLICY_LOSSES[name](logprobs, *others, ones, ones, AlgorithmConfig())
+    loss, _, _ = POLICY_LOSSES[name](LossInputs(logprobs, *others, ones, ones), AlgorithmConfig())
     loss.sum().backward()
     assert logprobs.grad is not None and all(t.grad is None for t in others)
 
@@ -165,7 +162,8 @@ def test_gradient_flows_through_logprobs_only(name):
 def test_bf16_logprobs_give_float32_loss():
     logprobs = torch.full((1, 2), -1.0, dtype=torch.bfloat16, requires_grad=True)
     ones = torch.ones(1, 2)
-    loss, _, _ = POLICY_LOSSES["ppo_clip"](logprobs, ones * -1.0, ones, ones, ones.bool(), ones.bool(), AlgorithmConfig())
+    loss, _, _ = POLICY_LOSSES["ppo_clip"](LossInputs(logprobs, ones * -1.0, ones, ones, ones.bool(), ones.bool()),
+                                           AlgorithmConfig())
     assert loss.dtype == torch.float32
     loss.sum().backward()
     assert logprobs.grad.dtype == torch.bfloat16
