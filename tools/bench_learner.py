@@ -109,9 +109,9 @@ def worker(rank, world, args, results_path):
     from entr_megatron.config.algorithm import AlgorithmConfig
     from entr_megatron.config.learner import LearnerConfig, OptimConfig
     from entr_megatron.learner.build import build_learner_model_from_hf
-    from entr_megatron.learner.compat import enable_cpu_compat
     from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
     from entr_megatron.learner.train_step import train_step
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import destroy, initialize_model_parallel
 
     enable_cpu_compat()

@@ -53,10 +53,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from entr_megatron.rollout.engine import WeightReceiver  # noqa: E402
-from entr_megatron.rollout.sglang_engine import WeightGroup  # noqa: E402
 from entr_megatron.rollout.weights import WeightBucket  # noqa: E402
 from entr_megatron.utils.spawn import free_port, run_gloo  # noqa: E402
 from entr_megatron.weight_sync.buckets import BucketLayout, plan_buckets  # noqa: E402
+from entr_megatron.weight_sync.group import WeightGroup  # noqa: E402
 from entr_megatron.weight_sync.receiver import joined_group  # noqa: E402
 
 GB = 1e9
@@ -101,7 +101,7 @@ class OneBufferReceiver(WeightReceiver):
 
 def _learner(rank, world, args, model_dir, port):
     from entr_megatron.learner.build import build_learner_model_from_hf
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import initialize_model_parallel
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from entr_megatron.weight_sync import BucketTransport, WeightSync, WeightSyncConfig, receiver_for, stage_groups

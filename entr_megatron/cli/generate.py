@@ -66,10 +66,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from entr_megatron.config.rollout import ENGINES
 from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
-ENGINES = ("embedded", "sglang")
 DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 PROGRESS_EVERY_S = 5.0
@@ -223,8 +223,13 @@ def open_engine(args) -> Iterator[RolloutEngine]:
         with EmbeddedEngine(config) as engine:
             yield engine
         return
-    from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from entr_megatron.rollout.sglang_launcher import SGLangServerConfig, launch_servers, terminate_all
+    from entr_megatron.rollout.sglang import (
+        SGLangEngine,
+        SGLangEngineConfig,
+        SGLangServerConfig,
+        launch_servers,
+        terminate_all,
+    )
 
     servers = []
     if args.sglang_url:

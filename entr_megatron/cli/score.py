@@ -50,11 +50,11 @@ import torch.multiprocessing as mp
 
 from entr_megatron import models
 from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, mismatch_metrics
-from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
-from entr_megatron.learner import checkpoint_dir
+from entr_megatron.checkpoint import directory as checkpoint_dir
 from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
-from entr_megatron.utils.spawn import free_port
+from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
+from entr_megatron.utils.spawn import enter_rank, free_port, torchrun_env
 
 PROGRESS_EVERY_S = 5.0
 
@@ -172,14 +172,11 @@ def write_output(in_path, out_path, lines, logprobs, entropy, tau) -> str | None
 
 def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> None:
     """One spawned rank: join the process group, build and load the model, score, rank 0 saves."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(threads)
+    enter_rank(torchrun_env(rank, world, "127.0.0.1", port), threads)
     # Megatron is imported in the ranks only: the parent validates and writes without it.
     from entr_megatron.learner.build import build_learner_model_from_hf
-    from entr_megatron.learner.compat import enable_cpu_compat
     from entr_megatron.learner.scoring import score_sequences
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import destroy, init_distributed_from_env, initialize_model_parallel
 
     init_distributed_from_env()
@@ -189,7 +186,7 @@ def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> Non
         if job.model_config is None:
             chunks, spec = build_learner_model_from_hf(job.model_dir, groups)
         else:
-            from entr_megatron.learner.checkpoint import load_checkpoint
+            from entr_megatron.checkpoint.io import load_checkpoint
 
             # No random init: every weight comes from the checkpoint (a strict load).
             chunks, spec = build_learner_model_from_hf(job.model_config, groups, load_weights=False,

@@ -9,7 +9,7 @@ The config (YAML plus dotted overrides) is validated before anything starts: a
 bad value stops the command with the field, the value and what is allowed.
 `train` runs the SFT warm-up when the config has an `sft` section and the run
 directory has no SFT model yet, then RL; it resumes a run directory where it
-stopped (see controller/job.py for the layout). Ctrl-C saves a checkpoint and exits.
+stopped (see controller/run_dir.py for the layout). Ctrl-C saves a checkpoint and exits.
 """
 
 from __future__ import annotations
@@ -59,32 +59,26 @@ def run_train(args) -> None:
 
 
 def run_sft(args) -> None:
-    from entr_megatron.controller.job import RunPaths, build_task, prepare_model, tokenizer_for
     from entr_megatron.controller.job import run_sft as job
 
     cfg = _load(args)
     if cfg.sft is None:
         print("entr-megatron sft: the config has no `sft` section", file=sys.stderr)
         sys.exit(2)
-    paths = RunPaths(Path(args.run_dir or cfg.logging.run_dir))
-    paths.root.mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer_for(cfg)
-    out = job(cfg, paths, prepare_model(cfg, paths, tokenizer), build_task(cfg, tokenizer), steps=args.steps)
+    out = job(cfg, args.run_dir, steps=args.steps)
     print(json.dumps({"sft_model": str(out)}))
 
 
 def run_eval(args) -> None:
-    from contextlib import ExitStack
-
-    from entr_megatron.controller.job import RunPaths, build_task, evaluate, make_engines, tokenizer_for
+    from entr_megatron.controller.job import RunPaths
+    from entr_megatron.controller.job import run_eval as job
 
     cfg = _load(args)
     if args.model:
         model = Path(args.model)
     else:
         paths = RunPaths(Path(args.run_dir or cfg.logging.run_dir))
-        model = next((p for p in (paths.final_model, paths.sft_model, paths.model_init) if (p / "config.json").exists()),
-                     None)
+        model = paths.latest_model()
         if model is None:
             print(f"entr-megatron eval: {paths.root} holds no model (final_model, sft/model or model_init); "
                   "pass --model", file=sys.stderr)
@@ -92,19 +86,7 @@ def run_eval(args) -> None:
     if not (model / "config.json").exists():
         print(f"entr-megatron eval: {model} has no config.json", file=sys.stderr)
         sys.exit(2)
-    import dataclasses
-
-    if cfg.rollout.engine == "embedded":  # one engine is plenty for an evaluation
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=1))
-    from entr_megatron.rollout.tasks import load_tokenizer
-
-    has_tokenizer = (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists()
-    tokenizer = load_tokenizer(str(model)) if has_tokenizer else tokenizer_for(cfg)
-    task = build_task(cfg, tokenizer)
-    with ExitStack() as stack:
-        [engine] = make_engines(cfg, model, stack)  # SGLang: one engine over all servers
-        metrics = evaluate(engine, task, args.n or cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed)
-    print(json.dumps({"model": str(model), **metrics}))
+    print(json.dumps(job(cfg, model, n=args.n)))
 
 
 def add_parsers(sub) -> None:

@@ -4,25 +4,14 @@ A run is one `RunConfig`, read from YAML with dotted overrides by `load_config`.
 """
 
 from entr_megatron.config.algorithm import AlgorithmConfig
+from entr_megatron.config.controller import ControllerConfig
+from entr_megatron.config.launcher import LauncherConfig, LoggingConfig
 from entr_megatron.config.learner import LearnerConfig, OptimConfig
 from entr_megatron.config.loader import config_from_dict, dump_config, load_config, parse_value
-from entr_megatron.config.run import (
-    ArithmeticTaskConfig,
-    CalculatorTaskConfig,
-    ControllerConfig,
-    EmbeddedConfig,
-    LauncherConfig,
-    LoggingConfig,
-    MathTaskConfig,
-    ModelConfig,
-    ParallelConfig,
-    RolloutConfig,
-    RunConfig,
-    SamplingConfig,
-    SFTConfig,
-    SGLangConfig,
-    TaskConfig,
-)
+from entr_megatron.config.model import ModelConfig, ParallelConfig
+from entr_megatron.config.rollout import EmbeddedConfig, RolloutConfig, SamplingConfig, SGLangConfig
+from entr_megatron.config.run import RunConfig
+from entr_megatron.config.task import ArithmeticTaskConfig, CalculatorTaskConfig, MathTaskConfig, SFTConfig, TaskConfig
 
 __all__ = [
     "AlgorithmConfig",

@@ -1,34 +1,30 @@
 """Configuration of the RL algorithm: advantages, off-policy correction, policy loss, reduction.
 
 Layer L0: this module must not import `entr_megatron.algorithm` (L1). The valid
-names live here as plain tuples; a unit test checks that the algorithm's
-registries have exactly these keys.
+names live here as `Literal` types (and their tuples); a unit test checks that the
+algorithm's registries have exactly these keys.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
-ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "rloo")
-CORRECTION_NAMES = (
-    "none",
-    "entr",
-    "entr_calibrated",
-    "entr_soft",
-    "tis",
-    "mis_token",
-    "mis_seq",
-    "mis_geo",
-    "icepop",
-    "kpop",
-    "m2po",
-    "decoupled",
-)
-POLICY_LOSS_NAMES = ("ppo_clip", "reinforce", "cispo", "gspo", "nll")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-ENTROPY_SOURCES = ("learner", "rollout")
+from entr_megatron.config.validate import bad, boolean, choice, integer, is_number, number
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
+Correction = Literal[
+    "none", "entr", "entr_calibrated", "entr_soft", "tis", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop",
+    "m2po", "decoupled",
+]
+CORRECTION_NAMES: tuple[str, ...] = get_args(Correction)
+PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll"]
+POLICY_LOSS_NAMES: tuple[str, ...] = get_args(PolicyLoss)
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+EntropySource = Literal["learner", "rollout"]
+ENTROPY_SOURCES: tuple[str, ...] = get_args(EntropySource)
 
 CorrectionMode = Literal["published", "mask_only"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
@@ -76,10 +72,12 @@ CLIP_RANGE_DEFAULTS: dict[str, tuple[float, float]] = {
 class AlgorithmConfig:
     """Everything the pure algorithm layer needs; validated on construction."""
 
-    advantage_estimator: str = "grpo"
+    SECTION = "AlgorithmConfig"  # the loader re-homes errors to algorithm in a run
+
+    advantage_estimator: AdvantageEstimator = "grpo"
     """Group advantage estimator: one of ADVANTAGE_ESTIMATOR_NAMES."""
 
-    correction: str = "entr"
+    correction: Correction = "entr"
     """Off-policy correction (per-token weight / mask / ratio anchor): one of CORRECTION_NAMES."""
 
     correction_mode: CorrectionMode = "published"
@@ -143,7 +141,7 @@ class AlgorithmConfig:
     """decoupled: 'drop' tokens whose behaviour weight exceeds decoupled_cap (AReaL: weight 0,
     still counted in the denominator) or 'clamp' the weight to the cap (truncated IS)."""
 
-    policy_loss: str = "ppo_clip"
+    policy_loss: PolicyLoss = "ppo_clip"
     """Per-token policy loss: one of POLICY_LOSS_NAMES. "nll" is the supervised (SFT)
     warm-up loss -log pi; pair it with correction "none"."""
 
@@ -158,7 +156,7 @@ class AlgorithmConfig:
     dual_clip_c: float | None = 3.0
     """ppo_clip dual clip: for A < 0 the loss is bounded by -c * A. > 1; None disables."""
 
-    loss_agg_mode: str | None = None
+    loss_agg_mode: LossAggMode | None = None
     """How per-token losses become one scalar: one of LOSS_AGG_MODES; None takes the policy
     loss's published one (DEFAULT_LOSS_AGG_MODES: seq-mean-token-mean for GSPO, token-mean
     otherwise). The resolved mode is `aggregation`."""
@@ -173,31 +171,26 @@ class AlgorithmConfig:
     method's own choice (False for mis_* as verl's rejection sampling, True otherwise, always
     True with correction_mode 'mask_only'). The resolved value is `counts_rejected`."""
 
-    entropy_source: str = "learner"
+    entropy_source: EntropySource = "learner"
     """Which entropy ENTR divides by: 'learner' (H(pi_theta), same forward pass) or
     'rollout' (H(mu) returned by the engine, as in the paper)."""
 
     def __post_init__(self) -> None:
-        _require_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES)
-        _require_choice("correction", self.correction, CORRECTION_NAMES)
-        _require_choice("policy_loss", self.policy_loss, POLICY_LOSS_NAMES)
+        choice(self, "advantage_estimator", AdvantageEstimator)
+        choice(self, "correction", Correction)
+        choice(self, "policy_loss", PolicyLoss)
         if self.loss_agg_mode is not None:
-            _require_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _require_choice("entropy_source", self.entropy_source, ENTROPY_SOURCES)
-        _require_choice("correction_mode", self.correction_mode, CORRECTION_MODES)
-        _require_choice("decoupled_cap_mode", self.decoupled_cap_mode, CAP_MODES)
+            choice(self, "loss_agg_mode", LossAggMode)
+        choice(self, "entropy_source", EntropySource)
+        choice(self, "correction_mode", CorrectionMode)
+        choice(self, "decoupled_cap_mode", CapMode)
         if self.correction_mode == "mask_only" and self.correction == "tis":
-            raise ValueError("AlgorithmConfig.correction_mode='mask_only' is not valid with correction='tis': "
-                             "TIS only weights tokens and has no mask; use correction_mode='published'")
-        if self.loss_norm_tokens is not None and (
-            isinstance(self.loss_norm_tokens, bool) or not isinstance(self.loss_norm_tokens, int)
-            or self.loss_norm_tokens < 1
-        ):
-            raise ValueError(f"AlgorithmConfig.loss_norm_tokens={self.loss_norm_tokens!r} is not valid; "
-                             "must be null or an integer >= 1")
-        if self.rejected_in_denominator is not None and not isinstance(self.rejected_in_denominator, bool):
-            raise ValueError(f"AlgorithmConfig.rejected_in_denominator={self.rejected_in_denominator!r} is not "
-                             "valid; must be null, true or false")
+            raise bad(
+                self, "correction_mode", self.correction_mode, "use correction_mode='published'",
+                when="correction='tis': TIS only weights tokens and has no mask",
+            )
+        integer(self, "loss_norm_tokens", low=1, optional=True)
+        boolean(self, "rejected_in_denominator", optional=True)
         for name in (
             "tau",
             "entr_eps",
@@ -208,17 +201,16 @@ class AlgorithmConfig:
             "m2po_threshold",
             "decoupled_cap",
         ):
-            _require_in_range(name, getattr(self, name), low=0.0, low_open=True)
-        _require_in_range("soft_mask_multiple", self.soft_mask_multiple, low=1.0)
+            number(self, name, low=0.0, low_open=True)
+        number(self, "soft_mask_multiple", low=1.0)
         for name in ("mis_token_band", "mis_seq_band", "mis_geo_band", "icepop_band"):
-            # YAML gives lists; store an immutable, hashable tuple of floats.
-            object.__setattr__(self, name, _require_band(name, getattr(self, name)))
+            _unit_band(self, name)
         if self.eps_clip_low is not None:
-            _require_in_range("eps_clip_low", self.eps_clip_low, low=0.0, high=1.0)
+            number(self, "eps_clip_low", low=0.0, high=1.0)
         if self.eps_clip_high is not None:
-            _require_in_range("eps_clip_high", self.eps_clip_high, low=0.0)
+            number(self, "eps_clip_high", low=0.0)
         if self.dual_clip_c is not None:
-            _require_in_range("dual_clip_c", self.dual_clip_c, low=1.0, low_open=True)
+            number(self, "dual_clip_c", low=1.0, low_open=True)
 
     def clip_range(self, loss_name: str | None = None) -> tuple[float, float]:
         """(eps_low, eps_high) for `loss_name` (default: self.policy_loss); unset values
@@ -249,33 +241,12 @@ class AlgorithmConfig:
         return self.correction_mode == "published" and self.correction in CORRECTIONS_ON_OLD_POLICY
 
 
-def _require_choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"AlgorithmConfig.{field}={value!r} is not valid; allowed: {', '.join(allowed)}")
 
-
-def _require_number(field: str, value: Any, rule: str) -> float:
-    # bool is an int subclass; `tau: true` in YAML is a typo, not 1.0.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"AlgorithmConfig.{field}={value!r} is not valid; must be a number {rule}")
-    return float(value)
-
-
-def _require_in_range(
-    field: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False
-) -> None:
-    rule = f"in {'(' if low_open else '['}{low}, {high}]"
-    number = _require_number(field, value, rule)
-    too_low = number <= low if low_open else number < low
-    if too_low or number > high:
-        raise ValueError(f"AlgorithmConfig.{field}={value!r} is not valid; must be {rule}")
-
-
-def _require_band(field: str, value: Any) -> tuple[float, float]:
-    rule = "a pair [lo, hi] with 0 <= lo <= 1 <= hi (on-policy tokens, ratio 1, must be kept)"
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"AlgorithmConfig.{field}={value!r} is not valid; must be {rule}")
-    lo, hi = (_require_number(field, v, rule) for v in value)
-    if not 0.0 <= lo <= 1.0 <= hi:
-        raise ValueError(f"AlgorithmConfig.{field}={value!r} is not valid; must be {rule}")
-    return lo, hi
+def _unit_band(obj: AlgorithmConfig, name: str) -> None:
+    """A [lo, hi] band around ratio 1; YAML gives lists, stored as an immutable, hashable tuple of floats."""
+    value = getattr(obj, name)
+    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_number(v) for v in value)
+    if not pair or not 0.0 <= value[0] <= 1.0 <= value[1]:
+        rule = "must be a pair [lo, hi] with 0 <= lo <= 1 <= hi (on-policy tokens, ratio 1, must be kept)"
+        raise bad(obj, name, value, rule)
+    object.__setattr__(obj, name, (float(value[0]), float(value[1])))

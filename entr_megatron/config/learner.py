@@ -8,17 +8,22 @@ Layer L0: plain dataclasses, no torch or megatron import. The learner
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal, get_args
 
-PRECISIONS = ("fp32", "bf16")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+from entr_megatron.config.validate import bad, boolean, choice, integer, number
+
+Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """Adam (Megatron's optimizer) with decoupled weight decay, clipping and an LR schedule."""
+
+    SECTION = "LearnerConfig.optim"  # the loader re-homes errors to learner.optim in a run
 
     lr: float = 1e-6
     """Peak learning rate (after warmup). >= 0."""
@@ -32,7 +37,7 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warmup. >= 0; < lr_decay_steps when decaying."""
 
-    lr_decay_style: str = "constant"
+    lr_decay_style: LrDecayStyle = "constant"
     """One of LR_DECAY_STYLES: 'constant' after warmup, or a 'linear'/'cosine' decay to min_lr."""
 
     lr_decay_steps: int | None = None
@@ -63,27 +68,25 @@ class OptimConfig:
     """Overlap the data-parallel gradient reduction with the backward pass (Megatron DDP)."""
 
     def __post_init__(self) -> None:
-        _require_range("optim.lr", self.lr, low=0.0)
-        _require_range("optim.min_lr", self.min_lr, low=0.0, high=self.lr)
-        _require_range("optim.lr_warmup_init", self.lr_warmup_init, low=0.0, high=self.lr)
-        _require_int("optim.lr_warmup_steps", self.lr_warmup_steps, low=0)
-        _require_choice("optim.lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
+        number(self, "lr", low=0)
+        number(self, "min_lr", low=0, high=self.lr)
+        number(self, "lr_warmup_init", low=0, high=self.lr)
+        integer(self, "lr_warmup_steps", low=0)
+        choice(self, "lr_decay_style", LrDecayStyle)
         if self.lr_decay_style != "constant" or self.lr_decay_steps is not None:
             if self.lr_decay_steps is None:
-                raise ValueError(
-                    f"LearnerConfig.optim.lr_decay_steps=None is not valid with lr_decay_style="
-                    f"{self.lr_decay_style!r}; must be an integer > lr_warmup_steps={self.lr_warmup_steps}"
+                raise bad(
+                    self, "lr_decay_steps", None, f"must be an integer > lr_warmup_steps={self.lr_warmup_steps}",
+                    when=f"lr_decay_style={self.lr_decay_style!r}",
                 )
-            _require_int("optim.lr_decay_steps", self.lr_decay_steps, low=self.lr_warmup_steps + 1)
-        _require_range("optim.weight_decay", self.weight_decay, low=0.0)
-        _require_range("optim.adam_beta1", self.adam_beta1, low=0.0, high=1.0, high_open=True)
-        _require_range("optim.adam_beta2", self.adam_beta2, low=0.0, high=1.0, high_open=True)
-        _require_range("optim.adam_eps", self.adam_eps, low=0.0, low_open=True)
-        _require_range("optim.clip_grad", self.clip_grad, low=0.0)
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"LearnerConfig.optim.{name}={value!r} is not valid; must be true or false")
+            integer(self, "lr_decay_steps", low=self.lr_warmup_steps + 1)
+        number(self, "weight_decay", low=0)
+        number(self, "adam_beta1", low=0, high=1, high_open=True)
+        number(self, "adam_beta2", low=0, high=1, high_open=True)
+        number(self, "adam_eps", low=0, low_open=True)
+        number(self, "clip_grad", low=0)
+        boolean(self, "use_distributed_optimizer")
+        boolean(self, "overlap_grad_reduce")
 
     @property
     def schedule_decay_steps(self) -> int:
@@ -94,6 +97,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class LearnerConfig:
     """The training step of the Megatron learner; validated on construction."""
+
+    SECTION = "LearnerConfig"  # the loader re-homes errors to learner in a run
 
     max_tokens_per_microbatch: int = 8192
     """Token budget of one packed micro-batch (sequences are never split; one longer than the
@@ -118,7 +123,7 @@ class LearnerConfig:
     """Tokens per chunk of the vocab-parallel log-prob/entropy op (bounds its fp32 temporaries).
     None: about 2 MiB buffers. >= 1."""
 
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """One of PRECISIONS: model/optimizer precision. 'bf16' needs a model built with
     TransformerConfig(bf16=True); main weights, grads and optimizer state stay fp32."""
 
@@ -129,39 +134,17 @@ class LearnerConfig:
         if isinstance(self.optim, dict):  # YAML gives a mapping
             object.__setattr__(self, "optim", OptimConfig(**self.optim))
         if not isinstance(self.optim, OptimConfig):
-            raise ValueError(f"LearnerConfig.optim={self.optim!r} is not valid; must be an OptimConfig or a mapping")
-        _require_int("max_tokens_per_microbatch", self.max_tokens_per_microbatch, low=1)
-        _require_range("temperature", self.temperature, low=0.0, low_open=True)
-        _require_int("mini_batches", self.mini_batches, low=1)
-        _require_int("epochs", self.epochs, low=1)
+            raise bad(self, "optim", self.optim, "must be an OptimConfig or a mapping")
+        integer(self, "max_tokens_per_microbatch", low=1)
+        number(self, "temperature", low=0, low_open=True)
+        integer(self, "mini_batches", low=1)
+        integer(self, "epochs", low=1)
         if self.logprob_chunk_size is not None:
-            _require_int("logprob_chunk_size", self.logprob_chunk_size, low=1)
-        _require_choice("precision", self.precision, PRECISIONS)
+            integer(self, "logprob_chunk_size", low=1)
+        choice(self, "precision", Precision)
 
     @property
     def steps_per_batch(self) -> int:
         """Optimizer steps (and LR-schedule steps) per rollout batch: mini_batches * epochs."""
         return self.mini_batches * self.epochs
 
-
-def _require_choice(field_name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; allowed: {', '.join(allowed)}")
-
-
-def _require_int(field_name: str, value: Any, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; must be an integer >= {low}")
-
-
-def _require_range(
-    field_name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False
-) -> None:
-    rule = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    # bool is an int subclass: `lr: true` in YAML is a typo, not 1.0.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; must be {rule}")
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if too_low or too_high:
-        raise ValueError(f"LearnerConfig.{field_name}={value!r} is not valid; must be {rule}")

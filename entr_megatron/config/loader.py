@@ -22,9 +22,7 @@ from typing import Any
 import yaml
 
 from entr_megatron.config.run import PRECISION_OF_DTYPE, RunConfig
-
-# Messages of the reused sections name their class; a run names the dotted path.
-_PREFIXES = {"AlgorithmConfig.": "algorithm.", "LearnerConfig.": "learner."}
+from entr_megatron.config.validate import FieldError
 
 
 class _Loader(yaml.SafeLoader):
@@ -200,12 +198,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
             kwargs[key] = value
     try:
         return cls(**kwargs)
-    except ValueError as e:
-        message = str(e)
-        for prefix, replacement in _PREFIXES.items():
-            if message.startswith(prefix):
-                message = replacement + message[len(prefix):]
-        raise ValueError(message) from None
+    except FieldError as e:
+        # A section's own error names the path where the section sits in this run (e.g. a
+        # reused AlgorithmConfig's `AlgorithmConfig.tau` is `algorithm.tau` here).
+        raise (e.at(path) if e.section == cls.SECTION else e) from None
 
 
 # ---------------------------------------------------------------- overrides

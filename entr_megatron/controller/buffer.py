@@ -19,11 +19,11 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
+from entr_megatron.config.controller import STALE_POLICIES
 from entr_megatron.types import Sample
 
 __all__ = ["STALE_POLICIES", "Group", "GroupRef", "StalenessBuffer", "lag_metrics", "oldest_version"]
 
-STALE_POLICIES = ("drop", "regenerate")
 
 MAX_REGENERATIONS = 4
 """A prompt regenerated this many times is dropped instead: a prompt whose responses never finish

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from entr_megatron.types import TrainBatch
+from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["Learner", "PromptStream", "PushHandle", "WeightPusher"]
 
@@ -40,7 +41,7 @@ class WeightPusher(Protocol):
 class PromptStream:
     """Prompt i of the training stream, a pure function of (task, seed, i).
 
-    Prompts are drawn in chunks: chunk c is `task.prompts("train", chunk_size, seed=seed * 1_000_003 + c)`,
+    Prompts are drawn in chunks: chunk c is `task.prompts("train", chunk_size, seed=mix_seed(seed, c))`,
     so the data position of a run is one integer (`next_index`).
     """
 
@@ -53,7 +54,7 @@ class PromptStream:
         """(prompt ids, reference) of prompt `index`."""
         chunk, pos = divmod(index, self.chunk_size)
         if self._cache is None or self._cache[0] != chunk:
-            seed = self.seed * 1_000_003 + chunk
+            seed = mix_seed(self.seed, chunk)
             self._cache = (chunk, self.task.prompts(self.split, self.chunk_size, seed=seed))
         return self._cache[1][pos]
 

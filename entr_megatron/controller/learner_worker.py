@@ -118,7 +118,9 @@ class LearnerWorker:
     def train(self, batch: TrainBatch, version: int | None = None) -> dict[str, float]:
         """The optimizer steps of one rollout batch (`learner.mini_batches` x `learner.epochs`) on
         the global `batch`; each rank trains its data-parallel share of every mini-batch. Returns
-        the steps' metrics merged (`merge_step_metrics`)."""
+        the steps' metrics merged (`merge_step_metrics`). `version`, the policy version being
+        trained, is the controller's `Learner` protocol; the learner's math does not need it
+        (policy-lag metrics are the controller's, computed from the samples)."""
         from entr_megatron.learner.rollout_batch import merge_step_metrics, train_rollout_batch
 
         t0 = time.perf_counter()
@@ -164,7 +166,7 @@ class LearnerWorker:
 
         sender = is_weight_sender(self.groups)
         if sglang is not None:
-            from entr_megatron.rollout.sglang_engine import SGLangEngine
+            from entr_megatron.rollout.sglang import SGLangEngine
 
             if self.groups.pp_size != 1:
                 raise ValueError(f"SGLang servers take weights from one learner stage (parallel.pp=1), "

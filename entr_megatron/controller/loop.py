@@ -36,14 +36,14 @@ from typing import Any
 import torch
 
 from entr_megatron.algorithm.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
+from entr_megatron.config.controller import CONTROLLER_MODES
 from entr_megatron.controller.buffer import Group, GroupRef, StalenessBuffer, lag_metrics
 from entr_megatron.controller.interfaces import Learner, PromptStream, PushHandle, WeightPusher
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from entr_megatron.types import TrainBatch
+from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["CONTROLLER_MODES", "Controller", "ControllerHooks", "ControllerOptions"]
-
-CONTROLLER_MODES = ("sync", "one_step_off", "fully_async")
 
 POLL_TIMEOUT_S = 1.0
 """Longest single wait on the engine; the loop re-checks its state between polls."""
@@ -236,7 +236,7 @@ class Controller:
         engine_version = self.engine.weight_version
         for ref in refs:
             prompt_ids, reference = self.prompts.get(ref.prompt_index)
-            seed = (self.opt.seed * 1_000_003 + ref.group_id) % (2**31)
+            seed = mix_seed(self.opt.seed, ref.group_id, modulus=2**31)
             params = dataclasses.replace(self.opt.sampling, seed=seed)
             requests.append(GenerateRequest(prompt_ids, params, group_id=ref.group_id,
                                             metadata={"prompt_index": ref.prompt_index}))

@@ -1,8 +1,9 @@
 """The controller's `Learner` and `WeightPusher` over a worker group of learner ranks.
 
-    learner = RemoteLearner(group, engines, receivers)     # group: ProcessWorkerGroup / RayWorkerGroup
+    learner = RemoteLearner(group)                         # group: ProcessWorkerGroup / RayWorkerGroup
+    pusher = RemotePusher(group, engines, receivers)       # the same ranks, in their other role
     learner.train(batch, version)                          # every rank: the rollout batch's optimizer steps
-    handle = learner.push(version)                         # engines start receiving, ranks snapshot
+    handle = pusher.push(version)                          # engines start receiving, ranks snapshot
     ...                                                    # the next train step runs meanwhile
     handle.wait()                                          # every engine samples from `version`
 
@@ -11,20 +12,22 @@ A push has two sides that meet in the broadcast groups: each engine's
 the groups and swaps the staged weights in between two decode steps) and the
 ranks' `WeightSync.push` (the stage senders broadcast in their background thread).
 The engine side starts first, so a learner with bounded snapshot memory never
-waits for receivers that have not joined.
+waits for receivers that have not joined. Engines that learner rank 0 updates
+itself (SGLang servers, through its SGLangTransport) have no side here: the
+pusher gets no engines, and `on_delivered` hears of each version they hold.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from entr_megatron.rollout.engine import RolloutEngine, WeightReceiver, WeightUpdateReport
 from entr_megatron.types import TrainBatch
 
-__all__ = ["RemoteLearner", "RemotePush"]
+__all__ = ["RemoteLearner", "RemotePush", "RemotePusher"]
 
 
 class _EngineUpdate(threading.Thread):
@@ -45,8 +48,8 @@ class _EngineUpdate(threading.Thread):
 class RemotePush:
     """One version in flight (the controller's `PushHandle`)."""
 
-    def __init__(self, learner: RemoteLearner, version: int, updates: list[_EngineUpdate], blocked_s: float):
-        self.learner, self.version, self.updates = learner, version, updates
+    def __init__(self, pusher: RemotePusher, version: int, updates: list[_EngineUpdate], blocked_s: float):
+        self.pusher, self.version, self.updates = pusher, version, updates
         self.learner_blocked_s = blocked_s
         self.report: dict[str, float] | None = None
 
@@ -54,7 +57,7 @@ class RemotePush:
         if self.report is not None:
             return self.report
         t0 = time.perf_counter()
-        rank_reports = self.learner.group.call("wait_push")
+        rank_reports = self.pusher.group.call("wait_push")
         for u in self.updates:
             u.join()
         errors = [u.error for u in self.updates if u.error is not None]
@@ -70,21 +73,48 @@ class RemotePush:
             "weight_sync/engine_blocked_s": max((r.swap_s for r in engine), default=0.0),
             "weight_sync/wait_s": time.perf_counter() - t0,
         }
-        self.learner.last_push_report = self.report
+        self.pusher.last_push_report = self.report
+        if self.pusher.on_delivered is not None:
+            self.pusher.on_delivered(self.version)
         return self.report
 
 
 class RemoteLearner:
-    """`Learner` + `WeightPusher` (controller/interfaces.py) over learner ranks in other processes."""
+    """`Learner` (controller/interfaces.py) over learner ranks in other processes; also their
+    checkpoints and HF export (rank 0's answer of each call)."""
 
-    def __init__(self, group: Any, engines: Sequence[RolloutEngine] = (), receivers: Sequence[WeightReceiver] = ()):
-        if len(engines) != len(receivers):
-            raise ValueError(f"one receiver per engine: {len(engines)} engines, {len(receivers)} receivers")
-        self.group, self.engines, self.receivers = group, list(engines), list(receivers)
-        self.last_push_report: dict[str, float] = {}
+    def __init__(self, group: Any):
+        self.group = group
 
     def train(self, batch: TrainBatch, current_version: int) -> dict[str, float]:
         return self.group.call("train", batch, current_version)[0]
+
+    def save(self, root: str, step: int, extra_state: Any = None, keep_last: int | None = None) -> str:
+        """A dist checkpoint of every rank's state (and `extra_state`) as `step` under `root`."""
+        return self.group.call("save", root, step, extra_state, keep_last)[0]
+
+    def load(self, root: str) -> tuple[int, Any]:
+        """Every rank loads the latest checkpoint under `root`; (its step, its extra state)."""
+        return self.group.call("load", root)[0]
+
+    def export_hf(self, out_dir: str) -> str:
+        """The current weights as an HF directory."""
+        return self.group.call("export_hf", out_dir)[0]
+
+
+class RemotePusher:
+    """`WeightPusher` (controller/interfaces.py) over the learner ranks: `engines[i]` receives
+    through `receivers[i]` in a thread here; none for engines the ranks update themselves.
+    `on_delivered(version)` runs once a waited push has reached every engine."""
+
+    def __init__(self, group: Any, engines: Sequence[RolloutEngine] = (), receivers: Sequence[WeightReceiver] = (),
+                 on_delivered: Callable[[int], None] | None = None):
+        if len(engines) != len(receivers):
+            raise ValueError(f"one receiver per engine: {len(engines)} engines, {len(receivers)} receivers")
+        self.group, self.engines, self.receivers = group, list(engines), list(receivers)
+        self.on_delivered = on_delivered
+        self.last_push_report: dict[str, float] = {}
+        """The report of the last waited push (the step's weight_sync/* metrics)."""
 
     def push(self, version: int) -> RemotePush:
         updates = [_EngineUpdate(e, r, version) for e, r in zip(self.engines, self.receivers)]

@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import Any
 
 from entr_megatron.utils.jsonl import check_token_ids, read_jsonl_objects
+from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["load_sft_file_examples", "read_sft_file"]
 
@@ -50,7 +51,7 @@ def _all_examples(paths: tuple[str, ...], tokenizer_key: int, tokenizer: Any) ->
 @lru_cache(maxsize=2)
 def _order(seed: int, epoch: int, size: int) -> list[int]:
     order = list(range(size))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    random.Random(mix_seed(seed, epoch)).shuffle(order)
     return order
 
 

@@ -6,34 +6,35 @@ on learner rank 0, whose SGLangTransport holds a second SGLangEngine over the sa
 from the same, picklable SGLangEngineConfig) and performs the whole handshake (pause,
 /init_weights_update_group, /update_weights_from_distributed per bucket, the version on the last
 one, resume). An SGLangEngine's `weight_version` advances only on updates it performs itself, so
-the controller's would stay at its start value: `PushedVersionEngine` takes its version from the
-pushes instead. When the ranks' `wait_push` returns, rank 0's SGLangTransport.send has returned,
-i.e. every server has loaded the last bucket, which carried the version; that is when
-`SGLangPusher`'s handle confirms it. (Asking the servers instead would cost an HTTP round trip
-per server at every submit, and would read a version torn across servers while an update is
-under way.)
+the controller's would stay at its start value: the controller sees it through a
+`PushedVersionView`, whose version is the last one a push delivered. When the ranks' `wait_push`
+returns, rank 0's SGLangTransport.send has returned, i.e. every server has loaded the last
+bucket, which carried the version; that is when the pusher's `on_delivered` confirms it
+(wiring.connect_sglang). (Asking the servers instead would cost an HTTP round trip per server at
+every submit, and would read a version torn across servers while an update is under way.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 from entr_megatron.config.run import RunConfig
-from entr_megatron.controller.remote import RemoteLearner
-from entr_megatron.rollout.engine import EngineHealth, RolloutEngine
-from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from entr_megatron.controller.console import say
+from entr_megatron.rollout.engine import (
+    EngineHealth,
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    WeightSource,
+    WeightUpdateReport,
+)
+from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
 from entr_megatron.utils.spawn import free_port
 
-__all__ = ["PushedVersionEngine", "SGLangPusher", "check_launch", "forget_server_versions", "sglang_engine",
-           "sglang_wire_dtype"]
-
-
-def _say(msg: str) -> None:
-    print(f"[entr-megatron] {msg}", file=sys.stderr, flush=True)
+__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "sglang_engine", "sglang_wire_dtype"]
 
 
 def sglang_wire_dtype(cfg: RunConfig) -> str | None:
@@ -43,8 +44,10 @@ def sglang_wire_dtype(cfg: RunConfig) -> str | None:
     return None if d in ("auto", cfg.model.dtype) else d
 
 
-def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> RolloutEngine:
-    from entr_megatron.rollout.sglang_launcher import (
+def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:
+    """One SGLangEngine over the run's servers (launched here, with a router when asked, or given
+    by `rollout.sglang.urls`); their shutdown on `stack`."""
+    from entr_megatron.rollout.sglang import (
         RouterConfig,
         SGLangServerConfig,
         launch_router,
@@ -61,7 +64,7 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
                                       mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
                                       random_seed=cfg.controller.seed + i, extra_args=s.extra_args)
                    for i in range(r.num_engines)]
-        _say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
+        say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
         servers = launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s)
         stack.callback(terminate_all, servers)
         urls, tp_sizes = tuple(p.url for p in servers), (s.tp_size,) * len(servers)
@@ -78,7 +81,7 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
         kv_on_update=r.kv_on_update or "recompute", weight_bucket_bytes=(r.weight_bucket_mib or 512) << 20,
         weight_dtype=sglang_wire_dtype(cfg), tp_sizes=tp_sizes,
     )
-    engine = PushedVersionEngine(config)
+    engine = SGLangEngine(config)
     stack.callback(engine.shutdown)
     return engine
 
@@ -99,7 +102,7 @@ def check_launch(cfg: RunConfig) -> None:
 def forget_server_versions(cfg: RunConfig) -> None:
     """Servers given by URL hold weights we know nothing of: label them version -1, so that the
     learner's weights are pushed (as its version) before the first rollout."""
-    from entr_megatron.rollout.sglang_engine import SGLangClient, SGLangError
+    from entr_megatron.rollout.sglang import SGLangClient, SGLangError
 
     for url in cfg.rollout.sglang.urls or ():
         try:
@@ -109,48 +112,43 @@ def forget_server_versions(cfg: RunConfig) -> None:
                 raise
 
 
-class PushedVersionEngine(SGLangEngine):
-    """The controller's SGLangEngine: generation here, weight updates by learner rank 0;
-    `weight_version` is the last version a push confirmed (see the comment above)."""
+class PushedVersionView:
+    """The controller's `RolloutEngine` over SGLang servers that learner rank 0 updates: requests,
+    aborts and pauses go to `engine`; `weight_version` is the last version a push delivered
+    (`confirm_version`), `engine`'s own until the first (see the module docstring)."""
 
-    def __init__(self, config: SGLangEngineConfig):
-        super().__init__(config)
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
         self._pushed: int | None = None
 
     def confirm_version(self, version: int) -> None:
+        """Every server holds `version` (the pusher's `on_delivered`)."""
         self._pushed = version if self._pushed is None else max(self._pushed, version)
 
     @property
     def weight_version(self) -> int:
-        return super().weight_version if self._pushed is None else self._pushed
+        return self.engine.weight_version if self._pushed is None else self._pushed
 
     def health(self) -> EngineHealth:
-        return dataclasses.replace(super().health(), weight_version=self.weight_version)
+        return dataclasses.replace(self.engine.health(), weight_version=self.weight_version)
 
+    def submit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        return self.engine.submit(requests)
 
-class ConfirmingPush:
-    """A `RemotePush` that, once waited, tells the controller's engine its version."""
+    def poll(self, timeout: float | None = 0.0) -> list[GenerateResult]:
+        return self.engine.poll(timeout)
 
-    def __init__(self, handle: Any, engine: Any):
-        self.handle, self.engine = handle, engine
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.engine.abort(request_ids)
 
-    @property
-    def version(self) -> int:
-        return self.handle.version
+    def pause(self) -> None:
+        self.engine.pause()
 
-    def wait(self) -> dict[str, float]:
-        report = self.handle.wait()
-        self.engine.confirm_version(self.handle.version)
-        return report
+    def resume(self) -> None:
+        self.engine.resume()
 
+    def update_weights(self, weights: WeightSource, version: int) -> WeightUpdateReport:
+        return self.engine.update_weights(weights, version)
 
-class SGLangPusher(RemoteLearner):
-    """`RemoteLearner` for SGLang servers: the ranks' SGLangTransport drives the servers (no engine
-    threads here); a waited push confirms the version to the controller's engine."""
-
-    def __init__(self, group: Any, engine: Any):
-        super().__init__(group, (), ())
-        self.engine = engine
-
-    def push(self, version: int) -> ConfirmingPush:
-        return ConfirmingPush(super().push(version), self.engine)
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -16,7 +16,6 @@ others). When a rank fails, the call raises at once with that rank's traceback
 from __future__ import annotations
 
 import multiprocessing.connection
-import os
 import signal
 import time
 import traceback
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from entr_megatron.utils.spawn import free_port
+from entr_megatron.utils.spawn import enter_rank, free_port, torchrun_env
 
 __all__ = ["ProcessWorkerGroup", "RayWorkerGroup", "WorkerError"]
 
@@ -36,21 +35,10 @@ class WorkerError(RuntimeError):
     """A rank raised or died; the group is unusable afterwards."""
 
 
-def _rank_env(rank: int, world_size: int, local_rank: int, local_world: int, master_addr: str, port: int) -> dict:
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
-
-
 def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: tuple, conn) -> None:
     """A local rank: build the worker, then run calls until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(env)
-    if os.environ.get("MASTER_ADDR") == "127.0.0.1":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    enter_rank(env, threads)
     worker = None
     try:
         worker = factory(*args)
@@ -102,7 +90,7 @@ class ProcessWorkerGroup:
         self._busy = False
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            env = _rank_env(rank, world_size, rank, world_size, master_addr, port)
+            env = torchrun_env(rank, world_size, master_addr, port)
             proc = ctx.Process(target=_serve, args=(rank, env, threads_per_rank, factory, args, child),
                                name=f"{name}-rank{rank}", daemon=False)  # Megatron's checkpoint writer forks
             proc.start()
@@ -191,11 +179,8 @@ class _RayRank:
         return free_port()
 
     def start(self, env: dict, threads: int | None, factory: Callable, args: tuple) -> None:
-        os.environ.update(env)
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
+        # Rank 0's address is Ray's node address; gloo's interface is left to the cluster's environment.
+        enter_rank(env, threads, loopback_gloo=False)
         self.worker = factory(*args)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -260,7 +245,7 @@ class RayWorkerGroup:
         for rank, (actor, ip) in enumerate(zip(self._actors, ips)):
             lr = local_rank.get(ip, 0)
             local_rank[ip] = lr + 1
-            env = _rank_env(rank, world_size, lr, ips.count(ip), master, port)
+            env = torchrun_env(rank, world_size, master, port, local_rank=lr, local_world_size=ips.count(ip))
             refs.append(actor.start.remote(env, threads_per_rank, factory, args))
         self._busy = False
         try:

@@ -13,8 +13,8 @@ from typing import Literal
 
 from megatron.core.models.gpt import GPTModel
 
-from entr_megatron.learner.compat import check_cpu_config, enable_cpu_compat
 from entr_megatron.learner.spec import get_layer_spec
+from entr_megatron.parallel.cpu_compat import check_cpu_config, enable_cpu_compat
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 __all__ = ["build_gpt_model", "build_model_chunks", "check_config_matches_groups", "logits_to_logprobs_entropy"]

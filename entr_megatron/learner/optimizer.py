@@ -100,7 +100,7 @@ def build_optimizer(model_chunks: list[DistributedDataParallel], learner_cfg: Le
     )
     # No pg_collection here: megatron-core 0.16.1 refuses gloo groups with an explicit one
     # (process_groups_config.py l. 420-425), and the distributed optimizer's memory-efficient
-    # checkpoint gather (learner/checkpoint.py on CPU) needs its gloo DP group. Megatron then
+    # checkpoint gather (checkpoint/ on CPU) needs its gloo DP group. Megatron then
     # takes its own current groups: the ones `groups` was read from.
     optimizer = get_megatron_optimizer(opt_config, model_chunks, use_gloo_process_groups=True)
     # Megatron scales the loss through this before backward (1 for fp32/bf16).

@@ -117,7 +117,7 @@ def _have_transformer_engine() -> bool:
 
 
 def _cpu_compat_active() -> bool:
-    # Set by entr_megatron.learner.compat.enable_cpu_compat (a higher layer: not imported here).
+    # Set by entr_megatron.parallel.cpu_compat.enable_cpu_compat.
     from megatron.core.tensor_parallel import random as mp_random
 
     return getattr(mp_random.CudaRNGStatesTracker, "runs_on_cpu", False)
@@ -142,7 +142,7 @@ def initialize_model_parallel(
         seed: seeds the CPU generator and Megatron's model-parallel RNG tracker
             (same default stream on every rank, TP-rank-specific tracker streams).
 
-    On CPU, call ``entr_megatron.learner.compat.enable_cpu_compat()`` first (the
+    On CPU, call ``entr_megatron.parallel.cpu_compat.enable_cpu_compat()`` first (the
     learner does): Megatron's RNG tracker is CUDA-only without it.
     """
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("cp", cp), ("expert_tp", expert_tp)):
@@ -168,7 +168,7 @@ def initialize_model_parallel(
     if not torch.cuda.is_available() and not _cpu_compat_active():
         raise RuntimeError(
             "megatron-core needs its CUDA call sites redirected on a CPU-only machine: "
-            "call entr_megatron.learner.compat.enable_cpu_compat() before initialize_model_parallel"
+            "call entr_megatron.parallel.cpu_compat.enable_cpu_compat() before initialize_model_parallel"
         )
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mp_random

@@ -3,8 +3,11 @@
 `engine.py` holds the `RolloutEngine` protocol and the records that cross it,
 `sampling.py` the definition of the sampled distribution (and so of every
 behaviour log-prob), `weights.py` the staging of weight versions; the embedded
-engine is `embedded.py` (client) + `embedded_worker.py` (its process) +
-`decoder.py` (continuous batching) + `hf_model.py` (the HF model and its cache).
+engine is `embedded.py` (client) + `embedded_worker.py` (its process), which talk
+only through the typed records of `embedded_protocol.py`, + `decoder.py`
+(continuous batching) + `hf_model.py` (the HF model and its cache). The SGLang
+engine is the `sglang/` package (protocol, client, engine, launcher); tasks and
+rewards are in `tasks/` (TASK_BUILDERS: the trainable tasks).
 """
 
 from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig

@@ -9,9 +9,9 @@ The CPU stand-in for SGLang servers (laptops, CI, the default run), with the sam
 contract: exact behaviour log-probs and entropies of the sampled distribution,
 per-token weight versions, in-flight weight updates. The process runs
 `embedded_worker.run_worker`; this client talks to it over three
-torch.multiprocessing queues (commands, weight buckets, answers) and a
-dispatcher thread that routes answers, so `poll`, `update_weights` and the rest
-may be called from different threads.
+torch.multiprocessing queues (commands, weight buckets, events: the records of
+`embedded_protocol`) and a dispatcher thread that routes the events, so `poll`,
+`update_weights` and the rest may be called from different threads.
 """
 
 from __future__ import annotations
@@ -24,12 +24,32 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from entr_megatron.rollout.embedded_protocol import (
+    EVENTS,
+    KV_ON_UPDATE,
+    Abort,
+    BeginUpdate,
+    Bucket,
+    CallFailed,
+    EmbeddedEngineConfig,
+    EndUpdate,
+    Fatal,
+    GetHealth,
+    Pause,
+    ProtocolError,
+    Ready,
+    Reply,
+    Results,
+    Resume,
+    RunReceiver,
+    Shutdown,
+    Submit,
+)
 from entr_megatron.rollout.embedded_worker import run_worker
 from entr_megatron.rollout.engine import (
     EngineError,
@@ -40,64 +60,17 @@ from entr_megatron.rollout.engine import (
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.hf_model import DTYPES, INITS
 from entr_megatron.rollout.weights import TensorSpec, pack_buckets
 
 __all__ = ["KV_ON_UPDATE", "EmbeddedEngine", "EmbeddedEngineConfig"]
 
-KV_ON_UPDATE = ("keep", "recompute")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
+class _PendingCall:
+    """A call waiting for the engine's answer; `done` without an answer: the engine failed."""
 
-@dataclass(frozen=True)
-class EmbeddedEngineConfig:
-    """Settings of one embedded engine."""
-
-    model_dir: str
-    """Directory with the HF config.json (and, unless init="random", the checkpoint)."""
-    dtype: str = "float32"
-    """"float32" or "bfloat16": the engine's numerics (bf16 makes train-inference mismatch real)."""
-    init: str = "auto"
-    """"pretrained" (load the checkpoint), "random" (from the config, seeded by `seed`), "auto"
-    (load if a checkpoint is there)."""
-    seed: int = 0
-    """Random init, and the seeds of requests that bring none."""
-    attn_implementation: str = "sdpa"
-    max_batch_size: int = 32
-    """Samples decoded together; more wait."""
-    max_model_len: int | None = None
-    """Prompt + response limit (finish_reason "length"); default: the config's max_position_embeddings."""
-    max_prefill_tokens: int = 8192
-    """Padded prompt tokens admitted in one prefill (at least one request is always admitted)."""
-    kv_on_update: str = "keep"
-    """After a weight swap: "keep" the KV cache computed by the previous weights (in-flight update,
-    no stall) or "recompute" it with the new weights (the swap then blocks for one prefill)."""
-    num_threads: int | None = None
-    """torch intra-op threads of the engine process (None: torch's default)."""
-    weight_bucket_bytes: int = 64 << 20
-    """Bytes per shared-memory bucket when weights go through the engine's own queue."""
-    weight_queue_depth: int = 2
-    """Buckets in flight (bounds the sender's extra memory)."""
-    initial_version: int = 0
-    startup_timeout_s: float = 300.0
-    rpc_timeout_s: float = 60.0
-    update_timeout_s: float = 600.0
-
-    def __post_init__(self):
-        def one_of(name: str, allowed: tuple) -> None:
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"EmbeddedEngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-
-        one_of("dtype", tuple(DTYPES))
-        one_of("init", INITS)
-        one_of("kv_on_update", KV_ON_UPDATE)
-        one_of("attn_implementation", ATTN_IMPLEMENTATIONS)
-        for name in ("max_batch_size", "max_prefill_tokens", "weight_bucket_bytes", "weight_queue_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EmbeddedEngineConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("max_model_len", "num_threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"EmbeddedEngineConfig.{name} must be None or >= 1, got {getattr(self, name)!r}")
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.answer: Reply | CallFailed | None = None
 
 
 class EmbeddedEngine:
@@ -117,7 +90,7 @@ class EmbeddedEngine:
         )
         self._results: collections.deque[GenerateResult] = collections.deque()
         self._cond = threading.Condition()
-        self._replies: dict[int, list] = {}  # call id -> [event, ok, payload]
+        self._pending: dict[int, _PendingCall] = {}
         self._calls = itertools.count()
         self._update_lock = threading.Lock()
         self._live: dict[str, int] = {}  # request id -> samples not yet returned
@@ -125,7 +98,11 @@ class EmbeddedEngine:
         self._closed = False
         self._version = config.initial_version
         self._ready = threading.Event()
-        self._info: dict[str, Any] = {}
+        self._info: Ready | None = None
+        self._on_event = EVENTS.dispatcher({
+            Results: self._on_results, Reply: self._on_answer, CallFailed: self._on_answer,
+            Ready: self._on_ready, Fatal: self._on_fatal,
+        })
         self._proc.start()
         self._dispatcher = threading.Thread(target=self._dispatch, name="engine-dispatch", daemon=True)
         self._dispatcher.start()
@@ -143,15 +120,15 @@ class EmbeddedEngine:
     @property
     def weight_specs(self) -> dict[str, TensorSpec]:
         """Names (model.state_dict(), tied ones included), shapes and dtypes the engine holds."""
-        return dict(self._info["specs"])
+        return dict(self._info.specs)
 
     @property
     def vocab_size(self) -> int:
-        return self._info["vocab_size"]
+        return self._info.vocab_size
 
     @property
     def max_model_len(self) -> int | None:
-        return self._info["max_model_len"]
+        return self._info.max_model_len
 
     # --- requests ------------------------------------------------------------------------
 
@@ -177,7 +154,7 @@ class EmbeddedEngine:
         with self._cond:
             for r in requests:
                 self._live[r.request_id] = r.params.n
-        self._cmd_q.put(("submit", list(requests)))
+        self._cmd_q.put(Submit(tuple(requests)))
         return ids
 
     def poll(self, timeout: float | None = 0.0) -> list[GenerateResult]:
@@ -193,20 +170,20 @@ class EmbeddedEngine:
     def abort(self, request_ids: Iterable[str]) -> None:
         """End requests; their samples come back from `poll` with finish_reason "abort"."""
         self._check_alive()
-        self._cmd_q.put(("abort", list(request_ids)))
+        self._cmd_q.put(Abort(tuple(request_ids)))
 
     def pause(self) -> None:
         """Stop decoding; returns once the engine is between steps and will not start another."""
-        self._call("pause")
+        self._call(Pause)
 
     def resume(self) -> None:
-        self._call("resume")
+        self._call(Resume)
 
     def health(self) -> EngineHealth:
         if self._error is not None or self._closed or not self._proc.is_alive():
             return EngineHealth(alive=False, weight_version=self._version, error=self._error)
         try:
-            return self._call("health")
+            return self._call(GetHealth)
         except EngineError as e:
             return EngineHealth(alive=False, weight_version=self._version, error=str(e))
 
@@ -224,31 +201,31 @@ class EmbeddedEngine:
             if isinstance(weights, Mapping):
                 self._check_names(weights)
             t_call = time.time()
-            call_id, reply = self._new_call()
+            call_id, pending = self._new_call()
             if isinstance(weights, WeightReceiver):
-                self._put_weights(("receiver", call_id, version, t_call, weights))
+                self._put_weights(RunReceiver(call_id, version, t_call, weights))
             else:
                 self._send_buckets(call_id, version, t_call, weights)
-            report = self._wait(call_id, reply, self.config.update_timeout_s)
+            report = self._wait(call_id, pending, self.config.update_timeout_s)
             report.total_s = time.time() - t_call
             return report
 
     def _send_buckets(self, call_id: int, version: int, t_call: float, weights: WeightSource) -> None:
         items = weights.items() if isinstance(weights, Mapping) else weights
-        dtypes = {n: s.dtype for n, s in self._info["specs"].items()}
-        self._put_weights(("begin", call_id, version, t_call))
+        dtypes = {n: s.dtype for n, s in self._info.specs.items()}
+        self._put_weights(BeginUpdate(call_id, version, t_call))
         sender_error = None
         try:
             for bucket in pack_buckets(items, self.config.weight_bucket_bytes, dtypes=dtypes, share_memory=True):
-                self._put_weights(("bucket", call_id, bucket))
+                self._put_weights(Bucket(call_id, bucket))
         except BaseException as e:
             sender_error = repr(e)
             raise
         finally:
             if self._error is None:
-                self._put_weights(("end", call_id, sender_error))
+                self._put_weights(EndUpdate(call_id, sender_error))
 
-    def _put_weights(self, msg: tuple) -> None:
+    def _put_weights(self, msg: RunReceiver | BeginUpdate | Bucket | EndUpdate) -> None:
         """Put on the bounded weight queue, giving up if the engine dies meanwhile."""
         while True:
             self._check_alive()
@@ -259,7 +236,7 @@ class EmbeddedEngine:
                 continue
 
     def _check_names(self, weights: Mapping[str, torch.Tensor]) -> None:
-        specs = self._info["specs"]
+        specs = self._info.specs
         unknown = sorted(set(weights) - set(specs))
         if unknown:
             raise ValueError(f"weight update: unknown tensors {unknown[:3]} (expected model.state_dict() names)")
@@ -277,7 +254,7 @@ class EmbeddedEngine:
             return
         self._closed = True
         if self._proc.is_alive():
-            self._cmd_q.put(("shutdown",))
+            self._cmd_q.put(Shutdown())
             self._proc.join(timeout=30)
             if self._proc.is_alive():
                 self._proc.terminate()
@@ -302,37 +279,38 @@ class EmbeddedEngine:
         if self._error is not None:
             raise EngineError(f"embedded engine is not running:\n{self._error}")
 
-    def _new_call(self) -> tuple[int, list]:
+    def _new_call(self) -> tuple[int, _PendingCall]:
         call_id = next(self._calls)
-        reply = [threading.Event(), False, None]
+        pending = _PendingCall()
         with self._cond:
-            self._replies[call_id] = reply
-        return call_id, reply
+            self._pending[call_id] = pending
+        return call_id, pending
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, message: type[Pause | Resume | GetHealth]) -> Any:
+        """Send `message(call_id)` and return the value the engine answers."""
         self._check_alive()
-        call_id, reply = self._new_call()
-        self._cmd_q.put(("call", call_id, name, args))
-        return self._wait(call_id, reply, self.config.rpc_timeout_s)
+        call_id, pending = self._new_call()
+        self._cmd_q.put(message(call_id))
+        return self._wait(call_id, pending, self.config.rpc_timeout_s)
 
-    def _wait(self, call_id: int, reply: list, timeout: float) -> Any:
-        if not reply[0].wait(timeout):
+    def _wait(self, call_id: int, pending: _PendingCall, timeout: float) -> Any:
+        if not pending.done.wait(timeout):
             with self._cond:
-                self._replies.pop(call_id, None)
+                self._pending.pop(call_id, None)
             raise EngineError(f"embedded engine did not answer call {call_id} within {timeout:.0f} s")
-        event, ok, payload = reply
-        if ok:
-            return payload
-        if self._error is not None and payload is None:
+        answer = pending.answer
+        if isinstance(answer, Reply):
+            return answer.value
+        if answer is None:  # woken by _wake_all: the engine failed or was shut down
             raise EngineError(f"embedded engine failed:\n{self._error}")
-        if isinstance(payload, str) and "Traceback" not in payload:
-            raise ValueError(payload)  # a rejected request (e.g. an incomplete weight update)
-        raise EngineError(f"embedded engine call failed:\n{payload}")
+        if "Traceback" not in answer.error:
+            raise ValueError(answer.error)  # a rejected request (e.g. an incomplete weight update)
+        raise EngineError(f"embedded engine call failed:\n{answer.error}")
 
     def _wake_all(self) -> None:
-        for reply in self._replies.values():
-            reply[0].set()
-        self._replies.clear()
+        for pending in self._pending.values():
+            pending.done.set()
+        self._pending.clear()
         self._cond.notify_all()
 
     def _dispatch(self) -> None:
@@ -351,33 +329,42 @@ class EmbeddedEngine:
                 continue
             except (EOFError, OSError):
                 return
-            kind = msg[0]
             with self._cond:
-                if kind == "results":
-                    for r in msg[1]:
-                        left = self._live.get(r.request_id, 1) - 1
-                        if left > 0:
-                            self._live[r.request_id] = left
-                        else:
-                            self._live.pop(r.request_id, None)
-                    self._results.extend(msg[1])
-                    self._cond.notify_all()
-                elif kind == "reply":
-                    _, call_id, ok, payload = msg
-                    # Also from calls that timed out here: the engine's version is what it says.
-                    if isinstance(payload, WeightUpdateReport):
-                        self._version = payload.version
-                    elif isinstance(payload, EngineHealth):
-                        self._version = payload.weight_version
-                    reply = self._replies.pop(call_id, None)
-                    if reply is not None:
-                        reply[1], reply[2] = ok, payload
-                        reply[0].set()
-                elif kind == "ready":
-                    self._info = msg[1]
-                    self._version = msg[1]["version"]
-                    self._ready.set()
-                elif kind == "fatal":
-                    self._error = msg[1]
-                    self._ready.set()
-                    self._wake_all()
+                try:
+                    self._on_event(msg)
+                except ProtocolError as e:
+                    self._on_fatal(Fatal(str(e)))
+
+    # --- event handlers (the dispatcher thread, under self._cond) ------------------------
+
+    def _on_results(self, msg: Results) -> None:
+        for r in msg.results:
+            left = self._live.get(r.request_id, 1) - 1
+            if left > 0:
+                self._live[r.request_id] = left
+            else:
+                self._live.pop(r.request_id, None)
+        self._results.extend(msg.results)
+        self._cond.notify_all()
+
+    def _on_answer(self, msg: Reply | CallFailed) -> None:
+        # Also from calls that timed out here: the engine's version is what it says.
+        value = msg.value if isinstance(msg, Reply) else None
+        if isinstance(value, WeightUpdateReport):
+            self._version = value.version
+        elif isinstance(value, EngineHealth):
+            self._version = value.weight_version
+        pending = self._pending.pop(msg.call_id, None)
+        if pending is not None:
+            pending.answer = msg
+            pending.done.set()
+
+    def _on_ready(self, msg: Ready) -> None:
+        self._info = msg
+        self._version = msg.version
+        self._ready.set()
+
+    def _on_fatal(self, msg: Fatal) -> None:
+        self._error = msg.error
+        self._ready.set()
+        self._wake_all()

@@ -2,16 +2,17 @@
 
     client (EmbeddedEngine)                       worker process
     ───────────────────────                       ─────────────────────────────────────────
-    cmd_q ── submit / abort / call / shutdown ──> decode loop: drain cmd_q, swap staged
-                                                  weights, one BatchDecoder.step(), repeat
-    weight_q ── begin, buckets…, end ───────────> receiver thread: fill the WeightStage,
-             (or a WeightReceiver)                then post "staged" to cmd_q
-    out_q <── ready / results / reply / fatal ──  both
+    cmd_q ── Submit / Abort / Pause / Resume ───> decode loop: drain cmd_q, swap staged
+             GetHealth / Shutdown                 weights, one BatchDecoder.step(), repeat
+    weight_q ── BeginUpdate, Bucket…, EndUpdate > receiver thread: fill the WeightStage,
+             (or RunReceiver)                     then post Staged to cmd_q
+    out_q <── Ready / Results / Reply / ──────── both
+              CallFailed / Fatal
 
-The decode loop only handles messages between two steps, so a swap (triggered by
-the "staged" message) always falls between steps and never half-way through one.
-The receiver starts a new version only after the previous one was swapped in (the
-stage is a single second copy of the weights).
+The messages are the records of `embedded_protocol`. The decode loop only handles
+messages between two steps, so a swap (triggered by Staged) always falls between
+steps and never half-way through one. The receiver starts a new version only after
+the previous one was swapped in (the stage is a single second copy of the weights).
 """
 
 from __future__ import annotations
@@ -21,18 +22,37 @@ import signal
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from entr_megatron.rollout.decoder import BatchDecoder
+from entr_megatron.rollout.embedded_protocol import (
+    COMMANDS,
+    WEIGHTS,
+    Abort,
+    BeginUpdate,
+    Bucket,
+    CallFailed,
+    EmbeddedEngineConfig,
+    EndUpdate,
+    Fatal,
+    GetHealth,
+    Pause,
+    Ready,
+    Reply,
+    Results,
+    Resume,
+    RunReceiver,
+    Shutdown,
+    Staged,
+    Submit,
+)
 from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpdateReport
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
 from entr_megatron.rollout.weights import WeightStage
-
-if TYPE_CHECKING:
-    from entr_megatron.rollout.embedded import EmbeddedEngineConfig
 
 __all__ = ["run_worker"]
 
@@ -52,18 +72,12 @@ class _Receiver(threading.Thread):
 
     def run(self) -> None:
         while True:
-            msg = self.weight_q.get()
-            if msg is None:
-                return
-            kind, call_id = msg[0], msg[1]
-            if kind == "receiver":
-                _, _, version, t_call, receiver = msg
-                self._receive(call_id, version, t_call, receiver)
-            elif kind == "begin":
-                _, _, version, t_call = msg
-                self._receive(call_id, version, t_call, None)
-            else:  # a bucket or end of an update whose begin failed: already answered
-                continue
+            msg = WEIGHTS.decode(self.weight_q.get())
+            if isinstance(msg, RunReceiver):
+                self._receive(msg.call_id, msg.version, msg.t_call, msg.receiver)
+            elif isinstance(msg, BeginUpdate):
+                self._receive(msg.call_id, msg.version, msg.t_call, None)
+            # else a Bucket or EndUpdate of an update whose begin failed: already answered
 
     def _receive(self, call_id: int, version: int, t_call: float, receiver: WeightReceiver | None) -> None:
         self.swapped.wait()
@@ -79,22 +93,24 @@ class _Receiver(threading.Thread):
                 error = _try(lambda: receiver.receive(self.stage))
         else:
             while True:  # read to this update's end even after an error, to keep the queue aligned
-                msg = self.weight_q.get()
-                assert msg is not None and msg[1] == call_id, f"weight message {msg[:2]} inside update {call_id}"
-                if msg[0] == "end":
-                    if msg[2] is not None and error is None:
-                        error = f"the sender failed: {msg[2]}"
+                msg = WEIGHTS.decode(self.weight_q.get())
+                assert isinstance(msg, (Bucket, EndUpdate)) and msg.call_id == call_id, (
+                    f"weight message {msg!r:.200} inside update {call_id}"
+                )
+                if isinstance(msg, EndUpdate):
+                    if msg.sender_error is not None and error is None:
+                        error = f"the sender failed: {msg.sender_error}"
                     break
                 if error is None:
-                    error = _try(lambda: self.stage.load_bucket(msg[2]))
+                    error = _try(lambda: self.stage.load_bucket(msg.bucket))
         if error is None:
             error = _try(self.stage.finish)
         if error is not None:
             self.stage.discard()
             self.swapped.set()
-            self.out_q.put(("reply", call_id, False, error))
+            self.out_q.put(CallFailed(call_id, error))
         else:
-            self.cmd_q.put(("staged", call_id, t_call, steps_at_begin))
+            self.cmd_q.put(Staged(call_id, t_call, steps_at_begin))
 
 
 def _try(fn) -> str | None:
@@ -123,65 +139,72 @@ class _Worker:
         self.stage = WeightStage(model)
         self.receiver = _Receiver(self.stage, self.decoder, weight_q, cmd_q, out_q)
         self.paused = False
+        self.stopping = False
         self.last_update: WeightUpdateReport | None = None
-        self.info = {
-            "specs": self.stage.specs,
-            "version": config.initial_version,
-            "vocab_size": self.decoder.lm.vocab_size,
-            "max_model_len": self.decoder.max_model_len,
-            "eos_token_ids": sorted(self.decoder.eos_token_ids),
-        }
+        self.ready = Ready(
+            specs=self.stage.specs, version=config.initial_version, vocab_size=self.decoder.lm.vocab_size,
+            max_model_len=self.decoder.max_model_len, eos_token_ids=tuple(sorted(self.decoder.eos_token_ids)),
+        )
+        self._handle = COMMANDS.dispatcher({
+            Submit: self._on_submit,
+            Abort: self._on_abort,
+            Staged: self._swap,
+            Pause: lambda msg: self._answer(msg.call_id, self._pause),
+            Resume: lambda msg: self._answer(msg.call_id, self._resume),
+            GetHealth: lambda msg: self._answer(msg.call_id, self._health),
+            Shutdown: self._on_shutdown,
+        })
 
     def run(self) -> None:
         self.receiver.start()
-        self.out_q.put(("ready", self.info))
+        self.out_q.put(self.ready)
         while True:
             idle = self.paused or not self.decoder.has_work()
             for msg in self._drain(block=idle):
-                if msg[0] == "shutdown":
-                    return
                 self._handle(msg)
+                if self.stopping:
+                    return
             if not self.paused and self.decoder.has_work():
                 finished = self.decoder.step()
                 if finished:
-                    self.out_q.put(("results", finished))
+                    self.out_q.put(Results(tuple(finished)))
 
-    def _drain(self, block: bool) -> list[tuple]:
-        msgs = []
+    def _drain(self, block: bool) -> list[object]:
+        msgs: list[object] = []
         if block:
             try:
                 msgs.append(self.cmd_q.get(timeout=_IDLE_WAKEUP_S))
             except queue.Empty:
                 parent = mp.parent_process()
                 if parent is not None and not parent.is_alive():
-                    return [("shutdown",)]
+                    return [Shutdown()]
         while True:
             try:
                 msgs.append(self.cmd_q.get_nowait())
             except queue.Empty:
                 return msgs
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "submit":
-            for request in msg[1]:
-                self.decoder.add(request)
-        elif kind == "abort":
-            results = self.decoder.abort(msg[1])
-            if results:
-                self.out_q.put(("results", results))
-        elif kind == "staged":
-            self._swap(*msg[1:])
-        elif kind == "call":
-            _, call_id, name, args = msg
-            try:
-                self.out_q.put(("reply", call_id, True, getattr(self, f"_call_{name}")(*args)))
-            except Exception:
-                self.out_q.put(("reply", call_id, False, traceback.format_exc()))
-        else:
-            raise AssertionError(f"unknown command {kind!r}")
+    # --- command handlers ----------------------------------------------------------------
 
-    def _swap(self, call_id: int, t_call: float, steps_at_begin: int) -> None:
+    def _on_submit(self, msg: Submit) -> None:
+        for request in msg.requests:
+            self.decoder.add(request)
+
+    def _on_abort(self, msg: Abort) -> None:
+        results = self.decoder.abort(msg.request_ids)
+        if results:
+            self.out_q.put(Results(tuple(results)))
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        self.stopping = True
+
+    def _answer(self, call_id: int, fn: Callable[[], Any]) -> None:
+        try:
+            self.out_q.put(Reply(call_id, fn()))
+        except Exception:
+            self.out_q.put(CallFailed(call_id, traceback.format_exc()))
+
+    def _swap(self, msg: Staged) -> None:
         """Install the staged weights now (we are between two steps)."""
         t0 = time.time()
         wait_s = t0 - self.stage.staged_at
@@ -191,23 +214,23 @@ class _Worker:
         t1 = time.time()
         report = WeightUpdateReport(
             version=self.decoder.version, num_tensors=self.stage.num_tensors, num_bytes=self.stage.num_bytes,
-            transfer_s=self.stage.staged_at - t_call, swap_s=t1 - t0, wait_s=wait_s, total_s=t1 - t_call,
-            decode_steps_during_transfer=self.decoder.steps - steps_at_begin,
+            transfer_s=self.stage.staged_at - msg.t_call, swap_s=t1 - t0, wait_s=wait_s, total_s=t1 - msg.t_call,
+            decode_steps_during_transfer=self.decoder.steps - msg.steps_at_begin,
             running_at_swap=self.decoder.num_running,
         )
         self.last_update = report
         self.receiver.swapped.set()
-        self.out_q.put(("reply", call_id, True, report))
+        self.out_q.put(Reply(msg.call_id, report))
 
-    # --- calls (answered with a reply) ---------------------------------------------------
+    # --- calls (answered with a Reply) ---------------------------------------------------
 
-    def _call_pause(self) -> None:
+    def _pause(self) -> None:
         self.paused = True
 
-    def _call_resume(self) -> None:
+    def _resume(self) -> None:
         self.paused = False
 
-    def _call_health(self) -> EngineHealth:
+    def _health(self) -> EngineHealth:
         d = self.decoder
         return EngineHealth(
             alive=True, weight_version=d.version, paused=self.paused, num_running=d.num_running,
@@ -226,5 +249,5 @@ def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: A
             torch.set_num_threads(config.num_threads)
         _Worker(config, cmd_q, weight_q, out_q).run()
     except BaseException:
-        out_q.put(("fatal", traceback.format_exc()))
+        out_q.put(Fatal(traceback.format_exc()))
         raise

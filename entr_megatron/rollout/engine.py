@@ -14,7 +14,7 @@ version; an engine swaps them in between two decode steps, never mid-step.
 
 Implementations: `EmbeddedEngine` (HF transformers in its own process; stages
 weights while decoding continues) and `SGLangEngine` (HTTP client of SGLang
-servers, `sglang_engine.py`; SGLang pauses generation for a weight update).
+servers, `rollout/sglang/`; SGLang pauses generation for a weight update).
 """
 
 from __future__ import annotations

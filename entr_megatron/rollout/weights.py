@@ -2,7 +2,7 @@
 
 A new weight version travels as flat byte buckets (`pack_buckets`: several HF-named
 tensors packed back to back, one message or one broadcast per bucket rather than
-one per tensor). The engine writes what arrives into a `WeightStage`, a second
+one per tensor; the layout is `utils.buckets`, here with 64-byte aligned slots). The engine writes what arrives into a `WeightStage`, a second
 copy of its parameters, while it keeps decoding with the current ones. Once every
 tensor of the version is staged, the decode loop calls `swap_into` between two
 steps: parameters exchange storage with their staged copies (no copying, O(number
@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from entr_megatron.utils.buckets import align_up, numel, plan_flat_buckets
 
 __all__ = ["BucketEntry", "TensorSpec", "WeightBucket", "WeightStage", "pack_buckets", "tensor_specs"]
 
@@ -51,10 +53,7 @@ class BucketEntry:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -68,7 +67,7 @@ class WeightBucket:
     @staticmethod
     def num_bytes(entries: tuple[BucketEntry, ...]) -> int:
         """Size of the flat buffer these entries were packed into."""
-        return _aligned(max(e.offset + e.nbytes for e in entries))
+        return align_up(max(e.offset + e.nbytes for e in entries), _ALIGN)
 
     @classmethod
     def allocate(cls, entries: tuple[BucketEntry, ...]) -> WeightBucket:
@@ -79,10 +78,6 @@ class WeightBucket:
         """(name, view into `flat`) for each entry."""
         for e in self.entries:
             yield e.name, self.flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def pack_buckets(
@@ -96,32 +91,15 @@ def pack_buckets(
     a bucket of its own). `dtypes`: cast each name to this dtype while packing (send what
     the receiver stores). `share_memory`: allocate buckets in shared memory, so that a
     torch.multiprocessing queue passes them without another copy."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    pending: list[tuple[BucketEntry, torch.Tensor]] = []
-    size = 0
 
-    def flush() -> WeightBucket:
-        assert size == WeightBucket.num_bytes(tuple(e for e, _ in pending))
-        flat = torch.empty(size, dtype=torch.uint8)
-        if share_memory:
-            flat.share_memory_()
-        bucket = WeightBucket(tuple(e for e, _ in pending), flat)
-        for (_, view), (_, t) in zip(bucket.tensors(), pending):
-            view.copy_(t.detach())
-        return bucket
+    def wire_dtype(name: str, tensor: torch.Tensor) -> torch.dtype:
+        return dtypes.get(name, tensor.dtype) if dtypes is not None else tensor.dtype
 
-    for name, tensor in named_tensors:
-        dtype = dtypes.get(name, tensor.dtype) if dtypes is not None else tensor.dtype
-        entry = BucketEntry(name, dtype, tuple(tensor.shape), 0)
-        if pending and size + entry.nbytes > bucket_bytes:
-            yield flush()
-            pending, size = [], 0
-        entry = BucketEntry(name, dtype, tuple(tensor.shape), size)
-        pending.append((entry, tensor))
-        size = _aligned(size + entry.nbytes)
-    if pending:
-        yield flush()
+    for layout, tensors in plan_flat_buckets(named_tensors, bucket_bytes, wire_dtype=wire_dtype,
+                                             align=_ALIGN, largest_first=False):
+        entries = tuple(BucketEntry(*slot) for slot in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets))
+        assert layout.nbytes == WeightBucket.num_bytes(entries)
+        yield WeightBucket(entries, layout.pack(tensors, share_memory=share_memory))
 
 
 def tensor_specs(model: torch.nn.Module) -> dict[str, TensorSpec]:

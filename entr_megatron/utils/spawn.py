@@ -4,6 +4,9 @@ Megatron code and our collectives run unchanged on CPU over gloo, so multi-rank
 behaviour is tested by spawning ``world_size`` processes here rather than on a
 cluster. The function must be importable by name (module level), because spawned
 children re-import it.
+
+`torchrun_env` / `enter_rank` are the one place a rank's torchrun variables are
+written: for these ranks and for the controller's worker groups (processes, Ray).
 """
 
 from __future__ import annotations
@@ -11,13 +14,16 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "free_port_range", "run_gloo"]
+__all__ = ["enter_rank", "free_port", "free_port_range", "run_gloo", "torchrun_env"]
+
+LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
@@ -49,14 +55,39 @@ def free_port_range(count: int, attempts: int = 100) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found in {attempts} attempts")
 
 
+def torchrun_env(rank: int, world_size: int, master_addr: str, master_port: int, *,
+                 local_rank: int | None = None, local_world_size: int | None = None) -> dict[str, str]:
+    """The variables torchrun gives a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), so a rank started any other way joins torch.distributed alike.
+
+    Local rank and local world size default to the global ones: all ranks on one machine.
+    """
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world_size if local_world_size is None else local_world_size),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    }
+
+
+def enter_rank(env: Mapping[str, str], threads: int | None = None, *, loopback_gloo: bool = True) -> None:
+    """Make this process a rank: export `env` (see `torchrun_env`) and give torch `threads`
+    intra-op threads (None or 0: torch's default).
+
+    With `loopback_gloo` and rank 0 on 127.0.0.1, gloo is pinned to the loopback interface
+    (unless GLOO_SOCKET_IFNAME is already set): its own choice, the host name's address, may
+    be an interface the loopback rendezvous cannot reach.
+    """
+    os.environ.update(env)
+    if loopback_gloo and env.get("MASTER_ADDR") == LOOPBACK:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def _child(rank: int, fn: Callable, world_size: int, port: int, threads: int, args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-    )
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    enter_rank(torchrun_env(rank, world_size, LOOPBACK, port), threads)
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()

@@ -12,17 +12,24 @@
     engine.update_weights(receiver_for(groups, i), version)     # stages, then swaps between two steps
 
 Modules: `group.py` the broadcast group (TCP rendezvous, gloo / NCCL, independent of
-the learner's default group), `buckets.py` the flat bucket layout (SGLang's
-flattened_bucket), `protocol.py` the messages of one version, `snapshot.py` the
-learner's bounded snapshot buffers, `sync.py` `WeightSync` (learner side),
-`transports.py` our protocol and the SGLang adapter, `receiver.py` the engine side.
+the learner's default group), `buckets.py` our bucket headers over the shared flat
+layout (`utils.buckets`, SGLang's flattened_bucket), `protocol.py` the messages of one
+version, `snapshot.py` the learner's bounded snapshot buffers, `sync.py` `WeightSync`
+(learner side), `transports.py` our protocol and the SGLang adapter (with SGLang's
+weight-update handshake, `SGLangWeightUpdate`), `receiver.py` the engine side.
 """
 
 from entr_megatron.weight_sync.buckets import BucketLayout, plan_buckets
-from entr_megatron.weight_sync.group import BroadcastGroup, default_backend, stage_groups
+from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend, stage_groups
 from entr_megatron.weight_sync.receiver import BroadcastReceiver, leave_all_groups, receiver_for
 from entr_megatron.weight_sync.sync import PushHandle, PushReport, WeightSync, WeightSyncConfig, is_weight_sender
-from entr_megatron.weight_sync.transports import BucketTransport, SGLangTransport, Transport, WeightSyncError
+from entr_megatron.weight_sync.transports import (
+    BucketTransport,
+    SGLangTransport,
+    SGLangWeightUpdate,
+    Transport,
+    WeightSyncError,
+)
 
 __all__ = [
     "BroadcastGroup",
@@ -32,7 +39,9 @@ __all__ = [
     "PushHandle",
     "PushReport",
     "SGLangTransport",
+    "SGLangWeightUpdate",
     "Transport",
+    "WeightGroup",
     "WeightSync",
     "WeightSyncConfig",
     "WeightSyncError",

@@ -1,4 +1,4 @@
-"""Flat weight buckets on the wire: which tensors go together, where each one sits, its header.
+"""Flat weight buckets on our broadcast wire: which tensors go together, where each one sits, its header.
 
     for layout, tensors in plan_buckets(named_tensors, bucket_bytes=512 << 20, dtype=torch.bfloat16):
         flat = torch.empty(layout.nbytes, dtype=torch.uint8)
@@ -6,12 +6,12 @@
         header = layout.to_bytes()              # names, dtypes, shapes as JSON
     BucketLayout.from_bytes(header).views(flat)     # the receiver's (name, tensor) views
 
-The layout is SGLang's "flattened_bucket" (`rollout.sglang_engine.pack_flattened_bucket`):
-the tensors' bytes back to back without padding, larger elements first so that every
-offset is a multiple of its element size. Buckets are cut the way
-`iter_flattened_buckets` cuts them: a tensor that would overflow the bucket starts the
-next one, and a tensor larger than `bucket_bytes` travels alone in a bucket of its own
-size. Our receivers and SGLang's unpack the same bytes.
+The layout is `utils.buckets.FlatLayout` in SGLang's "flattened_bucket" setting (the
+tensors' bytes back to back without padding, larger elements first so that every offset
+is a multiple of its element size), cut by `utils.buckets.plan_flat_buckets`: a tensor
+that would overflow the bucket starts the next one, and a tensor larger than
+`bucket_bytes` travels alone in a bucket of its own size. Our receivers and SGLang's
+unpack the same bytes. What is ours: the header, and the slots that travel `alone`.
 """
 
 from __future__ import annotations
@@ -24,20 +24,9 @@ from functools import cached_property
 import torch
 
 from entr_megatron.rollout.weights import BucketEntry
+from entr_megatron.utils.buckets import FlatLayout, dtype_from_name, dtype_name, floating_as, plan_flat_buckets
 
-__all__ = ["BucketLayout", "dtype_from_name", "dtype_name", "plan_buckets"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch dtype -> its name without "torch." (SGLang's spelling: getattr(torch, name))."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return dtype
+__all__ = ["BucketLayout", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -57,20 +46,20 @@ class BucketLayout:
             f"alone must be increasing slot indices, got {self.alone}"
 
     @cached_property
-    def offsets(self) -> tuple[int, ...]:
-        out, offset = [], 0
-        for dtype, shape in zip(self.dtypes, self.shapes):
-            assert offset % dtype.itemsize == 0, f"unaligned {dtype} at byte {offset}"
-            out.append(offset)
-            offset += _numel(shape) * dtype.itemsize
-        return tuple(out)
+    def flat_layout(self) -> FlatLayout:
+        """The slots' places in the flat buffer (the shared wire layout)."""
+        return FlatLayout(self.names, self.dtypes, self.shapes)
 
-    @cached_property
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.flat_layout.offsets
+
+    @property
     def nbytes(self) -> int:
-        return self.offsets[-1] + _numel(self.shapes[-1]) * self.dtypes[-1].itemsize
+        return self.flat_layout.nbytes
 
     def slot_nbytes(self, i: int) -> int:
-        return _numel(self.shapes[i]) * self.dtypes[i].itemsize
+        return self.flat_layout.slot_nbytes(i)
 
     def segments(self) -> tuple[tuple[int, int], ...]:
         """The bytes as (start, end) segments in order: each `alone` slot, and each run of the
@@ -103,11 +92,7 @@ class BucketLayout:
 
     def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor view into `flat`) for each slot; `flat` is uint8 with at least `nbytes`."""
-        assert flat.dtype == torch.uint8 and flat.numel() >= self.nbytes, "flat bucket too small"
-        return [
-            (n, flat[o:o + _numel(s) * d.itemsize].view(d).view(s))
-            for n, d, s, o in zip(self.names, self.dtypes, self.shapes, self.offsets)
-        ]
+        return self.flat_layout.views(flat)
 
     def fill(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         """Copy `tensors` (wire order, any dtype: cast on copy) into their slots of `flat`."""
@@ -145,13 +130,6 @@ class BucketLayout:
                    tuple(tuple(int(x) for x in s) for s in body["shapes"]), tuple(int(i) for i in body["alone"]))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def plan_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[BucketLayout, list[torch.Tensor]]]:
@@ -160,24 +138,5 @@ def plan_buckets(
     dtype: floating tensors travel as this dtype (cast while `fill` copies); None: as given.
     Yields (layout, the tensors in wire order); the tensors are the inputs (not yet copied).
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    pending: list[tuple[str, torch.Tensor, torch.dtype]] = []
-    size = 0
-
-    def flush():
-        order = sorted(pending, key=lambda p: -p[2].itemsize)  # stable: equal sizes keep their order
-        layout = BucketLayout(tuple(n for n, _, _ in order), tuple(d for _, _, d in order),
-                              tuple(tuple(t.shape) for _, t, _ in order))
-        return layout, [t for _, t, _ in order]
-
-    for name, tensor in named_tensors:
-        wire = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        nbytes = tensor.numel() * wire.itemsize
-        if pending and size + nbytes > bucket_bytes:
-            yield flush()
-            pending, size = [], 0
-        pending.append((name, tensor, wire))
-        size += nbytes
-    if pending:
-        yield flush()
+    for layout, tensors in plan_flat_buckets(named_tensors, bucket_bytes, wire_dtype=floating_as(dtype)):
+        yield BucketLayout(layout.names, layout.dtypes, layout.shapes), tensors

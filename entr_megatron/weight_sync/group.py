@@ -23,13 +23,12 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from entr_megatron.rollout.sglang_engine import WeightGroup
-
-__all__ = ["BACKENDS", "BroadcastGroup", "default_backend", "stage_groups"]
+__all__ = ["BACKENDS", "BroadcastGroup", "WeightGroup", "default_backend", "stage_groups"]
 
 BACKENDS = ("gloo", "nccl")
 CHUNKS_IN_FLIGHT = 2
@@ -45,6 +44,23 @@ rather than torch's 2, 4-16 MiB pieces (one tensor each, `snapshot="borrow"`) mo
 # Devices of the backends `_new_process_group_helper` creates for one backend name (SGLang's side
 # creates all of them, and each one's rendezvous waits for every rank: ours must too).
 _BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """A broadcast group shared by the learner (rank 0) and every engine rank (an SGLang
+    server's group too: its side is SGLang's `init_custom_process_group`)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    group_name: str
+    backend: str
+    rank_offsets: tuple[int, ...]
+    """First rank of each engine (engine i holds rank_offsets[i] .. + its ranks - 1)."""
+    streams: int = 1
+    """gloo: TCP connections between each pair of ranks, used in turn by consecutive broadcasts
+    (`stage_groups`); 1 for SGLang's groups, whose side opens one."""
 
 
 def default_backend() -> str:

@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from entr_megatron.rollout.engine import WeightReceiver
-from entr_megatron.rollout.sglang_engine import WeightGroup
 from entr_megatron.rollout.weights import WeightBucket, WeightStage
 from entr_megatron.weight_sync.buckets import BucketLayout
-from entr_megatron.weight_sync.group import BroadcastGroup
+from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
 from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, recv_control
 from entr_megatron.weight_sync.snapshot import BufferPool
 

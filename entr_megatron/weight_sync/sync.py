@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 import torch
 
 from entr_megatron.rollout.engine import WeightUpdateReport
-from entr_megatron.weight_sync.buckets import dtype_from_name, plan_buckets
+from entr_megatron.utils.buckets import dtype_from_name
+from entr_megatron.weight_sync.buckets import plan_buckets
 from entr_megatron.weight_sync.snapshot import BufferPool, SnapshotBucket, SnapshotStream, TransferBroken
 from entr_megatron.weight_sync.transports import Transport
 

@@ -8,21 +8,37 @@ A transport runs on the stage's sender rank, in the sender thread: `send(version
 stream)` takes the snapshot buckets in order and returns once every engine holds
 the version (with the engines' reports where it drives them). The group is
 joined by the first `send` (or `connect`), which waits for the engines to join.
+SGLang's side of a transfer (its weight group, sessions and one request per bucket)
+is `SGLangWeightUpdate`, which `SGLangTransport` drives with a `BroadcastGroup`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
 
-from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
-from entr_megatron.rollout.sglang_engine import SGLangEngine, WeightGroup
-from entr_megatron.weight_sync.group import BroadcastGroup, default_backend
+import torch
+
+from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightSource, WeightUpdateReport
+from entr_megatron.rollout.sglang.client import wait_all
+from entr_megatron.rollout.sglang.engine import SGLangEngine
+from entr_megatron.rollout.sglang.protocol import iter_flattened_buckets, unpack_flattened_bucket
+from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend
 from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, send_control
 from entr_megatron.weight_sync.snapshot import SnapshotFailed, SnapshotStream
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "BucketTransport", "SGLangTransport", "Transport", "WeightSyncError"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "BucketTransport",
+    "SGLangTransport",
+    "SGLangWeightUpdate",
+    "Transport",
+    "WeightSender",
+    "WeightSyncError",
+]
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 """`BucketTransport`: bytes per broadcast of a bucket's data (pipelined with the learner's copy)."""
@@ -162,14 +178,158 @@ class BucketTransport:
             self.group = None
 
 
-class SGLangTransport:
-    """SGLang servers through `SGLangEngine`: its handshake (group, session, one
-    `/update_weights_from_distributed` per flattened bucket, version on the last one),
-    with a `BroadcastGroup` at rank 0 as its `WeightSender`.
+@runtime_checkable
+class WeightSender(Protocol):
+    """Rank 0 of an SGLang weight group (the learner side: a `BroadcastGroup`)."""
 
-    The engine cuts buckets itself (`iter_flattened_buckets`): the snapshot is cut the
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast `tensor` from rank 0 of the group; returns when it is sent."""
+        ...
+
+
+class SGLangWeightUpdate:
+    """SGLang's distributed weight-update handshake with an `SGLangEngine`'s servers: the
+    `WeightTransfer` its `update_weights` sends through while it holds them paused.
+
+        updates = SGLangWeightUpdate(engine)
+        group = updates.init_weights_update_group("10.0.0.1", 29600, backend="nccl", join=learner_joins)
+        updates.set_weight_sender(sender)     # rank 0 of `group`: broadcasts one flat bucket at a time
+        report = engine.update_weights(hf_state_dict, version=engine.weight_version + 1)
+
+    One version: open a session on every server (`/begin_weight_update`; older servers have
+    none), then for each bucket (`iter_flattened_buckets`, with the engine config's bucket
+    bytes and dtype) one `/update_weights_from_distributed` per server while the sender
+    broadcasts the bucket (the last one carries the version and the cache flush), then close
+    the sessions. The engine takes the transfer once there are a group and a sender.
+    """
+
+    def __init__(self, engine: SGLangEngine):
+        self.engine = engine
+        self.group: WeightGroup | None = None
+        self._sender: WeightSender | None = None
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, *, backend: str = "nccl",
+        join: Callable[[WeightGroup], Any] | None = None,
+    ) -> WeightGroup:
+        """Create the broadcast group: rank 0 is the learner, server i holds ranks
+        rank_offsets[i] .. + tp_size - 1. `join(group)` runs concurrently with the servers'
+        joins (the learner side, e.g. creating its rank-0 process group and a sender)."""
+        engine, cfg = self.engine, self.engine.config
+        sizes = engine.tp_sizes()
+        offsets = tuple(1 + sum(sizes[:i]) for i in range(len(sizes)))
+        group = WeightGroup(master_address, int(master_port), 1 + sum(sizes), cfg.group_name, backend, offsets)
+        calls = [
+            partial(s.init_weights_update_group, master_address, master_port, off, group.world_size,
+                    group.group_name, backend, timeout=cfg.weight_update_timeout_s)
+            for s, off in zip(engine.servers, offsets)
+        ]
+        if join is not None:
+            calls.append(partial(join, group))
+        _on_threads(calls, cfg.weight_update_timeout_s, "init_weights_update_group")
+        self.group = group
+        self._attach()
+        return group
+
+    def set_weight_sender(self, sender: WeightSender | None) -> None:
+        """The rank-0 side of the group that the buckets are broadcast through."""
+        if sender is not None and not isinstance(sender, WeightSender):
+            raise TypeError(f"weight sender must have broadcast(tensor), got {type(sender).__name__}")
+        self._sender = sender
+        self._attach()
+
+    def destroy_weights_update_group(self) -> None:
+        """Every server leaves the group (the sender's side belongs to whoever made it)."""
+        if self.group is None:
+            return
+        name = self.group.group_name
+        _on_threads([partial(s.destroy_weights_update_group, name) for s in self.engine.servers],
+                    self.engine.config.request_timeout_s, "destroy_weights_update_group")
+        self.group, self._sender = None, None
+        self._attach()
+
+    def transfer(self, weights: WeightSource, version: int) -> tuple[int, int]:
+        """Begin the session on every server, broadcast the buckets, end it; (tensors, bytes) sent."""
+        group, sender, servers = self.group, self._sender, self.engine.servers
+        assert group is not None and sender is not None, "the engine takes the transfer only with a group and a sender"
+        timeout = self.engine.config.weight_update_timeout_s
+        # Own threads: each bucket's calls block until the broadcast, which must not queue behind them.
+        # No waiting for them on failure: a broadcast nobody receives may never return.
+        pool = cf.ThreadPoolExecutor(len(servers) + 1, thread_name_prefix="sglang-weights")
+        try:
+            sessions = wait_all([pool.submit(s.begin_weight_update) for s in servers], timeout, "begin_weight_update")
+
+            def end_sessions() -> None:
+                wait_all([pool.submit(s.end_weight_update) for s, opened in zip(servers, sessions) if opened],
+                         timeout, "end_weight_update")
+
+            try:
+                counts = self._send_buckets(pool, weights, version, group, sender, timeout)
+            except BaseException as e:  # close the sessions anyway, or the next update cannot begin
+                try:
+                    end_sessions()
+                except EngineError as end_error:
+                    e.add_note(f"closing the weight-update sessions failed too: {end_error}")
+                raise
+            end_sessions()
+            return counts
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send_buckets(self, pool: cf.ThreadPoolExecutor, weights: WeightSource, version: int,
+                      group: WeightGroup, sender: WeightSender, timeout: float) -> tuple[int, int]:
+        cfg, servers = self.engine.config, self.engine.servers
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        dtype = None if cfg.weight_dtype is None else getattr(torch, cfg.weight_dtype)
+        flush = cfg.kv_on_update == "recompute"  # a pause in place leaves requests that block the flush
+        num_tensors = num_bytes = 0
+        buckets = iter_flattened_buckets(items, cfg.weight_bucket_bytes, dtype)
+        bucket = next(buckets, None)
+        if bucket is None:
+            raise ValueError("update_weights got no tensors")
+        while bucket is not None:
+            following = next(buckets, None)
+            last = following is None
+            kwargs = dict(group_name=group.group_name, flush_cache=flush and last,
+                          weight_version=str(version) if last else None, timeout=timeout)
+            if cfg.flattened_buckets:
+                tensors = [bucket.flat]
+                kwargs["load_format"] = "flattened_bucket"
+            else:
+                tensors = [t for _, t in unpack_flattened_bucket(bucket)]
+                kwargs["load_format"] = None
+            calls = [pool.submit(s.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes, **kwargs)
+                     for s in servers]
+            calls.append(pool.submit(lambda ts=tensors: [sender.broadcast(t) for t in ts]))
+            wait_all(calls, timeout, f"update_weights_from_distributed (version {version})")
+            num_tensors += len(bucket.names)
+            num_bytes += bucket.num_bytes
+            bucket = following
+        return num_tensors, num_bytes
+
+    def _attach(self) -> None:
+        self.engine.set_weight_transfer(self if self.group is not None and self._sender is not None else None)
+
+
+def _on_threads(calls: Sequence[Callable[[], Any]], timeout: float, what: str) -> None:
+    """Run the calls at once, each on a thread of its own (they may wait for each other, as the
+    ranks joining a group do); the first failure or a timeout raises, without waiting for the rest."""
+    pool = cf.ThreadPoolExecutor(len(calls), thread_name_prefix="sglang-weights")
+    try:
+        wait_all([pool.submit(call) for call in calls], timeout, what)
+    finally:
+        pool.shutdown(wait=False)
+
+
+class SGLangTransport:
+    """SGLang servers through `SGLangWeightUpdate` (group, session, one
+    `/update_weights_from_distributed` per flattened bucket, version on the last one)
+    and `SGLangEngine.update_weights` (pause, resume), with a `BroadcastGroup` at rank 0
+    as the `WeightSender`.
+
+    The handshake cuts buckets itself (`iter_flattened_buckets`): the snapshot is cut the
     same way (`requirements`: its bucket size and dtype), so each of our buffers is
-    released as soon as the engine has packed that bucket. Servers pause for the whole
+    released as soon as that bucket is packed. Servers pause for the whole
     transfer (SGLang has no staging copy), so the transfer starts only once the snapshot
     is complete or has filled its buffers. One learner stage only (PP = 1): `SGLangEngine` holds one
     group, and two stages updating it independently would each pause and resume the servers.
@@ -181,21 +341,22 @@ class SGLangTransport:
                  backend: str | None = None, timeout_s: float = 600.0):
         self.engine, self.master_address, self.master_port = engine, master_address, int(master_port)
         self.backend, self.timeout_s = backend or default_backend(), timeout_s
+        self.updates = SGLangWeightUpdate(engine)
         self.group: BroadcastGroup | None = None
 
     def requirements(self) -> dict[str, Any]:
         return {"bucket_bytes": self.engine.config.weight_bucket_bytes, "dtype": self.engine.config.weight_dtype}
 
     def can_borrow(self, tensor) -> bool:
-        """Any tensor: the engine packs each bucket (a copy) itself."""
+        """Any tensor: the handshake packs each bucket (a copy) itself."""
         return True
 
     def connect(self) -> None:
         if self.group is None:
-            self.engine.init_weights_update_group(
+            self.updates.init_weights_update_group(
                 self.master_address, self.master_port, backend=self.backend, join=self._join
             )
-            self.engine.set_weight_sender(self.group)
+            self.updates.set_weight_sender(self.group)
 
     def _join(self, spec: WeightGroup) -> None:
         self.group = BroadcastGroup.join(spec, 0, timeout_s=self.timeout_s)
@@ -212,7 +373,7 @@ class SGLangTransport:
     def close(self) -> None:
         if self.group is not None:
             try:
-                self.engine.destroy_weights_update_group()
+                self.updates.destroy_weights_update_group()
             except EngineError:
                 pass  # the servers may be gone already
             self.group.close()

@@ -152,7 +152,7 @@ def run_case(case, tp=1, pp=1, ep=1, vpp=None, round_trip=True):
 
 
 def _one_rank(rank, world, cases):
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     for case in cases:
@@ -161,8 +161,8 @@ def _one_rank(rank, world, cases):
 
 def _two_ranks(rank, world, cases, deep_case, save_dir):
     from entr_megatron.learner.build import read_hf_config
-    from entr_megatron.learner.compat import enable_cpu_compat
     from entr_megatron.learner.hf_export import save_hf_checkpoint
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     by_type = {c["model_type"]: c for c in cases}

@@ -36,28 +36,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from common import close, model_config
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB, MAX_SEQ = 128, 32
-REL_TOL = 1e-5  # across layouts: max |got - want| <= REL_TOL * max |want| (fp32 reduction order differs)
 
 
 # --- model, optimizer, data (the learner's own build, step and log-prob forward) -------------------
-
-def model_config(tp=1, pp=1, vpp=None, dropout=0.0, num_layers=4):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=96, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True, hidden_dropout=dropout,
-        attention_dropout=dropout, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_tensor_parallel_size=1, calculate_per_token_loss=True,
-    )
-
 
 def learner_config(distributed_optimizer):
     from entr_megatron.config.learner import LearnerConfig, OptimConfig
@@ -170,12 +156,6 @@ def gather_full_params(chunks, groups):
     return full
 
 
-def close(got, want, what):
-    err = (got.double() - want.double()).abs().max().item()
-    scale = want.double().abs().max().item()
-    assert err <= REL_TOL * max(scale, 1e-6), f"{what}: max error {err:.3g}, max |want| {scale:.3g}"
-
-
 def shard(full, p, name, groups):
     """This TP rank's piece of the full tensor ``full`` for local parameter ``p``."""
     if full.shape == p.shape:
@@ -209,15 +189,16 @@ def log0(msg):
 # --- launch 1: resharding -------------------------------------------------------------------------
 
 def _reshard(rank, world, root):
-    from entr_megatron.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.checkpoint.directory import CheckpointError
+    from entr_megatron.checkpoint.io import load_checkpoint, save_checkpoint
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import initialize_model_parallel
 
     enable_cpu_compat()
     batch, eval_batch = make_batch(1), make_batch(2)
 
     def fresh(tp=1, pp=1, vpp=None, seed=13):
-        return build(initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed), model_config(tp, pp, vpp))
+        return build(initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed), model_config(tp, pp, vpp=vpp))
 
     L = fresh(tp=2, seed=11)
     train(L, batch)
@@ -277,15 +258,10 @@ def _reshard(rank, world, root):
 def _resume(rank, world, root):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from entr_megatron.learner import checkpoint
-    from entr_megatron.learner.checkpoint import (
-        CheckpointError,
-        CheckpointNotFoundError,
-        latest_step,
-        load_checkpoint,
-        save_checkpoint,
-    )
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.checkpoint import io as checkpoint
+    from entr_megatron.checkpoint.directory import CheckpointError, CheckpointNotFoundError, latest_step
+    from entr_megatron.checkpoint.io import load_checkpoint, save_checkpoint
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import initialize_model_parallel
 
     enable_cpu_compat()
@@ -367,7 +343,7 @@ def _resume(rank, world, root):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("entr_megatron.learner.checkpoint_dir").addHandler(handler)
+    logging.getLogger("entr_megatron.checkpoint.directory").addHandler(handler)
     save_checkpoint(root, 2, L.chunks, L.opt, L.sched)
     save_checkpoint(root, 3, L.chunks, L.opt, L.sched, keep_last=2)
     if rank == 0:
@@ -421,7 +397,7 @@ def test_resume_is_bit_identical_and_saves_are_atomic(tmp_path):
 # --- the directory protocol, in process ------------------------------------------------------------
 
 def _fake_checkpoint(path):
-    from entr_megatron.learner.checkpoint_dir import COMPLETE_MARKERS
+    from entr_megatron.checkpoint.directory import COMPLETE_MARKERS
 
     path.mkdir(parents=True, exist_ok=True)
     for name in COMPLETE_MARKERS:
@@ -429,7 +405,7 @@ def _fake_checkpoint(path):
 
 
 def test_commit_replaces_a_step_and_interrupted_replacements_are_undone(tmp_path):
-    from entr_megatron.learner.checkpoint_dir import clean_stale, commit, latest_step, list_steps, prepare_tmp_dir
+    from entr_megatron.checkpoint.directory import clean_stale, commit, latest_step, list_steps, prepare_tmp_dir
 
     for step in (1, 2):
         _fake_checkpoint(prepare_tmp_dir(tmp_path, step))
@@ -454,7 +430,7 @@ def test_commit_replaces_a_step_and_interrupted_replacements_are_undone(tmp_path
 
 
 def test_latest_and_incomplete_checkpoints_are_reported(tmp_path):
-    from entr_megatron.learner.checkpoint_dir import (
+    from entr_megatron.checkpoint.directory import (
         CheckpointError,
         commit,
         latest_step,

@@ -24,36 +24,20 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from common import REL_TOL, close
+from common import model_config as _tiny_model_config
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB, SEQ, BATCH = 128, 16, 4
 SEED = 1234
-REL_TOL = 1e-5  # max |got - want| <= REL_TOL * max |want|, per tensor (fp32)
 
 
 # --- model and data -------------------------------------------------------------------
 
-def model_config(tp=1, pp=1, ep=1, vpp=None, sp=False, moe=False, dispatcher="alltoall", num_layers=4):
-    from megatron.core.transformer import TransformerConfig
-
-    kw = dict(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=96, normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1, calculate_per_token_loss=True,
-    )
-    if moe:
-        kw.update(
-            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48,
-            moe_layer_freq=[0] + [1] * (num_layers - 1), moe_token_dispatcher_type=dispatcher,
-            moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-        )
-    return TransformerConfig(**kw)
+def model_config(*args, **kwargs):
+    """The shared tiny model; its MoE layers also have a shared expert (48 wide)."""
+    return _tiny_model_config(*args, shared_expert_size=48, **kwargs)
 
 
 def make_batch():
@@ -61,12 +45,6 @@ def make_batch():
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return ids, targets, torch.arange(SEQ).expand(BATCH, SEQ)
-
-
-def close(got, want, what):
-    err = (got.double() - want.double()).abs().max().item()
-    scale = want.double().abs().max().item()
-    assert err <= REL_TOL * max(scale, 1e-6), f"{what}: max error {err:.3g}, max |want| {scale:.3g}"
 
 
 # --- the reference -----------------------------------------------------------------------
@@ -212,7 +190,7 @@ def run_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, tied=False,
     where = f"tp={tp} pp={pp} vpp={vpp} ep={ep} sp={sp} moe={moe} tied={tied} {dispatcher}"
     t0 = time.perf_counter()
     groups = initialize_model_parallel(tp, pp, ep=ep, vpp=vpp, seed=SEED + 1)  # weights come from ref
-    cfg = model_config(tp, pp, ep, vpp, sp, moe, dispatcher, num_layers)
+    cfg = model_config(tp, pp, ep, vpp, sp, moe, num_layers, dispatcher=dispatcher)
     chunks = build_model_chunks(cfg, VOCAB, SEQ, groups, tie_embeddings=tied)
     load_reference(chunks, ref, groups, cfg, tied)
     n_global = BATCH * SEQ
@@ -320,7 +298,7 @@ def check_packed_matches_separate(tp, sp):
 # --- launches ---------------------------------------------------------------------------------------
 
 def _two_ranks(rank, world):
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     dense = reference()
@@ -343,7 +321,7 @@ def _two_ranks(rank, world):
 
 
 def _four_ranks(rank, world):
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     dense = reference()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from entr_megatron.utils.spawn import run_gloo
+from helpers import hf_scores
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,11 +38,12 @@ def _perturb(chunks, seed: int) -> None:
 
 
 def _save(rank, world, hf_dir, ckpt, exports):
+    from entr_megatron.checkpoint.directory import read_model_config
+    from entr_megatron.checkpoint.io import save_checkpoint
     from entr_megatron.learner.build import build_learner_model_from_hf
-    from entr_megatron.learner.checkpoint import read_model_config, save_checkpoint
-    from entr_megatron.learner.compat import enable_cpu_compat
     from entr_megatron.learner.hf_export import save_hf_checkpoint
     from entr_megatron.learner.hf_load import read_hf_config
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import destroy, initialize_model_parallel
 
     enable_cpu_compat()
@@ -82,12 +84,6 @@ def _score(capsys, *args):
     return code, capsys.readouterr().err
 
 
-def _hf_scores(model, ids):
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)[:-1]
-    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
-
-
 @pytest.mark.parametrize("step", [5, None])
 def test_checkpoint_scores_match_hf_forward_of_its_weights(saved, tmp_path, capsys, step):
     ckpt, exports, hf_dir = saved
@@ -105,12 +101,12 @@ def test_checkpoint_scores_match_hf_forward_of_its_weights(saved, tmp_path, caps
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert [row["id"] for row in got] == [x["id"] for x in lines]
     for want, row in zip(lines, got):
-        ref_lp, ref_ent = _hf_scores(ref, want["input_ids"])
+        ref_lp, ref_ent = hf_scores(ref, want["input_ids"])
         lp = torch.tensor(row["logprobs"], dtype=torch.float64)
         torch.testing.assert_close(lp, ref_lp, rtol=0, atol=ATOL)
         torch.testing.assert_close(torch.tensor(row["entropy"], dtype=torch.float64), ref_ent, rtol=0, atol=ATOL)
         if len(lp) > 4:  # the other step's weights give other scores: the step really was chosen
-            assert (lp - _hf_scores(other, want["input_ids"])[0]).abs().max() > 100 * ATOL
+            assert (lp - hf_scores(other, want["input_ids"])[0]).abs().max() > 100 * ATOL
 
 
 def test_checkpoint_refusals(saved, tmp_path, capsys):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from entr_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, iter_flattened_buckets, unpack_flattened_bucket
+from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig, iter_flattened_buckets, unpack_flattened_bucket
 from entr_megatron.rollout.weights import WeightStage
 from entr_megatron.utils.spawn import free_port, free_port_range, run_gloo
 from entr_megatron.weight_sync import (
@@ -229,7 +229,7 @@ def pp2_push(engine, model_dir, port):
 
 def _learner_ranks(rank, world, model_dir, ports):
     """One launch for both layouts (spawning ranks and the engine dominates the time)."""
-    from entr_megatron.learner.compat import enable_cpu_compat
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     enable_cpu_compat()
@@ -596,14 +596,14 @@ class GlooRanks:
         return out
 
     def init(self, p):
-        from entr_megatron.rollout.sglang_engine import WeightGroup
+        from entr_megatron.weight_sync.group import WeightGroup
 
         spec = WeightGroup(p["master_address"], p["master_port"], p["world_size"], p["group_name"], p["backend"], ())
         self.groups = self._on_each_rank(lambda i: BroadcastGroup.join(spec, p["rank_offset"] + i, timeout_s=30),
                                          self.server.tp_size)
 
     def update(self, p):
-        from entr_megatron.rollout.sglang_engine import FlatBucket
+        from entr_megatron.rollout.sglang import FlatBucket
 
         assert p["load_format"] == "flattened_bucket"
         dtypes = [getattr(torch, d) for d in p["dtypes"]]

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from helpers import hf_scores
+
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
@@ -33,12 +35,6 @@ def score(*args, timeout=300):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", "score", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def hf_scores(model, ids):
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)[:-1]
-    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
 def test_score_matches_hf_and_summarises_mismatch(hf_model, tmp_path):

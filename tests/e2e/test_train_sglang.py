@@ -72,8 +72,8 @@ class GlooServer:
         return out
 
     def init(self, p):
-        from entr_megatron.rollout.sglang_engine import WeightGroup
         from entr_megatron.weight_sync import BroadcastGroup
+        from entr_megatron.weight_sync.group import WeightGroup
 
         spec = WeightGroup(p["master_address"], p["master_port"], p["world_size"], p["group_name"], p["backend"], ())
         self.ranks = self._each_rank(lambda i: BroadcastGroup.join(spec, p["rank_offset"] + i, timeout_s=120),
@@ -81,7 +81,7 @@ class GlooServer:
         self.rank_bytes = [0] * len(self.ranks)
 
     def update(self, p):
-        from entr_megatron.rollout.sglang_engine import FlatBucket, unpack_flattened_bucket
+        from entr_megatron.rollout.sglang import FlatBucket, unpack_flattened_bucket
 
         assert p["load_format"] == "flattened_bucket"
         dtypes = [getattr(torch, d) for d in p["dtypes"]]
@@ -250,7 +250,7 @@ def test_launched_servers_are_configured_and_stopped(tmp_path, monkeypatch):
         assert flags["--mem-fraction-static"] == "0.7" and flags["--weight-version"] == "0"
         assert argv[-1] == "--disable-radix-cache"
     for i in (0, 1):  # the servers were stopped with the stack
-        from entr_megatron.rollout.sglang_engine import SGLangClient
+        from entr_megatron.rollout.sglang import SGLangClient
 
         assert not SGLangClient(f"http://127.0.0.1:{port + i}").is_healthy(timeout=2)
 

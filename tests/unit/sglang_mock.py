@@ -1,7 +1,7 @@
 """An in-test stand-in for an SGLang 0.5.23 HTTP server (127.0.0.1 only, standard library only).
 
 It answers the endpoints the SGLang engine uses with the request and answer shapes of
-SGLang 0.5.23 (entr_megatron.rollout.sglang_engine.SGLANG_SOURCE: http_server.py,
+SGLang 0.5.23 (entr_megatron.rollout.sglang.protocol.SGLANG_SOURCE: http_server.py,
 managers/io_struct.py, api/v1/api_types.py, utils/weight_versions.py) and generates
 fake tokens deterministically (`mock_token`, `mock_logprob`). It is stricter than
 SGLang where that catches client mistakes: unknown fields in any body are refused

@@ -12,6 +12,7 @@ import torch
 
 from entr_megatron.algorithm import compute_policy_loss, mismatch_metrics
 from entr_megatron.config.algorithm import AlgorithmConfig
+from helpers import assert_close_f64 as _close
 
 F64 = torch.float64
 MU = -2.0
@@ -30,10 +31,6 @@ def _loss_grad(cfg, log_k, *, advantages=(1.0,), delta_old=None, mask=None):
                                         old_logprobs_BT=None if delta_old is None else old)
     (grad,) = torch.autograd.grad(loss, logprobs)
     return loss.item(), grad, metrics
-
-
-def _close(grad, expected):
-    torch.testing.assert_close(grad, torch.tensor(expected, dtype=F64), rtol=1e-9, atol=1e-12)
 
 
 # The example: ratios k = [2, 0.6, 1, 4], A = +1, one sequence, pi_old = pi.

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from entr_megatron.learner import compat
+from entr_megatron.parallel import cpu_compat as compat
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the compat layer is a no-op with CUDA")
 

@@ -5,12 +5,6 @@ import json
 import pytest
 
 from entr_megatron.controller.sft_data import load_sft_file_examples, read_sft_file
-from entr_megatron.rollout.tasks import build_char_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
 
 
 def write(path, rows):

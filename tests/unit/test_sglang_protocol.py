@@ -24,30 +24,29 @@ from entr_megatron.rollout.engine import (
     WeightReceiver,
     generate,
 )
-from entr_megatron.rollout.sglang_engine import (
+from entr_megatron.rollout.sglang import (
     FlatBucket,
+    RouterConfig,
     SGLangClient,
     SGLangEngine,
     SGLangEngineConfig,
     SGLangError,
+    SGLangServerConfig,
     SGLangTimeout,
     generate_payload,
     iter_flattened_buckets,
-    pack_flattened_bucket,
-    parse_generate_output,
-    sample_seed,
-    sampling_params_payload,
-    unpack_flattened_bucket,
-)
-from entr_megatron.rollout.sglang_launcher import (
-    RouterConfig,
-    SGLangServerConfig,
     launch_router,
     launch_servers,
+    pack_flattened_bucket,
+    parse_generate_output,
     router_command,
+    sample_seed,
+    sampling_params_payload,
     server_command,
     terminate_all,
+    unpack_flattened_bucket,
 )
+from entr_megatron.weight_sync.transports import SGLangWeightUpdate
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
 from sglang_mock import SAMPLING_FIELDS, MockSGLangServer, mock_logprob, mock_sampling_logprob, mock_token
@@ -313,14 +312,15 @@ def test_pause_continue_and_flush_payloads(server):
 def test_weight_update_handshake():
     with MockSGLangServer(tp_size=2) as a, MockSGLangServer(tp_size=1) as b, engine_for(a, b, weight_bucket_bytes=64) as engine:
         joined = []
-        group = engine.init_weights_update_group("127.0.0.1", 29555, backend="gloo", join=joined.append)
+        handshake = SGLangWeightUpdate(engine)
+        group = handshake.init_weights_update_group("127.0.0.1", 29555, backend="gloo", join=joined.append)
         assert joined == [group] and group.world_size == 4 and group.rank_offsets == (1, 3)
         for s, offset in ((a, 1), (b, 3)):
             assert s.calls_to("/init_weights_update_group") == [{
                 "master_address": "127.0.0.1", "master_port": 29555, "rank_offset": offset, "world_size": 4,
                 "group_name": "weight_update_group", "backend": "gloo"}]
         sender = RecordingSender()
-        engine.set_weight_sender(sender)
+        handshake.set_weight_sender(sender)
         hooked = []  # where the weight-sync step joins the group and receives the broadcast
         b.on_update_weights = hooked.append
         weights = {"embed.weight": torch.randn(4, 3), "norm.weight": torch.randn(5).bfloat16(), "layer.w": torch.randn(2, 6),
@@ -345,15 +345,16 @@ def test_weight_update_handshake():
         for u, flat in zip(a.calls_to("/update_weights_from_distributed"), sender.sent):
             received.update(unpack_flattened_bucket(FlatBucket(u["names"], u["dtypes"], u["shapes"], flat)))
         assert received.keys() == weights.keys() and all(torch.equal(received[k], v) for k, v in weights.items())
-        engine.destroy_weights_update_group()
-        assert a.calls_to("/destroy_weights_update_group") == [{"group_name": "weight_update_group"}] and engine.group is None
+        handshake.destroy_weights_update_group()
+        assert a.calls_to("/destroy_weights_update_group") == [{"group_name": "weight_update_group"}] and handshake.group is None
 
 
 def test_in_flight_update_labels_tokens_by_version(server):
     server.token_delay_s = 0.01
     with engine_for(server, kv_on_update="keep") as engine:
-        engine.init_weights_update_group("127.0.0.1", 29556)
-        engine.set_weight_sender(RecordingSender())
+        handshake = SGLangWeightUpdate(engine)
+        handshake.init_weights_update_group("127.0.0.1", 29556)
+        handshake.set_weight_sender(RecordingSender())
         engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=40))])
         wait_for(lambda: server.live and len(next(iter(server.live.values())).output_ids) >= 5)
         engine.update_weights({"w": torch.ones(2)}, version=1)
@@ -368,8 +369,9 @@ def test_update_errors_leave_servers_running(server):
     with engine_for(server) as engine:
         with pytest.raises(ValueError, match="init_weights_update_group"):
             engine.update_weights({"w": torch.ones(1)}, version=1)
-        engine.init_weights_update_group("127.0.0.1", 29557)
-        engine.set_weight_sender(RecordingSender())
+        handshake = SGLangWeightUpdate(engine)
+        handshake.init_weights_update_group("127.0.0.1", 29557)
+        handshake.set_weight_sender(RecordingSender())
         with pytest.raises(TypeError):
             engine.update_weights(_NoReceiver(), version=1)
         with pytest.raises(ValueError, match="must increase"):
@@ -392,9 +394,10 @@ class _NoReceiver(WeightReceiver):
 def test_server_without_weight_update_sessions():
     with MockSGLangServer(sessions=False, weight_version="4") as old, engine_for(old, flattened_buckets=False) as engine:
         assert engine.weight_version == 4 and not old.calls_to("/update_weight_version")
-        engine.init_weights_update_group("127.0.0.1", 29558)
+        handshake = SGLangWeightUpdate(engine)
+        handshake.init_weights_update_group("127.0.0.1", 29558)
         sender = RecordingSender()
-        engine.set_weight_sender(sender)
+        handshake.set_weight_sender(sender)
         engine.update_weights({"a": torch.ones(2), "b": torch.zeros(3)}, version=5)
         (update,) = old.calls_to("/update_weights_from_distributed")
         assert "load_format" not in update and update["names"] == ["a", "b"] and len(sender.sent) == 2  # one per tensor

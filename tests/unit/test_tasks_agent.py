@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from entr_megatron.rollout.engine import EngineHealth, GenerateResult, RolloutEngine, SamplingParams  # noqa: E402
 from entr_megatron.rollout.tasks import (  # noqa: E402
-    OBSERVATION_LOGPROB, CalculatorError, CalculatorTask, Environment, Episode, build_char_tokenizer,
+    OBSERVATION_LOGPROB, CalculatorError, CalculatorTask, Environment, Episode,
     run_episodes, safe_eval,
 )
 
@@ -80,11 +80,6 @@ class ScriptedEngine:
     def weight_version(self): return self.version
     def update_weights(self, weights, version): raise NotImplementedError
     def shutdown(self): ...
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
 
 
 def enc(tok, text):

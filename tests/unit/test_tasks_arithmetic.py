@@ -6,14 +6,9 @@ pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 from entr_megatron.rollout.tasks import (  # noqa: E402
-    TASKS, ArithmeticTask, CalculatorTask, MathTask, build_char_tokenizer, make_task, write_tiny_model_config,
+    TASKS, ArithmeticTask, CalculatorTask, MathTask, make_task, write_tiny_model_config,
 )
 from entr_megatron.types import Sample  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
 
 
 @pytest.fixture(scope="module")

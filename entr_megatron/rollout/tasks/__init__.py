@@ -1,6 +1,7 @@
 """Tasks and rewards (rollout side): prompts by split and verifiable rewards, by name.
 
     task = make_task("arithmetic", digits=2)      # or "math" (files=...), "calculator"
+    task = TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer)   # what `train` runs, from its config
     pairs = task.prompts("train", n=64, seed=step)
     reward = task.reward(sample, reference)
 
@@ -13,7 +14,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from entr_megatron.rollout.tasks.arithmetic import ArithmeticTask, arithmetic_reward
 from entr_megatron.rollout.tasks.base import SPLITS, Task, decode_response
@@ -25,8 +27,11 @@ from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environ
 from entr_megatron.rollout.tasks.math_data import MathProblem, MathTask, load_problems
 from entr_megatron.rollout.tasks.math_reward import math_verify_reward, normalised_match_reward
 
+if TYPE_CHECKING:
+    from entr_megatron.config.run import TaskConfig
+
 __all__ = [
-    "OBSERVATION_LOGPROB", "SPLITS", "TASKS",
+    "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS",
     "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "Environment", "Episode",
     "MathProblem", "MathTask", "Step", "Task",
     "arithmetic_reward", "build_char_tokenizer", "decode_response", "load_problems", "load_tokenizer",
@@ -43,3 +48,22 @@ def make_task(name: str, **kwargs: Any) -> Task:
     if name not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}")
     return TASKS[name](**kwargs)
+
+
+def _arithmetic(t: TaskConfig, tokenizer: Any) -> ArithmeticTask:
+    a = t.arithmetic
+    return ArithmeticTask(a.digits, a.operations, tokenizer=tokenizer, reverse_answer=a.reverse_answer,
+                          pad_operands=a.pad_operands, format_reward=a.format_reward)
+
+
+def _math(t: TaskConfig, tokenizer: Any) -> MathTask:
+    files = {"train": list(t.math.train_files)}
+    if t.math.eval_files:
+        files["test"] = list(t.math.eval_files)
+    return MathTask(tokenizer, files)
+
+
+TASK_BUILDERS: dict[str, Callable[[TaskConfig, Any], Task]] = {"arithmetic": _arithmetic, "math": _math}
+"""The single-turn tasks `train` drives, by `task.name` (exactly config.run.TASK_NAMES): each builds
+the task from the `task` section and the policy's tokenizer. The multi-turn calculator is not one
+of them: it runs through `run_episodes`, which the training loop does not drive yet."""

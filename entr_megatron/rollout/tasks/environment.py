@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 from entr_megatron.types import Sample
+from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["OBSERVATION_LOGPROB", "Environment", "Episode", "Step", "run_episodes"]
 
@@ -147,7 +148,7 @@ def run_episodes(
 
     def submit(i: int) -> None:
         s = states[i]
-        seed = None if params.seed is None else params.seed * 1_000_003 + i * 1_009 + s.turns
+        seed = None if params.seed is None else mix_seed(params.seed, i * 1_009 + s.turns)
         p = _turn_params(params, episodes[i].env.stop_token_ids, max_response_tokens - len(s.response), seed)
         (rid,) = engine.submit([GenerateRequest(s.prompt + s.response, p, group_id=s.group_id)])
         pending[rid] = i

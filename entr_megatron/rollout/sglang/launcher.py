@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from entr_megatron.rollout.sglang_engine import SGLangClient, SGLangError
+from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError
 
 __all__ = [
     "DTYPES",

@@ -1,0 +1,107 @@
+"""The `launcher` and `logging` sections: where the processes run, and what they write. Layer L0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from entr_megatron.config.validate import bad, boolean, choice, integer, string
+
+LauncherKind = Literal["local", "ray"]
+LAUNCHERS: tuple[str, ...] = get_args(LauncherKind)
+Device = Literal["cpu", "cuda"]
+DEVICES: tuple[str, ...] = get_args(Device)
+LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Where the processes run. Learner world size = nnodes * nproc_per_node."""
+
+    SECTION = "launcher"
+
+    kind: LauncherKind = "local"
+    """One of LAUNCHERS: 'local' processes (torch.distributed) or 'ray' actors in placement groups."""
+
+    device: Device = "cpu"
+    """One of DEVICES: 'cpu' (gloo) or 'cuda' (NCCL, one GPU per learner rank)."""
+
+    nnodes: int = 1
+    """Nodes the learner spans. >= 1."""
+
+    nproc_per_node: int = 1
+    """Learner ranks per node (on cuda: GPUs per node given to the learner). >= 1."""
+
+    gpus_per_node: int = 0
+    """GPUs on each node (placement); 0 on CPU. On cuda: >= nproc_per_node."""
+
+    engine_nodes: int = 0
+    """Extra nodes for the rollout engines; 0: engines use the learner nodes' remaining GPUs (or CPU). >= 0."""
+
+    ray_address: str | None = None
+    """kind 'ray': address of an existing cluster ('auto' or 'host:port'); None starts a local one."""
+
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of learner rank 0 (torchrun's --master-addr)."""
+
+    master_port: int = 0
+    """Rendezvous port; 0 picks a free one (single node only). In [0, 65535]."""
+
+    cpu_threads_per_rank: int | None = None
+    """torch intra-op threads of each learner rank. None: torch's default. >= 1."""
+
+    def __post_init__(self) -> None:
+        choice(self, "kind", LauncherKind)
+        choice(self, "device", Device)
+        integer(self, "nnodes", low=1)
+        integer(self, "nproc_per_node", low=1)
+        integer(self, "gpus_per_node", low=0)
+        integer(self, "engine_nodes", low=0)
+        string(self, "ray_address", optional=True)
+        string(self, "master_addr")
+        integer(self, "master_port", low=0, high=65535)
+        integer(self, "cpu_threads_per_rank", low=1, optional=True)
+        if self.ray_address is not None and self.kind != "ray":
+            raise bad(self, "ray_address", self.ray_address, "is only used with launcher.kind='ray'; use null")
+        if self.device == "cuda" and self.gpus_per_node < self.nproc_per_node:
+            raise bad(
+                self, "gpus_per_node", self.gpus_per_node,
+                f"launcher.device='cuda' needs >= launcher.nproc_per_node={self.nproc_per_node} GPUs per node",
+            )
+        if self.kind == "local" and self.nnodes > 1 and self.master_port == 0:
+            raise bad(self, "master_port", 0, "a multi-node local launch needs a fixed port in [1, 65535]")
+
+    @property
+    def world_size(self) -> int:
+        """Learner ranks."""
+        return self.nnodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Run directory, metrics and console output."""
+
+    SECTION = "logging"
+
+    run_dir: str = "runs/entr"
+    """Directory of metrics.jsonl, TensorBoard events, checkpoints and logs (the CLI's --run-dir wins)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events next to metrics.jsonl."""
+
+    progress_bar: bool = True
+    """Show a progress bar with reward, throughput and lag (off: one log line per log_interval)."""
+
+    log_interval: int = 1
+    """Steps between console log lines / metrics.jsonl records. >= 1."""
+
+    level: LogLevel = "info"
+    """Console log level: one of LOG_LEVELS."""
+
+    def __post_init__(self) -> None:
+        string(self, "run_dir")
+        boolean(self, "tensorboard")
+        boolean(self, "progress_bar")
+        integer(self, "log_interval", low=1)
+        choice(self, "level", LogLevel)

@@ -1,0 +1,193 @@
+"""The `rollout` section: inference engines and sampling. Layer L0.
+
+The fields mirror the user-facing ones of the engines (`rollout/embedded.py`,
+`rollout/sglang_*.py`, `rollout/engine.SamplingParams`); the controller translates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from entr_megatron.config.validate import boolean, choice, integer, number, str_tuple, url_tuple
+
+Engine = Literal["embedded", "sglang"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+EmbeddedDtype = Literal["float32", "bfloat16"]
+EMBEDDED_DTYPES: tuple[str, ...] = get_args(EmbeddedDtype)
+SGLangDtype = Literal["auto", "bfloat16", "float16", "float32"]
+SGLANG_DTYPES: tuple[str, ...] = get_args(SGLangDtype)
+WeightSnapshot = Literal["borrow", "copy"]
+WEIGHT_SNAPSHOTS: tuple[str, ...] = get_args(WeightSnapshot)
+KvOnUpdate = Literal["keep", "recompute"]
+KV_ON_UPDATE: tuple[str, ...] = get_args(KvOnUpdate)
+RouterPolicy = Literal["cache_aware", "round_robin", "random"]
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled (mirrors rollout.engine.SamplingParams)."""
+
+    SECTION = "rollout.sampling"
+
+    temperature: float = 1.0
+    """Logits are divided by it. > 0 (RL needs a stochastic policy). The loader copies it into
+    learner.temperature unless that is set; the two must agree."""
+
+    top_p: float = 1.0
+    """Nucleus truncation; 1.0 keeps every token. In (0, 1]."""
+
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 or 0: no top-k. >= -1."""
+
+    max_new_tokens: int = 128
+    """Response length limit in tokens. >= 1."""
+
+    n: int = 8
+    """Samples per prompt: the GRPO group size. >= 2 (group advantages need a baseline)."""
+
+    def __post_init__(self) -> None:
+        number(self, "temperature", low=0, low_open=True)
+        number(self, "top_p", low=0, high=1, low_open=True)
+        integer(self, "top_k", low=-1)
+        integer(self, "max_new_tokens", low=1)
+        integer(self, "n", low=2)
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    """SGLang servers (`python -m sglang.launch_server`), started by the launcher on GPU nodes."""
+
+    SECTION = "rollout.sglang"
+
+    tp_size: int = 1
+    """GPUs (tensor-parallel ranks) per server. >= 1."""
+
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory for weights + KV cache. None: SGLang's default. In (0, 1)."""
+
+    base_port: int = 30000
+    """Port of the first server on a node; server i uses base_port + i. In [1024, 65535]."""
+
+    extra_args: tuple[str, ...] = ()
+    """Passed to launch_server unchanged, e.g. ["--disable-radix-cache"]."""
+
+    router: bool = False
+    """Put sglang-router in front of the servers (one URL, cache-aware load balancing)."""
+
+    router_policy: RouterPolicy = "cache_aware"
+    """Router load-balancing policy: one of ROUTER_POLICIES."""
+
+    max_concurrent_requests: int = 256
+    """Requests in flight per server from the controller. >= 1."""
+
+    startup_timeout_s: float = 1800.0
+    """Seconds to wait for a server to load its model. > 0."""
+
+    urls: tuple[str, ...] | None = None
+    """Already running servers (http:// or https://host:port), one per engine (rollout.num_engines
+    of them): `train` launches nothing and drives these, and tp_size, mem_fraction_static,
+    base_port, extra_args and startup_timeout_s do not apply (the servers' own flags do). The
+    servers must reach learner rank 0, which hosts the weight-update group (launcher.master_addr;
+    with Ray, rank 0's node IP);
+    their weights are overwritten by the learner's before the first rollout. Any launcher.device
+    works (the servers run elsewhere). None: `train` launches rollout.num_engines servers on its
+    own node (launcher.kind 'local', one node, no engine_nodes), on the GPUs after the learner's."""
+
+    def __post_init__(self) -> None:
+        if self.urls is not None:
+            url_tuple(self, "urls")
+        integer(self, "tp_size", low=1)
+        if self.mem_fraction_static is not None:
+            number(self, "mem_fraction_static", low=0, high=0.99, low_open=True)
+        integer(self, "base_port", low=1024, high=65535)
+        str_tuple(self, "extra_args")
+        boolean(self, "router")
+        choice(self, "router_policy", RouterPolicy)
+        integer(self, "max_concurrent_requests", low=1)
+        number(self, "startup_timeout_s", low=0, low_open=True)
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    """The embedded engine (HF transformers, CPU or one GPU), each in its own process."""
+
+    SECTION = "rollout.embedded"
+
+    max_batch_size: int = 32
+    """Samples decoded together; more wait. >= 1."""
+
+    max_prefill_tokens: int = 8192
+    """Padded prompt tokens admitted in one prefill. >= 1."""
+
+    num_threads: int | None = None
+    """torch intra-op threads of each engine process. None: torch's default. >= 1."""
+
+    def __post_init__(self) -> None:
+        integer(self, "max_batch_size", low=1)
+        integer(self, "max_prefill_tokens", low=1)
+        integer(self, "num_threads", low=1, optional=True)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Inference engines that generate the training samples."""
+
+    SECTION = "rollout"
+
+    engine: Engine = "embedded"
+    """One of ENGINES: 'embedded' (HF transformers in its own process; CPU) or 'sglang' (GPU servers)."""
+
+    num_engines: int = 1
+    """Engine processes (SGLang servers, each of sglang.tp_size GPUs). >= 1."""
+
+    dtype: EmbeddedDtype | SGLangDtype = "float32"
+    """Engine numerics. embedded: float32 | bfloat16; sglang: auto | bfloat16 | float16 | float32.
+    A dtype other than the learner's makes the train-inference mismatch real."""
+
+    prompts_per_step: int = 8
+    """Prompts (groups) per training step; a step trains on prompts_per_step * sampling.n sequences. >= 1."""
+
+    dynamic_filtering: bool = False
+    """Drop groups whose rewards are all equal (zero advantage, no gradient) and sample more
+    prompts until the step is full (DAPO); the dropped groups are counted in the metrics."""
+
+    kv_on_update: KvOnUpdate | None = None
+    """After a weight update, 'keep' the KV cache of in-flight requests (no stall) or 'recompute'
+    it. None: the engine's default (embedded keep, sglang recompute)."""
+
+    weight_bucket_mib: int | None = None
+    """Size of one weight-sync bucket in MiB. None: 512. >= 1."""
+
+    weight_snapshot: WeightSnapshot = "borrow"
+    """How the learner holds the weights it is sending (one of WEIGHT_SNAPSHOTS). 'borrow': parameters
+    go on the wire straight from where they are (no copy; re-laid-out or gathered tensors are
+    copied), and the next optimizer step waits until they are sent (forward and backward do not).
+    'copy': everything is copied into host buffers first (one more copy of the stage's weights in
+    memory and CPU time), and the learner never waits for the wire."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters, including the group size n."""
+
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang server settings (used when engine is 'sglang')."""
+
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    """Embedded engine settings (used when engine is 'embedded')."""
+
+    def __post_init__(self) -> None:
+        choice(self, "engine", Engine)
+        integer(self, "num_engines", low=1)
+        choice(self, "dtype", EmbeddedDtype if self.engine == "embedded" else SGLangDtype)
+        integer(self, "prompts_per_step", low=1)
+        boolean(self, "dynamic_filtering")
+        if self.kv_on_update is not None:
+            choice(self, "kv_on_update", KvOnUpdate)
+        integer(self, "weight_bucket_mib", low=1, optional=True)
+        choice(self, "weight_snapshot", WeightSnapshot)
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs the engines occupy (0 for the embedded engine, which runs on CPU)."""
+        return self.num_engines * self.sglang.tp_size if self.engine == "sglang" else 0

@@ -1,0 +1,145 @@
+"""The `task` and `sft` sections: what the policy is trained on, and the supervised warm-up. Layer L0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from entr_megatron.config.validate import bad, boolean, choice, integer, number, str_tuple, string
+
+TaskName = Literal["arithmetic", "math"]  # = rollout.tasks.TASK_BUILDERS (the multi-turn calculator: not yet)
+TASK_NAMES: tuple[str, ...] = get_args(TaskName)
+ArithmeticOperation = Literal["+", "-", "*"]
+ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class ArithmeticTaskConfig:
+    """Synthetic multi-digit arithmetic, generated locally; exact-match reward."""
+
+    SECTION = "task.arithmetic"
+
+    digits: int = 2
+    """Digits of each operand (1 .. 10^digits - 1). In [1, 9]."""
+
+    operations: tuple[ArithmeticOperation, ...] = ("+", "-")
+    """Operators drawn uniformly, from ARITHMETIC_OPERATIONS."""
+
+    reverse_answer: bool = False
+    """Write answers least significant digit first (far easier for a tiny causal model)."""
+
+    pad_operands: bool = False
+    """Operands with leading zeros to `digits` places ("07+45="): fixed digit positions."""
+
+    format_reward: float = 0.0
+    """Reward of a wrong but well-formed answer (an integer, then EOS). In [0, 1)."""
+
+    def __post_init__(self) -> None:
+        integer(self, "digits", low=1, high=9)
+        boolean(self, "reverse_answer")
+        boolean(self, "pad_operands")
+        number(self, "format_reward", 0, 1)
+        if self.format_reward >= 1.0:
+            raise bad(self, "format_reward", self.format_reward, "must be < 1 (a correct answer earns 1)")
+        str_tuple(self, "operations", ArithmeticOperation)
+        if not self.operations:
+            raise bad(self, "operations", [], f"must name at least one of {', '.join(ARITHMETIC_OPERATIONS)}")
+
+
+@dataclass(frozen=True)
+class MathTaskConfig:
+    """Math problems from JSONL/Parquet files; math-verify reward."""
+
+    SECTION = "task.math"
+
+    train_files: tuple[str, ...] = ()
+    """Training problems (.jsonl, .json or .parquet). Required when task.name is 'math'."""
+
+    eval_files: tuple[str, ...] = ()
+    """Held-out problems; empty: the last task.eval_size training problems are held out."""
+
+    prompt_key: str = "problem"
+    """Column holding the problem text."""
+
+    answer_key: str = "answer"
+    """Column holding the reference answer."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_files", "eval_files"):
+            str_tuple(self, name)
+            for file in getattr(self, name):
+                if not file.endswith(DATA_FILE_SUFFIXES):
+                    raise bad(self, name, file, f"files must end with one of {', '.join(DATA_FILE_SUFFIXES)}")
+        string(self, "prompt_key")
+        string(self, "answer_key")
+
+
+@dataclass(frozen=True)
+class CalculatorTaskConfig:
+    """Multi-turn arithmetic where the model may call a calculator tool."""
+
+    SECTION = "task.calculator"
+
+    digits: int = 4
+    """Digits of each operand. In [1, 18]."""
+
+    max_turns: int = 4
+    """Model turns (tool calls + final answer) per episode. >= 1."""
+
+    def __post_init__(self) -> None:
+        integer(self, "digits", low=1, high=18)
+        integer(self, "max_turns", low=1)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """What the policy is trained on and how it is rewarded."""
+
+    SECTION = "task"
+
+    name: TaskName = "arithmetic"
+    """One of TASK_NAMES; its options live in the section of the same name."""
+
+    eval_size: int = 200
+    """Held-out problems scored before/after training and every controller.eval_interval. >= 0."""
+
+    arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    """Options of the 'arithmetic' task."""
+
+    math: MathTaskConfig = field(default_factory=MathTaskConfig)
+    """Options of the 'math' task."""
+
+    calculator: CalculatorTaskConfig = field(default_factory=CalculatorTaskConfig)
+    """Options of the 'calculator' task."""
+
+    def __post_init__(self) -> None:
+        choice(self, "name", TaskName)
+        integer(self, "eval_size", low=0)
+        if self.name == "math" and not self.math.train_files:
+            raise bad(self, "math.train_files", [], "task.name='math' needs at least one .jsonl/.json/.parquet file")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm-up before RL (RL from random weights learns nothing)."""
+
+    SECTION = "sft"
+
+    steps: int = 200
+    """Optimizer steps of the warm-up. >= 1."""
+
+    lr: float = 1e-3
+    """Constant learning rate of the warm-up. > 0."""
+
+    batch_size: int = 32
+    """Sequences per warm-up step. >= 1."""
+
+    data_files: tuple[str, ...] = ()
+    """Demonstrations (.jsonl/.json/.parquet with prompt and response). Empty: generated by the task."""
+
+    def __post_init__(self) -> None:
+        integer(self, "steps", low=1)
+        number(self, "lr", low=0, low_open=True)
+        integer(self, "batch_size", low=1)
+        str_tuple(self, "data_files")

@@ -1,0 +1,69 @@
+"""SGLang servers as rollout engines: launch them, talk to them, generate with them.
+
+    servers = launch_servers([SGLangServerConfig(model_dir, tp_size=2, port=30000 + i) for i in range(4)],
+                             log_dir="logs/sglang")                             # launcher.py
+    engine = SGLangEngine(SGLangEngineConfig(urls=tuple(s.url for s in servers)))   # engine.py
+    engine.submit([GenerateRequest(prompt_ids, SamplingParams(temperature=1.0, n=8))])
+    results = engine.poll(timeout=1.0)
+    # weights, on learner rank 0: weight_sync.SGLangTransport(engine, "10.0.0.1", 29600)
+
+Modules: `protocol.py` the HTTP protocol of SGLang 0.5.23 (endpoints, the bodies we
+build, how answers are parsed, the flattened weight bucket), `client.py` one server's
+HTTP API and its errors, `engine.py` the `RolloutEngine` (generation; a weight update
+pauses the servers around weight_sync's transfer), `launcher.py` server and router
+processes. Nothing here imports sglang.
+"""
+
+from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout
+from entr_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineConfig, WeightTransfer
+from entr_megatron.rollout.sglang.launcher import (
+    ManagedProcess,
+    RouterConfig,
+    SGLangServerConfig,
+    launch_router,
+    launch_servers,
+    router_command,
+    server_command,
+    terminate_all,
+)
+from entr_megatron.rollout.sglang.protocol import (
+    KV_ON_UPDATE,
+    SGLANG_SOURCE,
+    SGLANG_VERSION,
+    FlatBucket,
+    generate_payload,
+    iter_flattened_buckets,
+    pack_flattened_bucket,
+    parse_generate_output,
+    sample_seed,
+    sampling_params_payload,
+    unpack_flattened_bucket,
+)
+
+__all__ = [
+    "KV_ON_UPDATE",
+    "SGLANG_SOURCE",
+    "SGLANG_VERSION",
+    "FlatBucket",
+    "ManagedProcess",
+    "RouterConfig",
+    "SGLangClient",
+    "SGLangEngine",
+    "SGLangEngineConfig",
+    "SGLangError",
+    "SGLangServerConfig",
+    "SGLangTimeout",
+    "WeightTransfer",
+    "generate_payload",
+    "iter_flattened_buckets",
+    "launch_router",
+    "launch_servers",
+    "pack_flattened_bucket",
+    "parse_generate_output",
+    "router_command",
+    "sample_seed",
+    "sampling_params_payload",
+    "server_command",
+    "terminate_all",
+    "unpack_flattened_bucket",
+]

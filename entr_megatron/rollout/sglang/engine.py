@@ -1,0 +1,397 @@
+"""`SGLangEngine`: the `RolloutEngine` over running SGLang servers (generation; weights by a transfer).
+
+    engine = SGLangEngine(SGLangEngineConfig(urls=("http://10.0.0.2:30000", "http://10.0.0.3:30000")))
+    engine.submit([GenerateRequest(prompt_ids, SamplingParams(temperature=1.0, n=8))])
+    results = engine.poll(timeout=1.0)
+    report = engine.update_weights(hf_state_dict, version=engine.weight_version + 1)  # needs a transfer
+
+Control calls (abort, pause, resume) go to every server; `/generate` goes to the
+sglang-router when one is configured, else to the server with the fewest of our
+requests in flight. Each request is one non-streamed `/generate` call of its n
+samples (`protocol.generate_payload`), run in a thread pool; `poll` hands back the
+parsed answers and raises a failed call's `SGLangError`.
+
+Weights: `update_weights` pauses every server (`kv_on_update`), lets the attached
+`WeightTransfer` move the tensors, then resumes them and labels later tokens with the
+new version. The transfer (SGLang's broadcast group and its per-bucket handshake) is
+weight_sync's `SGLangWeightUpdate`, which attaches itself with `set_weight_transfer`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from entr_megatron.rollout.engine import (
+    EngineError,
+    EngineHealth,
+    GenerateRequest,
+    GenerateResult,
+    WeightReceiver,
+    WeightSource,
+    WeightUpdateReport,
+)
+from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout, wait_all
+from entr_megatron.rollout.sglang.protocol import (
+    KV_ON_UPDATE,
+    ParsedSample,
+    generate_payload,
+    parse_generate_output,
+    sample_rids,
+)
+
+__all__ = ["SGLangEngine", "SGLangEngineConfig", "WeightTransfer"]
+
+
+@dataclass(frozen=True)
+class SGLangEngineConfig:
+    """How to reach and drive a set of SGLang servers."""
+
+    urls: tuple[str, ...]
+    """Every server (http://host:port); control calls go to each."""
+    router_url: str | None = None
+    """sglang-router in front of `urls`: /generate goes there."""
+    request_timeout_s: float = 60.0
+    """Control calls (abort, pause, info)."""
+    generate_timeout_s: float = 3600.0
+    """One /generate call (a whole non-streamed group of samples)."""
+    weight_update_timeout_s: float = 1800.0
+    """Group set-up and each bucket of a weight update."""
+    max_concurrent_requests: int = 256
+    """/generate calls in flight at once (one per GenerateRequest; the rest wait)."""
+    kv_on_update: str = "recompute"
+    """See KV_ON_UPDATE: "recompute" (SGLang "retract" pause) or "keep" ("in_place")."""
+    group_name: str = "weight_update_group"
+    weight_bucket_bytes: int = 512 << 20
+    weight_dtype: str | None = None
+    """Cast floating tensors to this torch dtype name while packing (e.g. "bfloat16"); None: as given."""
+    flattened_buckets: bool = True
+    """One broadcast per bucket (load_format "flattened_bucket"); False: one per tensor (old servers)."""
+    tp_sizes: tuple[int, ...] | None = None
+    """Ranks per server in the weight group; None: ask each server (/server_info tp_size)."""
+    initial_version: int = 0
+    """Version of the servers' weights before any update; a non-numeric server version is set to it."""
+    abort_retry_s: float = 0.5
+    """Re-send aborts this often until the request ends (an abort arriving before the server
+    registered the rid is ignored by SGLang)."""
+
+    def __post_init__(self):
+        if not self.urls:
+            raise ValueError("SGLangEngineConfig.urls is empty: give at least one server")
+        if self.kv_on_update not in KV_ON_UPDATE:
+            raise ValueError(f"SGLangEngineConfig.kv_on_update must be one of {sorted(KV_ON_UPDATE)}, got {self.kv_on_update!r}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"SGLangEngineConfig.max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.weight_bucket_bytes <= 0:
+            raise ValueError(f"SGLangEngineConfig.weight_bucket_bytes must be positive, got {self.weight_bucket_bytes}")
+        if self.weight_dtype is not None and not isinstance(getattr(torch, self.weight_dtype, None), torch.dtype):
+            raise ValueError(f"SGLangEngineConfig.weight_dtype must be a torch dtype name, got {self.weight_dtype!r}")
+        if self.tp_sizes is not None and (len(self.tp_sizes) != len(self.urls) or min(self.tp_sizes) < 1):
+            raise ValueError(f"SGLangEngineConfig.tp_sizes must give a size >= 1 per url, got {self.tp_sizes}")
+        for name in ("request_timeout_s", "generate_timeout_s", "weight_update_timeout_s", "abort_retry_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SGLangEngineConfig.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@runtime_checkable
+class WeightTransfer(Protocol):
+    """Moves one weight version onto the servers while `update_weights` holds them paused
+    (weight_sync's `SGLangWeightUpdate`)."""
+
+    def transfer(self, weights: WeightSource, version: int) -> tuple[int, int]:
+        """Send every tensor of `weights` as `version`; returns (tensors, bytes) sent."""
+        ...
+
+
+@dataclass
+class _Live:
+    request: GenerateRequest
+    rids: list[str]
+    server: int | None  # index into the servers; None: the router
+    aborted: bool = False
+
+
+class SGLangEngine:
+    """`RolloutEngine` over running SGLang servers (see the module docstring)."""
+
+    def __init__(self, config: SGLangEngineConfig):
+        self.config = config
+        self.servers = [SGLangClient(u, config.request_timeout_s) for u in config.urls]
+        self.router = None if config.router_url is None else SGLangClient(config.router_url, config.request_timeout_s)
+        self._pool = cf.ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="sglang-generate")
+        self._control = cf.ThreadPoolExecutor(2 * len(self.servers) + 4, thread_name_prefix="sglang-control")
+        self._cond = threading.Condition()
+        self._results: collections.deque[GenerateResult] = collections.deque()
+        self._errors: list[BaseException] = []
+        self._live: dict[str, _Live] = {}
+        self._update_lock = threading.Lock()
+        self._paused = False
+        self._closed = False
+        self._weight_transfer: WeightTransfer | None = None
+        self._last_update: WeightUpdateReport | None = None
+        self._aborter: threading.Thread | None = None
+        self._version = self._sync_versions()
+
+    def _sync_versions(self) -> int:
+        """Read the servers' versions; label non-numeric ones (SGLang's "default") `initial_version`."""
+        versions = set()
+        for s in self.servers:
+            v = s.weight_version()
+            if not v.lstrip("-").isdigit():
+                try:
+                    s.update_weight_version(str(self.config.initial_version), abort_all_requests=False)
+                except SGLangError as e:
+                    if e.status != 404:  # an old server without versions: parse_generate_output maps them
+                        raise
+                v = str(self.config.initial_version)
+            versions.add(int(v))
+        if len(versions) != 1:
+            raise EngineError(f"SGLang servers disagree on the weight version: {sorted(versions)} ({self.config.urls})")
+        return versions.pop()
+
+    # --- RolloutEngine -------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def submit(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        """Queue requests (one /generate call each, n samples in it); returns their ids."""
+        self._check_open()
+        ids: list[str] = []
+        for r in requests:
+            p = r.params
+            if p.return_raw_logprobs and not (p.greedy or p.temperature == 1.0):
+                raise ValueError(
+                    "SamplingParams.return_raw_logprobs needs temperature 1 or 0 with SGLang: it reports "
+                    f"log-probs after temperature scaling (request {r.request_id}, temperature {p.temperature})"
+                )
+            if r.request_id is None:
+                r.request_id = uuid.uuid4().hex
+            if r.request_id in self._live or r.request_id in ids:
+                raise ValueError(f"request id {r.request_id!r} is already in flight")
+            ids.append(r.request_id)
+        with self._cond:
+            for r in requests:
+                live = _Live(r, sample_rids(r.request_id, r.params.n), self._pick_server())
+                self._live[r.request_id] = live
+                self._pool.submit(self._run, live)
+        return ids
+
+    def poll(self, timeout: float | None = 0.0) -> list[GenerateResult]:
+        """Finished samples (a request's n samples arrive together); waits up to `timeout` s for
+        the first. A failed /generate call raises here, with the server's answer as a note."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._results or self._errors, timeout)
+            if self._errors:
+                raise self._errors.pop(0)
+            out = list(self._results)
+            self._results.clear()
+            return out
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End requests: each comes back with finish_reason "abort" and its tokens so far."""
+        self._check_open()
+        targets = []
+        with self._cond:
+            for rid in request_ids:
+                live = self._live.get(rid)
+                if live is not None and not live.aborted:
+                    live.aborted = True
+                    targets.append(live)
+            if targets and self._aborter is None:
+                self._aborter = threading.Thread(target=self._abort_loop, name="sglang-abort", daemon=True)
+                self._aborter.start()
+        self._send_aborts(targets)
+
+    def pause(self) -> None:
+        """Stop decoding on every server (SGLang pause mode from `kv_on_update`); requests stay."""
+        self._check_open()
+        mode = KV_ON_UPDATE[self.config.kv_on_update]
+        wait_all([self._control.submit(s.pause_generation, mode) for s in self.servers], self.config.request_timeout_s, "pause")
+        self._paused = True
+
+    def resume(self) -> None:
+        """Decode again on every server."""
+        self._check_open()
+        wait_all([self._control.submit(s.continue_generation) for s in self.servers], self.config.request_timeout_s, "resume")
+        self._paused = False
+
+    def health(self) -> EngineHealth:
+        """Every server answers /model_info; never raises."""
+        with self._cond:
+            running = sum(len(live.rids) for live in self._live.values())
+        base = dict(weight_version=self._version, paused=self._paused, num_running=running, last_update=self._last_update)
+        if self._closed:
+            return EngineHealth(alive=False, error="the engine was shut down", **base)
+        errors = []
+        for s in self.servers:
+            try:
+                s.model_info(timeout=min(self.config.request_timeout_s, 10.0))
+            except SGLangError as e:
+                errors.append("\n".join([str(e), *getattr(e, "__notes__", [])]))
+        return EngineHealth(alive=not errors, error="\n".join(errors) or None, **base)
+
+    def update_weights(self, weights: WeightSource, version: int) -> WeightUpdateReport:
+        """Send a complete set of HF-named tensors to every server as `version` through the
+        attached `WeightTransfer` (`set_weight_transfer`). Generation is paused for the
+        whole transfer (the report's swap_s); requests stay and their later tokens carry
+        `version`. On failure the servers are resumed and the error raised; the servers may
+        then hold a partial update (SGLang loads each bucket as it arrives): send it again."""
+        if isinstance(weights, WeightReceiver):
+            raise TypeError("SGLang servers receive weights over their broadcast group, not through a WeightReceiver")
+        transfer = self._weight_transfer
+        if transfer is None:
+            raise ValueError("SGLangEngine.update_weights needs a weight transfer: weight_sync's "
+                             "SGLangWeightUpdate(engine) with init_weights_update_group(...) and set_weight_sender(...) first")
+        with self._update_lock:
+            self._check_open()
+            if version <= self._version:
+                raise ValueError(f"weight version must increase: engine is at {self._version}, got {version}")
+            t0 = time.time()
+            was_paused = self._paused
+            try:  # resume even after a partial pause (continue_generation is harmless on a running server)
+                if not was_paused:
+                    self.pause()
+                t_paused = time.time()
+                with self._cond:
+                    running = sum(len(live.rids) for live in self._live.values())
+                num_tensors, num_bytes = transfer.transfer(weights, version)
+            finally:
+                t_loaded = time.time()
+                if not was_paused:
+                    self.resume()
+            t_end = time.time()
+            self._version = version
+            self._last_update = WeightUpdateReport(
+                version=version, num_tensors=num_tensors, num_bytes=num_bytes, transfer_s=t_loaded - t0,
+                swap_s=t_end - t_paused, wait_s=t_paused - t0, total_s=t_end - t0,
+                decode_steps_during_transfer=0, running_at_swap=running,
+            )
+            return self._last_update
+
+    def shutdown(self) -> None:
+        """Abort our requests still on the servers (best effort) and stop the threads; idempotent.
+        The servers keep running (the launcher owns them)."""
+        if self._closed:
+            return
+        with self._cond:
+            live = list(self._live.values())
+            for entry in live:
+                entry.aborted = True
+        try:
+            self._send_aborts(live, timeout=5.0)
+        except EngineError:
+            pass
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._control.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # --- the servers' side of weight updates ---------------------------------------------
+
+    def tp_sizes(self) -> tuple[int, ...]:
+        """Ranks each server holds in a weight group (its tensor-parallel size)."""
+        if self.config.tp_sizes is not None:
+            return self.config.tp_sizes
+        return tuple(int(s.server_info().get("tp_size", 1)) for s in self.servers)
+
+    def set_weight_transfer(self, transfer: WeightTransfer | None) -> None:
+        """What `update_weights` sends through (None: nothing; updates are refused)."""
+        if transfer is not None and not isinstance(transfer, WeightTransfer):
+            raise TypeError(f"weight transfer must have transfer(weights, version), got {type(transfer).__name__}")
+        self._weight_transfer = transfer
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("the SGLang engine was shut down")
+
+    def _pick_server(self) -> int | None:
+        if self.router is not None:
+            return None
+        load = collections.Counter(live.server for live in self._live.values())
+        return min(range(len(self.servers)), key=lambda i: load[i])
+
+    def _run(self, live: _Live) -> None:
+        """One /generate call (in a pool thread)."""
+        r = live.request
+        try:
+            if live.aborted:  # never reached a server
+                parsed = [ParsedSample(output_ids=[], logprobs=[], raw_logprobs=[] if r.params.return_raw_logprobs else None,
+                                       entropy=None, finish_reason="abort", versions=[]) for _ in live.rids]
+            else:
+                client = self.router if live.server is None else self.servers[live.server]
+                # Always seeded: a deterministic-inference server would give every unseeded sample seed 42.
+                payload = generate_payload(r.prompt_ids, r.params, live.rids, seed=random.getrandbits(62))
+                outs = client.generate(payload, timeout=self.config.generate_timeout_s)
+                by_rid = {o["meta_info"].get("id"): o for o in outs}
+                if set(by_rid) == set(live.rids):
+                    outs = [by_rid[rid] for rid in live.rids]
+                if len(outs) != len(live.rids):
+                    raise SGLangError(f"/generate returned {len(outs)} answers for {len(live.rids)} samples", url=client.url)
+                parsed = []
+                for o in outs:
+                    try:
+                        parsed.append(parse_generate_output(o, r.params, default_version=self.config.initial_version))
+                    except (ValueError, KeyError, TypeError, IndexError) as e:
+                        raise SGLangError(f"unusable /generate answer for request {r.request_id}: {e}",
+                                          url=client.url, body=json.dumps(o)[:4000]) from e
+            results = [
+                GenerateResult(request_id=r.request_id, sample_index=i, prompt_ids=list(r.prompt_ids),
+                               group_id=r.group_id, metadata=dict(r.metadata), **p)
+                for i, p in enumerate(parsed)
+            ]
+            with self._cond:
+                self._results.extend(results)
+        except BaseException as e:  # surfaced by poll()
+            if isinstance(e, SGLangError):
+                e.add_note(f"request {r.request_id} ({len(live.rids)} samples)")
+            if isinstance(e, SGLangTimeout):  # do not leave it generating for nobody
+                try:
+                    self._send_aborts([live], timeout=5.0)
+                except EngineError:
+                    pass
+            with self._cond:
+                self._errors.append(e)
+        finally:
+            with self._cond:
+                self._live.pop(r.request_id, None)
+                self._cond.notify_all()
+
+    def _send_aborts(self, targets: Sequence[_Live], timeout: float | None = None) -> None:
+        calls = []
+        for live in targets:
+            # Behind a router we do not know which server has the request: ask all.
+            servers = self.servers if live.server is None else [self.servers[live.server]]
+            calls += [self._control.submit(s.abort_request, rid, timeout=timeout) for s in servers for rid in live.rids]
+        if calls:
+            wait_all(calls, timeout or self.config.request_timeout_s, "abort")
+
+    def _abort_loop(self) -> None:
+        while not self._closed:
+            time.sleep(self.config.abort_retry_s)
+            with self._cond:
+                targets = [live for live in self._live.values() if live.aborted]
+            try:
+                self._send_aborts(targets)
+            except (EngineError, RuntimeError):  # the next round retries; poll reports dead servers
+                pass

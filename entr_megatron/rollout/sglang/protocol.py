@@ -1,0 +1,319 @@
+"""SGLang's HTTP protocol as we use it: the endpoints, the bodies we build, the answers we parse.
+
+Checked against SGLang 0.5.23 (PyPI wheel, see `SGLANG_SOURCE`) in
+srt/entrypoints/http_server.py, srt/managers/io_struct.py, the JSON contract
+api/v1/api_types.py, and the tokenizer manager / scheduler code that fills the
+answers (srt/managers/tokenizer_manager.py, srt/utils/weight_versions.py,
+srt/weight_sync/tensor_bucket.py). The whole SGLang repository was too large to
+fetch, so no git commit was recorded (the wheel's `_version.py` has commit_id=None).
+
+| endpoint | method | body we send | answer |
+|---|---|---|---|
+| /health | GET | - | 200 ready, 503 starting/unhealthy (0.5.23: also runs a 1-token generation when idle) |
+| /model_info (/get_model_info before) | GET | - | {model_path, weight_version, is_generation, ...} |
+| /server_info (/get_server_info before) | GET | - | server args (tp_size, ...) + "version" |
+| /generate | POST | {input_ids, rid, sampling_params, return_logprob, return_sampling_mask, stream} | {output_ids, meta_info} or a list of them |
+| /abort_request | POST | {rid} (exact rid; unknown rids are ignored) | 200, empty |
+| /pause_generation | POST | {mode: "in_place" or "retract" ("abort" is the default!)} | {message, status: "ok"} |
+| /continue_generation | POST | {} | {message, status: "ok"} |
+| /flush_cache | POST | - | text; 400 while requests run |
+| /init_weights_update_group | POST | {master_address, master_port, rank_offset, world_size, group_name, backend} | {success, message}; 400 |
+| /begin_weight_update | POST | {selector: "all"} | {success, message}; 404 on older servers (e.g. 0.5.3) |
+| /update_weights_from_distributed | POST | {names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version, load_format: "flattened_bucket"} | {success, message}; 400 |
+| /end_weight_update | POST | {} | {success, message} |
+| /destroy_weights_update_group | POST | {group_name} | {success, message}; 400 |
+| /update_weight_version | POST | {new_version, abort_all_requests} (its default aborts everything) | {success, message, new_version} |
+
+Errors: a body failing the pydantic parse gives 400 {"object": "error", "message",
+"type", "param", "code"}; `/generate` answers a contract violation (e.g. an unknown
+sampling parameter) with 400 {"error": "<text>"} and a rejected request with
+400 {"error": {"message"}}.
+
+How an answer becomes a `GenerateResult` (`parse_generate_output`):
+- `meta_info.output_token_logprobs` is a list of [logprob, token_id, text or null]
+  with logprob = log_softmax(logits / temperature), *before* top-p/top-k truncation
+  (greedy: log_softmax(logits), which we keep, as `sampling.py` does). That is the
+  behaviour log-prob only without truncation. With truncation we ask for `return_sampling_mask` and take
+  `meta_info.output_token_sampling_logprobs` (one float per token: the sampled
+  token's log-prob renormalised over the kept support). The server aborts such a
+  request when the support is larger than --sampling-mask-max-tokens (4096), so
+  use top_k below that with top_p. Greedy requests ignore top-p/top-k, so they
+  never ask for the mask.
+- Entropy: SGLang reports none (its `return_entropy` is never filled in 0.5.23);
+  `entropy` is None, greedy included.
+- Versions: `meta_info.weight_versions` lists spans {version, start, end} over the
+  output tokens; the scheduler records one when the weight version changes while
+  a request lives, so tokens before and after an in-flight update carry the right
+  version. Older servers give only `meta_info.weight_version` (the server's version
+  when the answer was built): then every token gets it, which mislabels the tokens
+  before an in-flight update. Versions are strings in SGLang; ours are their int
+  value (non-numeric ones, e.g. SGLang's "default", read as `initial_version`).
+- Seeds: each sample sends sampling_seed (from SamplingParams.seed, else a random one,
+  mixed with the sample index); only servers launched with --enable-deterministic-inference
+  use it (and would give every unseeded request seed 42).
+- Stop tokens stay in `output_ids` (finished_len = matched position + 1). An aborted running request still decodes one
+  more step; while paused in place, it ends only after `resume`.
+
+A weight update pauses every server (in place or retracting its requests, see
+`KV_ON_UPDATE`), opens a session, posts one `/update_weights_from_distributed`
+per bucket while the sender broadcasts that bucket from rank 0 of the group, then
+closes the session and continues (the engine pauses, `weight_sync.transports`
+runs the rest). Generation stops for the whole transfer (SGLang has no staging
+copy); requests stay. A bucket is SGLang's "flattened_bucket": the tensors' bytes
+back to back in one uint8 tensor, no padding, every offset a multiple of the
+tensor's element size (`pack_flattened_bucket`, the layout of `utils.buckets`).
+
+Not yet run against a real SGLang server (no GPU here); to confirm there:
+pydantic's handling of our control bodies, `/health` as a readiness check, the
+router's `/health`, and that `output_token_sampling_logprobs` is present for every
+sample of a batch with top-p/top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import torch
+
+from entr_megatron.rollout.engine import SamplingParams
+from entr_megatron.utils.buckets import FlatLayout, dtype_from_name, dtype_name, floating_as, plan_flat_buckets
+from entr_megatron.utils.seeding import mix_seed
+
+__all__ = [
+    "KV_ON_UPDATE",
+    "SGLANG_SOURCE",
+    "SGLANG_VERSION",
+    "FlatBucket",
+    "ParsedSample",
+    "generate_payload",
+    "init_group_payload",
+    "iter_flattened_buckets",
+    "pack_flattened_bucket",
+    "parse_generate_output",
+    "sample_rids",
+    "sample_seed",
+    "sampling_params_payload",
+    "unpack_flattened_bucket",
+    "update_weights_payload",
+    "version_number",
+]
+
+SGLANG_VERSION = "0.5.23"
+"""SGLang release whose HTTP protocol this package implements (and `sglang_mock` imitates)."""
+SGLANG_SOURCE = (
+    "sglang 0.5.23 from PyPI: sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl, sha256 "
+    "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937 (git tag v0.5.23; the wheel "
+    "records no commit); sglang-router 0.3.2 for the router flags"
+)
+KV_ON_UPDATE = {"recompute": "retract", "keep": "in_place"}
+"""Our name -> SGLang's pause mode during a weight update. "recompute": running requests go back
+to the queue and their KV cache (and the prefix cache) is rebuilt with the new weights. "keep":
+requests keep the KV cache of the old weights (in-flight update, as the embedded engine's
+default); the prefix cache cannot be flushed then and keeps serving old-weight prefixes."""
+SAMPLING_SEED_MODULUS = 1 << 63
+"""SGLang's sampling_seed is an int64."""
+
+
+# --- /generate: the body --------------------------------------------------------------------
+
+
+def _truncated(params: SamplingParams) -> bool:
+    return not params.greedy and (params.top_p < 1.0 or params.top_k > 0)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """SGLang `sampling_seed` of sample `index` of a request seeded with `seed`."""
+    return mix_seed(seed, index, modulus=SAMPLING_SEED_MODULUS)
+
+
+def sampling_params_payload(params: SamplingParams, index: int = 0, seed: int | None = None) -> dict[str, Any]:
+    """SGLang `sampling_params` of one sample (n is expanded by us, see `generate_payload`).
+    The seed (params.seed, else `seed`) takes effect only on servers started with
+    --enable-deterministic-inference; those use 42 for a request without one."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 disables; 0 is an error
+        "ignore_eos": params.ignore_eos,
+    }
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = list(params.stop_token_ids)
+    seed = params.seed if params.seed is not None else seed
+    if seed is not None:
+        sp["sampling_seed"] = sample_seed(seed, index)
+    return sp
+
+
+def sample_rids(request_id: str, n: int) -> list[str]:
+    """SGLang rids of a request's samples. We expand n ourselves: with sampling_params.n SGLang
+    gives the samples fresh uuids, which could not be aborted one by one."""
+    return [f"{request_id}-{i}" for i in range(n)]
+
+
+def generate_payload(prompt_ids: Sequence[int], params: SamplingParams, rids: Sequence[str], seed: int | None = None) -> dict[str, Any]:
+    """The /generate body for `len(rids)` samples of one prompt (`seed` when params.seed is None)."""
+    n = len(rids)
+    sps = [sampling_params_payload(params, i, seed) for i in range(n)]
+    payload: dict[str, Any] = {
+        "input_ids": list(prompt_ids) if n == 1 else [list(prompt_ids)] * n,
+        "rid": rids[0] if n == 1 else list(rids),
+        "sampling_params": sps[0] if n == 1 or "sampling_seed" not in sps[0] else sps,
+        "return_logprob": True,
+        "stream": False,
+    }
+    if _truncated(params):
+        payload["return_sampling_mask"] = True
+    return payload
+
+
+# --- /generate: the answer ------------------------------------------------------------------
+
+
+class ParsedSample(TypedDict):
+    """The per-token fields of a `GenerateResult`, read from one /generate answer."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    raw_logprobs: list[float] | None
+    entropy: None
+    finish_reason: str
+    versions: list[int]
+
+
+def version_number(version: Any, default: int) -> int:
+    """Our int of an SGLang version string ("3" -> 3; "default" and the like -> `default`)."""
+    try:
+        return int(str(version))
+    except ValueError:
+        return default
+
+
+def _token_versions(meta: Mapping[str, Any], num_tokens: int, default: int) -> list[int]:
+    spans = meta.get("weight_versions") or []
+    if not spans:
+        return [version_number(meta.get("weight_version"), default)] * num_tokens
+    versions = [version_number(spans[0]["version"], default)] * num_tokens
+    for span in spans:
+        v = version_number(span["version"], default)
+        for t in range(max(0, int(span["start"])), min(num_tokens, int(span["end"]))):
+            versions[t] = v
+    return versions
+
+
+def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, default_version: int) -> ParsedSample:
+    """One /generate answer -> the per-token fields of a GenerateResult (see the module docstring)."""
+    meta = out["meta_info"]
+    output_ids = [int(t) for t in out.get("output_ids") or []]
+    n = len(output_ids)
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    if kind not in ("stop", "length", "abort"):
+        raise ValueError(f"unexpected finish_reason {reason!r}")
+    entries = meta.get("output_token_logprobs") or []
+    if len(entries) != n or any(int(e[1]) != t for e, t in zip(entries, output_ids)):
+        raise ValueError(f"output_token_logprobs ({len(entries)} entries) do not match output_ids ({n} tokens)")
+    reported = [float(e[0]) for e in entries]
+    raw = reported if params.return_raw_logprobs else None
+    if _truncated(params):
+        sampling = meta.get("output_token_sampling_logprobs")
+        if sampling is None:
+            if n:
+                raise ValueError(f"no output_token_sampling_logprobs: the server ignores return_sampling_mask (SGLang {SGLANG_VERSION} has it)")
+            sampling = []
+        logprobs = [float(x) for x in sampling]
+        if len(logprobs) != n:
+            raise ValueError(f"{len(logprobs)} output_token_sampling_logprobs for {n} tokens")
+    else:
+        logprobs = reported
+    return ParsedSample(
+        output_ids=output_ids, logprobs=logprobs, raw_logprobs=raw, entropy=None, finish_reason=kind,
+        versions=_token_versions(meta, n, default_version),
+    )
+
+
+# --- weight updates: the bodies -------------------------------------------------------------
+
+
+def init_group_payload(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                       group_name: str, backend: str) -> dict[str, Any]:
+    """The /init_weights_update_group body: join ranks rank_offset .. + tp_size - 1 of the group."""
+    return {
+        "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+        "world_size": int(world_size), "group_name": group_name, "backend": backend,
+    }
+
+
+def update_weights_payload(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *, group_name: str,
+    flush_cache: bool, weight_version: str | None, load_format: str | None, abort_all_requests: bool,
+) -> dict[str, Any]:
+    """The /update_weights_from_distributed body of one bucket (load_format None: left out, so an
+    older server takes one broadcast per tensor)."""
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(f"names, dtypes and shapes must have the same non-zero length, got {len(names)}, {len(dtypes)}, {len(shapes)}")
+    payload: dict[str, Any] = {
+        "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+        "group_name": group_name, "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+        "weight_version": weight_version,
+    }
+    if load_format is not None:
+        payload["load_format"] = load_format
+    return payload
+
+
+# --- weight updates: the flattened bucket ---------------------------------------------------
+
+
+@dataclass
+class FlatBucket:
+    """SGLang "flattened_bucket": tensors' bytes back to back in one uint8 tensor."""
+
+    names: list[str]
+    dtypes: list[str]
+    """torch dtype names without "torch." (SGLang does getattr(torch, dtype))."""
+    shapes: list[list[int]]
+    flat: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        return self.flat.numel()
+
+    def layout(self) -> FlatLayout:
+        """Where each tensor sits in `flat` (SGLang's FlattenedTensorBucket reads the same)."""
+        return FlatLayout(tuple(self.names), tuple(dtype_from_name(d) for d in self.dtypes),
+                          tuple(tuple(s) for s in self.shapes))
+
+
+def _bucket(layout: FlatLayout, tensors: Sequence[torch.Tensor]) -> FlatBucket:
+    return FlatBucket(names=list(layout.names), dtypes=[dtype_name(d) for d in layout.dtypes],
+                      shapes=[list(s) for s in layout.shapes], flat=layout.pack(tensors))
+
+
+def pack_flattened_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
+    """Pack tensors the way SGLang's FlattenedTensorBucket unpacks them: no padding, and larger
+    elements first so that every offset is a multiple of its element size (SGLang refuses
+    unaligned tensors)."""
+    if not named_tensors:
+        raise ValueError("cannot pack an empty bucket")
+    ((layout, tensors),) = plan_flat_buckets(named_tensors, bucket_bytes=1 << 62)
+    return _bucket(layout, tensors)
+
+
+def unpack_flattened_bucket(bucket: FlatBucket) -> list[tuple[str, torch.Tensor]]:
+    """The receiver's view (SGLang's FlattenedTensorBucket.empty + reconstruct_tensors)."""
+    layout = bucket.layout()
+    assert layout.nbytes == bucket.flat.numel(), "bucket size does not match its tensors"
+    return layout.views(bucket.flat)
+
+
+def iter_flattened_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None,
+) -> Iterator[FlatBucket]:
+    """Buckets of at most `bucket_bytes` (a larger tensor gets one of its own); floating tensors
+    are cast to `dtype` when given (send what the servers store). A bucket is packed (copied)
+    as soon as the first tensor of the next one arrives."""
+    for layout, tensors in plan_flat_buckets(named_tensors, bucket_bytes, wire_dtype=floating_as(dtype)):
+        yield _bucket(layout, tensors)

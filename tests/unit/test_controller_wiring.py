@@ -1,0 +1,175 @@
+"""The job's pieces without processes: the task registry, the learner/pusher roles over a worker
+group, the SGLang version view, the seeds of evaluation and SFT, the run directory's files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from entr_megatron.config.loader import load_config
+from entr_megatron.controller.remote import RemoteLearner, RemotePusher
+from entr_megatron.controller.sglang_setup import PushedVersionView
+from entr_megatron.rollout.engine import EngineHealth, GenerateResult, WeightUpdateReport
+
+
+class FakeGroup:
+    """A worker group of two learner ranks: records every call; rank 0 is the weight sender."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call(self, method, *args, **kwargs):
+        self.calls.append((method, args, kwargs))
+        if method == "push":
+            return [0.25, 0.5]
+        if method == "wait_push":
+            return [{"sender": 1.0, "transfer_s": 2.0, "gbytes_per_s": 3.0}, {}]
+        return [(method, "rank0"), (method, "rank1")]
+
+
+class FakeEngine:
+    """Generates one token per request at a fixed weight version; counts its updates."""
+
+    def __init__(self, version=0):
+        self.version, self.updates, self.requests, self._done = version, [], [], []
+
+    @property
+    def weight_version(self):
+        return self.version
+
+    def health(self):
+        return EngineHealth(alive=True, weight_version=self.version)
+
+    def submit(self, requests):
+        ids = []
+        for r in requests:
+            rid = r.request_id or f"r{len(self.requests)}"
+            self.requests.append(r)
+            ids.append(rid)
+            self._done += [GenerateResult(rid, i, list(r.prompt_ids), [7], [0.0], [self.version], "stop")
+                           for i in range(r.params.n)]
+        return ids
+
+    def poll(self, timeout=0.0):
+        out, self._done = self._done, []
+        return out
+
+    def update_weights(self, receiver, version):
+        self.updates.append((receiver, version))
+        return WeightUpdateReport(version=version, num_tensors=1, num_bytes=4, transfer_s=0.1, swap_s=0.01,
+                                  wait_s=0.0, total_s=0.1, decode_steps_during_transfer=0, running_at_swap=0)
+
+
+def test_task_registry_is_exactly_the_configs_task_names(tok):
+    from entr_megatron.config.task import TASK_NAMES
+    from entr_megatron.controller.job import build_task
+    from entr_megatron.rollout.tasks import TASK_BUILDERS, ArithmeticTask
+
+    assert set(TASK_BUILDERS) == set(TASK_NAMES)
+    cfg = load_config(None, ["task.arithmetic.digits=3", "task.arithmetic.reverse_answer=true"])
+    task = build_task(cfg, tok)
+    assert isinstance(task, ArithmeticTask) and task.digits == 3 and task.reverse_answer and task.tokenizer is tok
+    with pytest.raises(ValueError, match=r"task\.name='calculator'.*allowed: arithmetic, math"):
+        load_config(None, ["task.name=calculator"])
+
+
+def test_learner_role_is_rank_zeros_answer():
+    group = FakeGroup()
+    learner = RemoteLearner(group)
+    assert learner.train("batch", 3) == ("train", "rank0")
+    assert learner.save("/ckpt", 5, {"controller": {}}, 2) == ("save", "rank0")
+    assert learner.load("/ckpt") == ("load", "rank0")
+    assert learner.export_hf("/out") == ("export_hf", "rank0")
+    assert group.calls == [("train", ("batch", 3), {}), ("save", ("/ckpt", 5, {"controller": {}}, 2), {}),
+                           ("load", ("/ckpt",), {}), ("export_hf", ("/out",), {})]
+
+
+def test_pusher_role_feeds_each_engine_its_receiver_and_reports():
+    group, engines = FakeGroup(), [FakeEngine(), FakeEngine()]
+    pusher = RemotePusher(group, engines, ["recv0", "recv1"])
+    handle = pusher.push(4)
+    report = handle.wait()
+    assert [e.updates for e in engines] == [[("recv0", 4)], [("recv1", 4)]]
+    assert report["weight_sync/version"] == 4.0 and report["weight_sync/learner_blocked_s"] == 0.5
+    assert report["weight_sync/transfer_s"] == 2.0 and report["weight_sync/gbytes_per_s"] == 3.0
+    assert report["weight_sync/engine_blocked_s"] == 0.01
+    assert pusher.last_push_report is report and handle.wait() is report
+    with pytest.raises(ValueError, match="one receiver per engine"):
+        RemotePusher(group, engines, ["recv0"])
+
+
+def test_sglang_view_takes_its_version_from_delivered_pushes():
+    engine = FakeEngine(version=5)  # the controller's client: never updates the servers itself
+    view = PushedVersionView(engine)
+    pusher = RemotePusher(FakeGroup(), on_delivered=view.confirm_version)
+    assert view.weight_version == 5  # before any push: what the servers said
+    handle = pusher.push(7)
+    assert view.weight_version == 5, "a push in flight is not delivered yet"
+    handle.wait()
+    assert view.weight_version == 7 and view.health().weight_version == 7 and engine.version == 5
+    view.confirm_version(6)  # versions never go back
+    assert view.weight_version == 7
+    from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+
+    [rid] = view.submit([GenerateRequest([1, 2], SamplingParams(max_new_tokens=1))])
+    assert [r.request_id for r in view.poll()] == [rid] and engine.requests
+
+
+def test_evaluation_and_sft_seeds_are_mixed_from_the_run_seed(tok):
+    from entr_megatron.controller.evaluation import evaluate
+    from entr_megatron.controller.job import build_task
+    from entr_megatron.controller.sft import sft_examples
+
+    cfg = load_config(None, ["controller.seed=3", "task.arithmetic.digits=1"])
+    task = build_task(cfg, tok)
+    engine = FakeEngine()
+    metrics = evaluate(engine, task, 5, cfg.rollout.sampling, seed=3)
+    assert metrics["eval/num_problems"] == 5.0
+    seeds = [r.params.seed for r in engine.requests]
+    assert seeds == [3 * 1_000_003 + i for i in range(5)] * 2  # greedy, then sampled
+
+    drawn = []
+
+    class Recording:
+        name, tokenizer = "recording", tok
+
+        def sft_examples(self, split, n, seed):
+            drawn.append((split, n, seed))
+            return []
+
+    cfg = load_config(None, ["controller.seed=3", "sft.batch_size=2"])
+    sft_examples(cfg, Recording(), step=4)
+    assert drawn == [("train", 2, 3 * 1_000_003 + 4 + 7_919)]
+
+
+def test_run_dir_files(tmp_path):
+    from entr_megatron.controller.run_dir import RunPaths, export_final_model, read_eval, save_eval, write_config
+
+    paths = RunPaths(tmp_path / "run")
+    write_config(load_config(None, []), paths)
+    write_config(load_config(None, []), paths)
+    assert paths.config.exists() and not paths.config.with_suffix(".yaml.previous").exists()
+    write_config(load_config(None, ["controller.seed=9"]), paths)
+    assert paths.config.with_suffix(".yaml.previous").exists()
+
+    assert read_eval(paths, "before_rl") is None
+    save_eval(paths, "before_rl", {"eval/accuracy": 0.5})
+    save_eval(paths, "after_rl", {"eval/accuracy": 0.75})
+    assert json.loads(paths.eval.read_text()) == {"before_rl": {"eval/accuracy": 0.5}, "after_rl": {"eval/accuracy": 0.75}}
+    assert read_eval(paths, "before_rl") == {"eval/accuracy": 0.5}
+
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_text("{}")
+
+    class Exporter:
+        def export_hf(self, out):
+            (tmp_path / "run" / "final_model").mkdir()
+            (tmp_path / "run" / "final_model" / "config.json").write_text("{}")
+
+    assert paths.latest_model() is None
+    export_final_model(Exporter(), paths, tokenizer_dir)
+    assert (paths.final_model / "tokenizer.json").exists() and paths.latest_model() == paths.final_model
+    export_final_model(Exporter(), paths, tokenizer_dir)  # an earlier end of the run is kept aside
+    assert (paths.root / "final_model.previous" / "config.json").exists()
