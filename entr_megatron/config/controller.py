@@ -38,10 +38,6 @@ class ControllerConfig:
     train_steps: int = 100
     """Training steps (= policy versions published) of the run. >= 1."""
 
-    global_batch_size: int | None = None
-    """Sequences per training step. None: rollout.prompts_per_step * rollout.sampling.n; if set it
-    must equal that product."""
-
     checkpoint_interval: int = 0
     """Save a checkpoint every this many steps; 0: only at the end (and on Ctrl-C). >= 0."""
 
@@ -65,6 +61,5 @@ class ControllerConfig:
             )
         choice(self, "stale_policy", StalePolicy)
         integer(self, "train_steps", low=1)
-        integer(self, "global_batch_size", low=1, optional=True)
         for name in ("checkpoint_interval", "keep_last_checkpoints", "eval_interval", "seed"):
             integer(self, name, low=0)

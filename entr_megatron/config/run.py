@@ -86,11 +86,6 @@ class RunConfig:
                 f"{self.model.max_prompt_len + self.rollout.sampling.max_new_tokens}",
             )
         expected = self.rollout.prompts_per_step * self.rollout.sampling.n
-        if self.controller.global_batch_size not in (None, expected):
-            raise bad(
-                self, "controller.global_batch_size", self.controller.global_batch_size,
-                f"must equal rollout.prompts_per_step * rollout.sampling.n = {expected} (or be null)",
-            )
         dp = self.parallel.data_parallel_size(self.launcher.world_size)
         if self.learner.mini_batches * dp > expected:
             raise bad(

@@ -44,7 +44,7 @@ an integer tensor (``total_num_tokens`` is ``torch.int``); the counts here are.
 Megatron scales MoE auxiliary losses assuming ``count`` is a token count
 (``moe/router.py`` l. 456-466), which only holds for token-mean.
 
-Metrics: ``report`` carries sums, maxima and minima that the train step adds
+Metrics: ``report`` is a ``LossReport`` (loss_report.py) that the train step adds
 over micro-batches and data-parallel ranks before dividing, so the loss and the
 mismatch metrics (``mismatch_metric_stats``, with the loss's own keep mask and
 importance weights) are exact for the global batch; the correction's and policy
@@ -54,24 +54,19 @@ loss's own metrics are token-weighted means of their per-micro-batch values
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from entr_megatron.algorithm import aggregate_loss, mismatch_metric_stats, policy_loss_terms
-from entr_megatron.algorithm.objective import PolicyTerms
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import MicroBatch
+from entr_megatron.learner.loss_report import LossReport
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
-__all__ = ["LOSS_COUNT", "LOSS_NUMERATOR", "make_logprob_loss_func", "make_policy_loss_func", "packed_logprobs_entropy"]
-
-# Report keys of the exact loss: sum of numerators / sum of counts over the global batch.
-LOSS_NUMERATOR = "loss/numerator"
-LOSS_COUNT = "loss/count"
+__all__ = ["make_logprob_loss_func", "make_policy_loss_func", "packed_logprobs_entropy"]
 
 
 def packed_logprobs_entropy(logits_bsv: Tensor, mb: MicroBatch, tp_group, learner_cfg: LearnerConfig,
@@ -124,32 +119,6 @@ def _entropy_for_algorithm(mb: MicroBatch, learner_entropy_BT: Tensor, cfg: Algo
     return mb.rollout_entropy_BT.to(learner_entropy_BT.device)
 
 
-def _report(lp_BT: Tensor, entropy_BT: Tensor, blp_BT: Tensor, mask_BT: Tensor, terms: PolicyTerms,
-            cfg: AlgorithmConfig) -> dict:
-    """Reducible metrics of one micro-batch: {'sums', 'maxima', 'minima'} of scalar tensors.
-
-    Mismatch metrics come from their exact stats, with the loss's own keep mask and
-    importance weights. The correction's and the loss's own metrics are per-micro-batch
-    values: they are reduced as token-weighted means (``*_max`` as maxima), exact for those
-    averaging over all response tokens.
-    """
-    stats = mismatch_metric_stats(
-        lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT,
-        eps=cfg.entr_eps,
-    )
-    sums = {f"mismatch_stats/{k}": v for k, v in stats.sums.items()}
-    maxima = {f"mismatch_stats/{k}": v for k, v in stats.maxima.items()}
-    minima = {f"mismatch_stats/{k}": v for k, v in stats.minima.items()}
-    tokens = mask_BT.sum().double()
-    for key, value in terms.metrics.items():
-        if key.endswith("_max"):
-            maxima[key] = value.detach().double() if tokens > 0 else torch.tensor(-math.inf, dtype=torch.float64)
-        else:
-            sums[f"weighted/{key}"] = value.detach().double() * tokens
-    sums["weighted/tokens"] = tokens
-    return {"sums": sums, "maxima": maxima, "minima": minima}
-
-
 def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *,
                           vocab_size: int | None = None, old_logprobs_T: Tensor | None = None,
                           ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
@@ -178,7 +147,7 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         if mb.num_seqs == 0:
             # Padding-only micro-batch: contributes nothing, but backward must still reach the model.
             zero = logits_bsv.sum() * 0.0
-            return zero, torch.zeros([], dtype=count_dtype, device=device), {"sums": {}, "maxima": {}, "minima": {}}
+            return zero, torch.zeros([], dtype=count_dtype, device=device), LossReport()
         out = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision)
         logprobs_T, entropy_T = out[0], out[1]
         mask_BT = mb.response_mask_BT.to(device)
@@ -192,9 +161,11 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         unit_counts, count = parts(terms.denominator_BT)
         numerator = aggregate_loss(terms.loss_BT, terms.denominator_BT, aggregation,
                                    max_response_len=algo_cfg.loss_norm_tokens, **unit_counts)
-        report = _report(lp_BT, entropy_BT, blp_BT, mask_BT, terms, algo_cfg)
-        report["sums"][LOSS_NUMERATOR] = numerator.detach().double()
-        report["sums"][LOSS_COUNT] = count.double()
+        stats = mismatch_metric_stats(
+            lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT,
+            eps=algo_cfg.entr_eps,
+        )
+        report = LossReport.of_microbatch(numerator, count, terms, stats, tokens=mask_BT.sum())
         return numerator, count.to(count_dtype), report
 
     return loss_func

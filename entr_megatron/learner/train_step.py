@@ -21,7 +21,6 @@ except with interleaving, where all micro-batches are padded to one length
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
@@ -34,7 +33,6 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
-from entr_megatron.algorithm import MetricStats, finalize_mismatch_metrics
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import (
@@ -43,7 +41,8 @@ from entr_megatron.learner.batching import (
     padded_length,
     plan_microbatches,
 )
-from entr_megatron.learner.loss import LOSS_COUNT, LOSS_NUMERATOR, make_logprob_loss_func, make_policy_loss_func
+from entr_megatron.learner.loss import make_logprob_loss_func, make_policy_loss_func
+from entr_megatron.learner.loss_report import LossReport
 from entr_megatron.learner.optimizer import check_training_config, optimizer_step
 from entr_megatron.types import TrainBatch
 
@@ -155,61 +154,6 @@ def _prepare_config(config, groups) -> None:
 
 # --- metrics ----------------------------------------------------------------------------------------
 
-def _merge(into: dict, new: dict, op) -> None:
-    for key, value in new.items():
-        into[key] = value if key not in into else op(into[key], value)
-
-
-def _reduce_reports(reports: list[dict], groups) -> tuple[dict, dict, dict]:
-    """Sums / maxima / minima of the micro-batch reports of every DP rank, as Python floats."""
-    sums, maxima, minima = {}, {}, {}
-    for r in reports:
-        _merge(sums, r["sums"], torch.add)
-        _merge(maxima, r["maxima"], torch.maximum)
-        _merge(minima, r["minima"], torch.minimum)
-
-    def to_floats(d: dict) -> dict:
-        if not d:
-            return {}
-        values = torch.stack([v.reshape(()).double() for v in d.values()]).tolist()  # one device sync
-        return dict(zip(d, values))
-
-    local = (to_floats(sums), to_floats(maxima), to_floats(minima))
-    if groups.dp_size == 1:
-        return local
-    # Keys can differ (a rank with only padding micro-batches reports none): merge as objects.
-    everyone = [None] * groups.dp_size
-    dist.all_gather_object(everyone, local, group=groups.dp)
-    out = ({}, {}, {})
-    for rank_dicts in everyone:
-        for merged, d, op in zip(out, rank_dicts, (lambda a, b: a + b, max, min)):
-            _merge(merged, d, op)
-    return out
-
-
-def _finalize_metrics(sums: dict, maxima: dict, minima: dict) -> dict[str, float]:
-    prefix = "mismatch_stats/"
-
-    def strip(d: dict) -> dict:
-        return {k[len(prefix):]: torch.tensor(v, dtype=torch.float64) for k, v in d.items() if k.startswith(prefix)}
-
-    metrics: dict[str, float] = {}
-    count = sums.get(LOSS_COUNT, 0.0)
-    metrics["loss"] = sums.get(LOSS_NUMERATOR, 0.0) / count if count > 0 else 0.0
-    metrics["loss/count"] = count
-    if any(k.startswith(prefix) for k in sums):
-        stats = MetricStats(strip(sums), strip(maxima), strip(minima))
-        metrics.update({k: float(v) for k, v in finalize_mismatch_metrics(stats).items()})
-    tokens = sums.get("weighted/tokens", 0.0)
-    for key, value in sums.items():
-        if key.startswith("weighted/") and key != "weighted/tokens":
-            metrics[key[len("weighted/"):]] = value / tokens if tokens > 0 else 0.0
-    for key, value in maxima.items():
-        if not key.startswith(prefix):
-            metrics[key] = value if math.isfinite(value) else 0.0
-    return metrics
-
-
 def _from_last_stage(metrics: dict, groups) -> dict:
     """The last pipeline stage's metrics on every stage of the pipeline."""
     if groups.pp_size == 1:
@@ -271,7 +215,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
     reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
     step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad, before_update=before_update)
 
-    metrics = _finalize_metrics(*_reduce_reports(reports, groups)) if last else {}
+    metrics = LossReport.total(reports).all_reduced(groups).metrics() if last else {}
     metrics = _from_last_stage(metrics, groups)
     metrics.update({
         "optim/grad_norm": step.grad_norm,

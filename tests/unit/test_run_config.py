@@ -177,7 +177,6 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
         (["rollout.engine=sglang", "rollout.dtype=bfloat16"], "rollout.engine"),  # needs cuda
         (["rollout.dtype=auto"], "rollout.dtype"),  # embedded has no 'auto'
-        (["controller.global_batch_size=10"], "controller.global_batch_size"),
         (["rollout.sampling.max_new_tokens=2000"], "model.max_seq_len"),
         (["model.path=/m", "model.architecture={model_type: llama}"], "model.architecture"),
         (["learner.temperature=0.5"], "learner.temperature"),
@@ -296,3 +295,11 @@ def test_mini_batches_and_epochs():
     assert cfg.learner.steps_per_batch == 8
     with pytest.raises(ValueError, match=r"learner\.epochs=0"):
         load_config(None, ["learner.epochs=0"])
+
+
+def test_global_batch_size_is_derived_not_a_second_field():
+    # It restated rollout.prompts_per_step * rollout.sampling.n; a config that still sets it is told so.
+    cfg = load_config(None, ["rollout.prompts_per_step=3", "rollout.sampling.n=5"])
+    assert cfg.global_batch_size == 15
+    with pytest.raises(ValueError, match=r"unknown key 'global_batch_size' at 'controller'"):
+        load_config(None, ["controller.global_batch_size=15"])
