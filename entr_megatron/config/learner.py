@@ -13,8 +13,6 @@ from typing import Literal, get_args
 
 from entr_megatron.config.validate import bad, boolean, choice, integer, number
 
-Precision = Literal["fp32", "bf16"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
 
@@ -104,10 +102,6 @@ class LearnerConfig:
     """Token budget of one packed micro-batch (sequences are never split; one longer than the
     budget gets a micro-batch of its own). >= 1."""
 
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts: log-probs and entropy are taken of softmax(z / T),
-    the distribution the behaviour log-probs were measured under. > 0."""
-
     mini_batches: int = 1
     """Optimizer steps per pass over a rollout batch: the global batch is split into this many
     contiguous mini-batches of (nearly) equal sequence counts, each one optimizer step (verl's
@@ -123,10 +117,6 @@ class LearnerConfig:
     """Tokens per chunk of the vocab-parallel log-prob/entropy op (bounds its fp32 temporaries).
     None: about 2 MiB buffers. >= 1."""
 
-    precision: Precision = "fp32"
-    """One of PRECISIONS: model/optimizer precision. 'bf16' needs a model built with
-    TransformerConfig(bf16=True); main weights, grads and optimizer state stay fp32."""
-
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer, clipping and LR schedule."""
 
@@ -136,12 +126,10 @@ class LearnerConfig:
         if not isinstance(self.optim, OptimConfig):
             raise bad(self, "optim", self.optim, "must be an OptimConfig or a mapping")
         integer(self, "max_tokens_per_microbatch", low=1)
-        number(self, "temperature", low=0, low_open=True)
         integer(self, "mini_batches", low=1)
         integer(self, "epochs", low=1)
         if self.logprob_chunk_size is not None:
             integer(self, "logprob_chunk_size", low=1)
-        choice(self, "precision", Precision)
 
     @property
     def steps_per_batch(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from entr_megatron.config.run import PRECISION_OF_DTYPE, RunConfig
+from entr_megatron.config.run import RunConfig
 from entr_megatron.config.validate import FieldError
 
 
@@ -71,7 +71,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         raw = _read_yaml(os.fspath(path))
     for item in overrides:
         _apply_override(raw, item)
-    _fill_learner_from_run(raw)
     try:
         return config_from_dict(raw)
     except ValueError as e:
@@ -120,23 +119,6 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
-
-
-def _fill_learner_from_run(raw: dict[str, Any]) -> None:
-    """learner.temperature and learner.precision restate rollout.sampling.temperature and
-    model.dtype; copy them over when the config leaves the learner's unset (RunConfig checks they agree)."""
-    learner = raw.get("learner", {})
-    if not isinstance(learner, dict):
-        return
-    sampling = (raw.get("rollout") or {}).get("sampling") if isinstance(raw.get("rollout"), dict) else None
-    model = raw.get("model")
-    filled = dict(learner)
-    if isinstance(sampling, dict) and "temperature" in sampling and "temperature" not in learner:
-        filled["temperature"] = sampling["temperature"]
-    if isinstance(model, dict) and model.get("dtype") in PRECISION_OF_DTYPE and "precision" not in learner:
-        filled["precision"] = PRECISION_OF_DTYPE[model["dtype"]]
-    if filled != learner:
-        raw["learner"] = filled
 
 
 # ---------------------------------------------------------------- schema

@@ -39,8 +39,8 @@ class ModelConfig:
     task builds locally."""
 
     dtype: ModelDtype = "float32"
-    """Learner weights and compute: one of MODEL_DTYPES. Must agree with learner.precision
-    (the loader fills learner.precision from it when the config leaves that unset)."""
+    """Learner weights and compute: one of MODEL_DTYPES (bfloat16: Megatron's bf16 training,
+    with fp32 main weights, gradients and optimizer state)."""
 
     max_prompt_len: int = 512
     """Longest prompt in tokens; longer prompts are skipped and counted. >= 1."""

@@ -32,8 +32,8 @@ class SamplingConfig:
     SECTION = "rollout.sampling"
 
     temperature: float = 1.0
-    """Logits are divided by it. > 0 (RL needs a stochastic policy). The loader copies it into
-    learner.temperature unless that is set; the two must agree."""
+    """Logits are divided by it. > 0 (RL needs a stochastic policy). The learner takes its
+    log-probs and entropy of the same softmax(z / T)."""
 
     top_p: float = 1.0
     """Nucleus truncation; 1.0 keeps every token. In (0, 1]."""

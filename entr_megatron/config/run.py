@@ -10,22 +10,18 @@ value and what is allowed (validate.py). YAML files and dotted overrides: see `l
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.controller import ControllerConfig
 from entr_megatron.config.launcher import LauncherConfig, LoggingConfig
-from entr_megatron.config.learner import LearnerConfig, Precision
-from entr_megatron.config.model import ModelConfig, ModelDtype, ParallelConfig
+from entr_megatron.config.learner import LearnerConfig
+from entr_megatron.config.model import ModelConfig, ParallelConfig
 from entr_megatron.config.rollout import WEIGHT_SNAPSHOTS, RolloutConfig
 from entr_megatron.config.task import SFTConfig, TaskConfig
 from entr_megatron.config.validate import bad
 
-__all__ = ["PRECISION_OF_DTYPE", "WEIGHT_SNAPSHOTS", "RunConfig"]  # WEIGHT_SNAPSHOTS: its importers' old home
-
-# learner.precision spells the same thing as model.dtype with Megatron's names.
-PRECISION_OF_DTYPE: dict[ModelDtype, Precision] = {"float32": "fp32", "bfloat16": "bf16"}
+__all__ = ["WEIGHT_SNAPSHOTS", "RunConfig"]  # WEIGHT_SNAPSHOTS: its importers' old home
 
 
 @dataclass(frozen=True)
@@ -67,18 +63,6 @@ class RunConfig:
     def __post_init__(self) -> None:
         self._check_parallel()
         self._check_rollout()
-        if self.learner.precision != PRECISION_OF_DTYPE[self.model.dtype]:
-            raise bad(
-                self, "learner.precision", self.learner.precision,
-                f"must agree with model.dtype={self.model.dtype!r} "
-                f"(learner.precision={PRECISION_OF_DTYPE[self.model.dtype]!r})",
-            )
-        if not math.isclose(self.learner.temperature, self.rollout.sampling.temperature):
-            raise bad(
-                self, "learner.temperature", self.learner.temperature,
-                f"must equal rollout.sampling.temperature={self.rollout.sampling.temperature!r} "
-                "(log-probs are taken of the distribution the engines sampled)",
-            )
         if self.model.max_prompt_len + self.rollout.sampling.max_new_tokens > self.model.max_seq_len:
             raise bad(
                 self, "model.max_seq_len", self.model.max_seq_len,

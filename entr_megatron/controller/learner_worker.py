@@ -132,6 +132,7 @@ class LearnerWorker:
 
         steps = train_rollout_batch(self.ddp, self.optimizer, self.scheduler, batch, self.groups, self.algo_cfg,
                                     self.learner_cfg, vocab_size=self.model_spec.vocab_size,
+                                    temperature=self.run.rollout.sampling.temperature,
                                     before_update=before_update)
         metrics = merge_step_metrics(steps)
         metrics["timing/learner_step_s"] = time.perf_counter() - t0

@@ -70,20 +70,22 @@ __all__ = ["make_logprob_loss_func", "make_policy_loss_func", "packed_logprobs_e
 
 
 def packed_logprobs_entropy(logits_bsv: Tensor, mb: MicroBatch, tp_group, learner_cfg: LearnerConfig,
-                            vocab_size: int | None = None, collision: bool = False) -> tuple[Tensor, ...]:
+                            vocab_size: int | None = None, collision: bool = False,
+                            temperature: float = 1.0) -> tuple[Tensor, ...]:
     """Per-position ``[T]`` log-prob of the next token and entropy from the vocab-sharded logits
     (and, with ``collision``, 1 - sum p^2, in the same pass).
 
     ``logits_bsv`` is what ``GPTModel.forward`` returns without labels: ``[b=1, s=T, V/tp]``
     (it transposes the output layer's ``[s, b, V/tp]``). Every TP rank holds its contiguous
     vocabulary shard; nothing is gathered. ``vocab_size``: the true vocabulary; Megatron's
-    padding columns beyond it stay out of the softmax. Entropy is returned detached: no loss
+    padding columns beyond it stay out of the softmax. ``temperature``: the rollouts' sampling
+    temperature T, the distribution is softmax(z / T). Entropy is returned detached: no loss
     here differentiates it, so its backward is skipped.
     """
     if logits_bsv.dim() != 3 or logits_bsv.shape[:2] != (1, mb.length):
         raise ValueError(f"expected logits [1, {mb.length}, V/tp] (b, s, vocab shard), got {tuple(logits_bsv.shape)}")
     out = vocab_parallel_logprobs_entropy(
-        logits_bsv[0], mb.targets[0].to(logits_bsv.device), tp_group, learner_cfg.temperature,
+        logits_bsv[0], mb.targets[0].to(logits_bsv.device), tp_group, temperature,
         learner_cfg.logprob_chunk_size, vocab_size, return_collision=collision,
     )
     return (out[0], out[1].detach(), *out[2:])
@@ -120,14 +122,15 @@ def _entropy_for_algorithm(mb: MicroBatch, learner_entropy_BT: Tensor, cfg: Algo
 
 
 def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *,
-                          vocab_size: int | None = None, old_logprobs_T: Tensor | None = None,
-                          ) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
+                          vocab_size: int | None = None, temperature: float = 1.0,
+                          old_logprobs_T: Tensor | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
     """Megatron ``loss_func`` of one micro-batch: ``logits [1, T, V/tp] -> (numerator, count, report)``.
 
     Args:
         mb: the micro-batch the logits belong to.
         tp_group: tensor-parallel group of the vocab shards (``groups.tp``).
         vocab_size: the true (unpadded) vocabulary size; None: every column is real.
+        temperature: the rollouts' sampling temperature (log-probs of softmax(z / T)).
         old_logprobs_T: pi_old in the DP-local batch's packed layout (``compute_logprobs``) for
             corrections that anchor on it; None: the current policy, detached (exact before
             the rollout batch's first optimizer step).
@@ -148,7 +151,8 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
             # Padding-only micro-batch: contributes nothing, but backward must still reach the model.
             zero = logits_bsv.sum() * 0.0
             return zero, torch.zeros([], dtype=count_dtype, device=device), LossReport()
-        out = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision)
+        out = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision,
+                                      temperature=temperature)
         logprobs_T, entropy_T = out[0], out[1]
         mask_BT = mb.response_mask_BT.to(device)
         lp_BT = mb.to_padded(logprobs_T)
@@ -172,7 +176,8 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
 
 
 def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: LearnerConfig,
-                           vocab_size: int | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
+                           vocab_size: int | None = None,
+                           temperature: float = 1.0) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
     """Forward-only ``loss_func``: reports the micro-batch's per-position log-probs and entropy.
 
     The report is ``{"index": index, "logprobs": [T], "entropy": [T]}`` in the micro-batch's
@@ -180,7 +185,8 @@ def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: Le
     """
 
     def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
-        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size)
+        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size,
+                                                        temperature=temperature)
         zero = torch.zeros([], dtype=logits_bsv.dtype, device=logits_bsv.device)
         count = torch.zeros([], dtype=torch.int, device=logits_bsv.device)
         return zero, count, {"index": index, "logprobs": logprobs_T.detach(), "entropy": entropy_T}

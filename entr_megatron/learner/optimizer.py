@@ -46,12 +46,10 @@ def check_training_config(config, learner_cfg: LearnerConfig) -> None:
             "building the model) so that Megatron divides gradients by the global token/sequence count "
             "instead of averaging per micro-batch and per data-parallel rank"
         )
-    want_bf16 = learner_cfg.precision == "bf16"
-    if bool(config.bf16) != want_bf16 or config.fp16:
-        raise ValueError(
-            f"LearnerConfig.precision={learner_cfg.precision!r} but the model was built with "
-            f"TransformerConfig(bf16={config.bf16}, fp16={config.fp16}); build it with bf16={want_bf16}, fp16=False"
-        )
+    if config.fp16:
+        # The precision is the model's (bf16 or fp32, from model.dtype): fp16 would need loss scaling.
+        raise ValueError("the model was built with TransformerConfig(fp16=True); the learner trains fp32 or "
+                         "bf16 models (model.dtype float32 or bfloat16)")
 
 
 def wrap_model_chunks(model_chunks: list, groups, learner_cfg: LearnerConfig) -> list[DistributedDataParallel]:
@@ -91,7 +89,7 @@ def build_optimizer(model_chunks: list[DistributedDataParallel], learner_cfg: Le
     ``lr_warmup_init`` to ``lr``, then constant, linear or cosine to ``min_lr``.
     """
     o = learner_cfg.optim
-    bf16 = learner_cfg.precision == "bf16"
+    bf16 = bool(get_model_config(model_chunks[0]).bf16)  # the model's precision (model.dtype)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,

@@ -46,14 +46,14 @@ def split_mini_batches(batch: TrainBatch, count: int) -> list[TrainBatch]:
 
 
 def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, groups, algo_cfg: AlgorithmConfig,
-                        learner_cfg: LearnerConfig, *, vocab_size: int | None = None,
+                        learner_cfg: LearnerConfig, *, vocab_size: int | None = None, temperature: float = 1.0,
                         before_update: Callable[[], object] | None = None) -> list[dict[str, float]]:
     """``learner_cfg.mini_batches * learner_cfg.epochs`` optimizer steps on the GLOBAL ``batch``.
 
     Every rank of the learner passes the same global batch; each mini-batch is split over
     data-parallel ranks (``split_for_data_parallel``) and trained by ``train_step``. Returns
     the metrics of every step in order (epoch-major), each with ``optim/minibatch`` and
-    ``optim/epoch``. ``before_update`` runs before every optimizer step (only the first can
+    ``optim/epoch``. ``vocab_size`` and ``temperature`` as in ``train_step``. ``before_update`` runs before every optimizer step (only the first can
     wait: a weight push reads the weights of the version before it).
     """
     dp = groups.dp_size
@@ -70,12 +70,13 @@ def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, g
         # Share 0 of epoch 0 trains before anything moved: its pi_old comes from its own pass.
         first = 0 if learner_cfg.epochs > 1 else 1
         for k in range(first, len(shares)):
-            old[k] = compute_logprobs(model_chunks, shares[k], groups, learner_cfg, vocab_size=vocab_size)[0]
+            old[k] = compute_logprobs(model_chunks, shares[k], groups, learner_cfg, vocab_size=vocab_size,
+                                      temperature=temperature)[0]
     steps = []
     for epoch in range(learner_cfg.epochs):
         for k, share in enumerate(shares):
             metrics = train_step(model_chunks, optimizer, scheduler, share, groups, algo_cfg, learner_cfg,
-                                 vocab_size=vocab_size, old_logprobs=old[k],
+                                 vocab_size=vocab_size, temperature=temperature, old_logprobs=old[k],
                                  before_update=before_update)
             metrics["optim/minibatch"], metrics["optim/epoch"] = float(k), float(epoch)
             steps.append(metrics)

@@ -167,7 +167,7 @@ def _from_last_stage(metrics: dict, groups) -> dict:
 
 def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, groups,
                algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, vocab_size: int | None = None,
-               old_logprobs: Tensor | None = None,
+               temperature: float = 1.0, old_logprobs: Tensor | None = None,
                before_update: Callable[[], object] | None = None) -> dict[str, float]:
     """One optimizer step of the RL loss on ``batch`` (this data-parallel rank's sequences).
 
@@ -181,6 +181,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
         vocab_size: the true (unpadded) vocabulary size: output columns beyond it (Megatron pads
             the vocabulary to a multiple of the TP size) stay out of the softmax, as in the
             engines and ``score``. None: every column is real.
+        temperature: the rollouts' sampling temperature T: log-probs and entropy are taken of
+            softmax(z / T), the distribution the behaviour log-probs were measured under.
         old_logprobs: pi_old, the log-probs of ``batch`` (packed ``[T]``, ``compute_logprobs``)
             under the weights before this rollout batch's first optimizer step, for corrections
             that anchor on it (``algo_cfg.uses_old_logprobs``). None: the weights have not moved
@@ -210,7 +212,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
 
     def make_loss(index: int, mb: MicroBatch):
         return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, vocab_size=vocab_size,
-                                     old_logprobs_T=old_logprobs)
+                                     temperature=temperature, old_logprobs_T=old_logprobs)
 
     reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
     step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad, before_update=before_update)
@@ -227,7 +229,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
 
 
 def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg: LearnerConfig,
-                     vocab_size: int | None = None) -> tuple[Tensor, Tensor] | tuple[None, None]:
+                     vocab_size: int | None = None,
+                     temperature: float = 1.0) -> tuple[Tensor, Tensor] | tuple[None, None]:
     """Log-probs and entropy of every target position of ``batch`` under the current weights.
 
     Forward only (no gradients, modules in eval mode), through the same packing and
@@ -235,7 +238,7 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     packed layout (position j of a sequence: log p(token j+1 | tokens 0..j); 0 at each
     sequence's last position) on the LAST pipeline stage, ``(None, None)`` elsewhere.
     Used for the old/proximal policy of corrections that need one and for scoring.
-    ``vocab_size``: the true vocabulary size (see ``train_step``).
+    ``vocab_size``, ``temperature``: as in ``train_step``.
     """
     config = get_model_config(model_chunks[0])
     _check_layout(groups)
@@ -248,7 +251,8 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
         with torch.no_grad():
             reports = _run_schedule(
                 model_chunks, micro, groups,
-                partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg, vocab_size=vocab_size),
+                partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg, vocab_size=vocab_size,
+                        temperature=temperature),
                 forward_only=True,
             )
     finally:
@@ -270,5 +274,6 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     return logprobs, entropy
 
 
-def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig, vocab_size: int | None):
-    return make_logprob_loss_func(mb, index, groups.tp, learner_cfg, vocab_size=vocab_size)
+def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig, vocab_size: int | None,
+                  temperature: float):
+    return make_logprob_loss_func(mb, index, groups.tp, learner_cfg, vocab_size=vocab_size, temperature=temperature)

@@ -19,7 +19,6 @@ many layouts, destroying and re-initialising model parallel between them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import time
@@ -33,6 +32,7 @@ from entr_megatron.utils.spawn import run_gloo
 
 VOCAB, MAX_SEQ = 128, 32
 SEED = 1234
+TEMPERATURE = 0.9  # the rollouts' sampling temperature the learner takes log-probs at
 # Adam's first step is lr * g / (|g| + eps): an eps above the gradient scale keeps it ~linear in g,
 # so fp32 noise in near-zero gradients is not blown up to full-size steps (~lr * sign(g)).
 OPTIM = dict(lr=0.5, adam_eps=0.1, weight_decay=0.1, clip_grad=0.2)
@@ -76,13 +76,13 @@ def algo_config(**overrides):
 def learner_config(max_tokens=24, distributed_optimizer=False, mini_batches=1, epochs=1):
     from entr_megatron.config.learner import LearnerConfig, OptimConfig
 
-    return LearnerConfig(max_tokens_per_microbatch=max_tokens, temperature=0.9, mini_batches=mini_batches,
+    return LearnerConfig(max_tokens_per_microbatch=max_tokens, mini_batches=mini_batches,
                          epochs=epochs, optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer))
 
 
 # --- the independent single-rank reference ----------------------------------------------------------
 
-def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4, exact_collision=True):
+def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4, exact_collision=True, temperature=TEMPERATURE):
     """Loss, metrics, logprobs, weights, gradients, grad norm and AdamW-updated weights at TP=PP=EP=DP=1."""
     from entr_megatron.algorithm import compute_policy_loss
     from entr_megatron.learner.model import build_gpt_model
@@ -96,7 +96,7 @@ def reference(batch, algo_cfg, learner_cfg, moe=False, num_layers=4, exact_colli
         s = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1]))
         tokens = batch.tokens_T[s]
         logits = model(tokens[None], torch.arange(tokens.numel())[None], None)[0]
-        logp = torch.log_softmax(logits.float() / learner_cfg.temperature, dim=-1)[:-1]
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)[:-1]
         lp = logp.gather(-1, tokens[1:, None])[:, 0]  # position j predicts token j + 1
         ent = -(logp.exp() * logp).sum(-1)
         coll = 1 - logp.exp().square().sum(-1)  # 1 - sum p^2, entr_calibrated's exact scale
@@ -223,6 +223,7 @@ def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layer
 
 
 def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4,
+               temperature=TEMPERATURE,
                check_logprobs=False):
     from entr_megatron.learner.batching import split_for_data_parallel
     from entr_megatron.learner.train_step import compute_logprobs, train_step
@@ -235,7 +236,7 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
     shares = split_for_data_parallel(batch, groups.dp_size)
     local = shares[groups.dp_rank]
     if check_logprobs:  # the log-prob-only forward scores every target position
-        logprobs, _ = compute_logprobs(ddp, local, groups, learner_cfg)
+        logprobs, _ = compute_logprobs(ddp, local, groups, learner_cfg, temperature=temperature)
         if groups.is_last_stage():
             start = sum(s.tokens_T.numel() for s in shares[:groups.dp_rank])
             want = ref["logprobs"][start:start + local.tokens_T.numel()]
@@ -248,7 +249,7 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
                         and any(p.main_grad.abs().sum() > 0 for c in ddp for p in c.parameters() if p.requires_grad
                                 and getattr(p, "main_grad", None) is not None and p.main_grad.numel() > 0))
 
-    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg,
+    metrics = train_step(ddp, optimizer, scheduler, local, groups, algo_cfg, learner_cfg, temperature=temperature,
                          before_update=before_update)
     assert hook_saw == [True], f"{where}: before_update saw changed weights or no gradients: {hook_saw}"
     assert any(not torch.equal(p.detach(), p0) for p, p0 in zip((p for c in ddp for p in c.parameters()), before))
@@ -296,7 +297,7 @@ def mini_batch_reference(batch, algo_cfg, learner_cfg):
             s = slice(int(mini.cu_seqlens[i]), int(mini.cu_seqlens[i + 1]))
             tokens = mini.tokens_T[s]
             logits = model(tokens[None], torch.arange(tokens.numel())[None], None)[0]
-            logp = torch.log_softmax(logits.float() / learner_cfg.temperature, dim=-1)[:-1]
+            logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)[:-1]
             lp = logp.gather(-1, tokens[1:, None])[:, 0]
             ent = -(logp.exp() * logp).sum(-1)
             mask = mini.loss_mask_T[s][:-1]
@@ -340,7 +341,8 @@ def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1):
     ref = mini_batch_reference(batch, algo_cfg, learner_cfg)
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
     where = f"mini-batches tp={tp} dp={groups.dp_size} {algo_cfg.correction} epochs={learner_cfg.epochs}"
-    steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg)
+    steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg,
+                                temperature=TEMPERATURE)
     assert len(steps) == len(ref["steps"]) == 2 * learner_cfg.epochs
     assert [s["optim/minibatch"] for s in steps] == [0.0, 1.0] * learner_cfg.epochs
     masked = [step["metrics"]["mask/fraction"] for step in ref["steps"]]
@@ -376,7 +378,7 @@ def check_nonfinite_step_is_skipped(ref, learner_cfg, tp=1):
     before = [p.detach().clone() for c in ddp for p in c.parameters()]
     bad = split_for_data_parallel(make_global_batch(nan_advantage=True), groups.dp_size)[groups.dp_rank]
     called = []
-    metrics = train_step(ddp, optimizer, scheduler, bad, groups, algo_cfg, learner_cfg,
+    metrics = train_step(ddp, optimizer, scheduler, bad, groups, algo_cfg, learner_cfg, temperature=TEMPERATURE,
                          before_update=lambda: called.append(1))
     assert called == [], "a skipped step changes no weight: nothing to wait for"
     assert metrics["optim/skipped"] == 1.0 and not math.isfinite(metrics["optim/grad_norm"]), metrics
@@ -384,7 +386,7 @@ def check_nonfinite_step_is_skipped(ref, learner_cfg, tp=1):
     for p, p0 in zip((p for c in ddp for p in c.parameters()), before):
         assert torch.equal(p.detach(), p0), "a skipped step changed a weight"
     good = split_for_data_parallel(make_global_batch(), groups.dp_size)[groups.dp_rank]
-    metrics = train_step(ddp, optimizer, scheduler, good, groups, algo_cfg, learner_cfg)
+    metrics = train_step(ddp, optimizer, scheduler, good, groups, algo_cfg, learner_cfg, temperature=TEMPERATURE)
     assert metrics["optim/skipped"] == 0.0 and scheduler.num_steps == 1
     close(metrics["loss"], ref["loss"], "step after a skipped one: loss")  # grads were reset
     compare_weights_and_grads(ddp, ref, groups, cfg, "step after a skipped one")
@@ -440,10 +442,10 @@ def _two_ranks(rank, world):
     # A low temperature sharpens the near-uniform random model, so 1 - sum p^2 and its bound
     # 1 - exp(-H) differ.
     calibrated = algo_config(correction="entr_calibrated", calibrated_z=1.0)
-    sharp = dataclasses.replace(learner_config(max_tokens=10_000), temperature=0.05)
-    exact = reference(batch, calibrated, sharp)
-    got = run_layout(exact, batch, calibrated, sharp, tp=2)
-    bound = reference(batch, calibrated, sharp, exact_collision=False)  # G from the bound 1 - exp(-H)
+    whole = learner_config(max_tokens=10_000)
+    exact = reference(batch, calibrated, whole, temperature=0.05)
+    got = run_layout(exact, batch, calibrated, whole, tp=2, temperature=0.05)
+    bound = reference(batch, calibrated, whole, exact_collision=False, temperature=0.05)  # G from 1 - exp(-H)
     want, loose = exact["metrics"]["entr_calibrated/sigma2_hat"], bound["metrics"]["entr_calibrated/sigma2_hat"]
     assert math.isclose(got["entr_calibrated/sigma2_hat"], want, rel_tol=1e-4), (got, want)
     assert not math.isclose(want, loose, rel_tol=1e-2), "the case must tell the exact G from the bound"
@@ -486,8 +488,8 @@ def test_learner_config_errors_name_the_field_and_the_allowed_values():
 
     cases = [
         (dict(max_tokens_per_microbatch=0), r"max_tokens_per_microbatch=0 .* integer >= 1"),
-        (dict(temperature=0.0), r"temperature=0.0 .* \(0, inf\]"),
-        (dict(precision="fp16"), r"precision='fp16' .* allowed: fp32, bf16"),
+        (dict(epochs=0), r"epochs=0 .* integer >= 1"),
+        (dict(mini_batches=0), r"mini_batches=0 .* integer >= 1"),
         (dict(optim={"lr_decay_style": "cosine"}), r"optim.lr_decay_steps=None .* lr_decay_style='cosine'"),
         (dict(optim={"lr": 1e-3, "min_lr": 1e-2}), r"optim.min_lr=0.01 .* \[0, 0.001\]"),
         (dict(optim={"lr_decay_style": "step"}), r"optim.lr_decay_style='step' .* constant, linear, cosine"),

@@ -228,7 +228,7 @@ def test_launched_servers_are_configured_and_stopped(tmp_path, monkeypatch):
     port = free_port()
     cfg = load_config(None, [
         "rollout.engine=sglang", "rollout.num_engines=2", "rollout.dtype=bfloat16", "model.dtype=bfloat16",
-        "learner.precision=bf16", f"rollout.sglang.base_port={port}", "rollout.sglang.mem_fraction_static=0.7",
+        f"rollout.sglang.base_port={port}", "rollout.sglang.mem_fraction_static=0.7",
         "rollout.sglang.extra_args=['--disable-radix-cache']", "rollout.sglang.startup_timeout_s=120",
         "launcher.device=cuda", "launcher.gpus_per_node=4", "launcher.nproc_per_node=2", "parallel.tp=2",
     ])

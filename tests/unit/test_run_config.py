@@ -89,7 +89,6 @@ def test_nested_overrides(tmp_path):
     assert cfg.controller.mode == "sync" and cfg.controller.max_policy_lag == 64
     assert cfg.algorithm.tau == 0.3 and cfg.algorithm.icepop_band == (0.5, 3.0)
     assert cfg.rollout.sampling.temperature == 0.8
-    assert cfg.learner.temperature == 0.8  # filled from rollout.sampling.temperature
     assert cfg.learner.optim.lr == 1e-6 and isinstance(cfg.learner.optim.lr, float)
     assert cfg.learner.optim.use_distributed_optimizer is True
     assert cfg.sft is not None and cfg.sft.steps == 7
@@ -179,8 +178,6 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
         (["rollout.dtype=auto"], "rollout.dtype"),  # embedded has no 'auto'
         (["rollout.sampling.max_new_tokens=2000"], "model.max_seq_len"),
         (["model.path=/m", "model.architecture={model_type: llama}"], "model.architecture"),
-        (["learner.temperature=0.5"], "learner.temperature"),
-        (["model.dtype=bfloat16", "learner.precision=fp32"], "learner.precision"),
         (["task.name=math"], "task.math.train_files"),
         (["task.math.train_files=[a.csv]"], "task.math.train_files"),
         (["launcher.ray_address=auto"], "launcher.ray_address"),
@@ -303,3 +300,16 @@ def test_global_batch_size_is_derived_not_a_second_field():
     assert cfg.global_batch_size == 15
     with pytest.raises(ValueError, match=r"unknown key 'global_batch_size' at 'controller'"):
         load_config(None, ["controller.global_batch_size=15"])
+
+
+def test_learner_temperature_is_the_sampling_temperature_not_a_second_field():
+    # The learner takes log-probs at rollout.sampling.temperature (LearnerWorker passes it).
+    with pytest.raises(ValueError, match=r"unknown key 'temperature' at 'learner'"):
+        load_config(None, ["learner.temperature=0.5"])
+
+
+def test_learner_precision_is_the_models_dtype_not_a_second_field():
+    # It restated model.dtype in Megatron's names; a config that still sets it is told so.
+    assert load_config(None, ["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"unknown key 'precision' at 'learner'"):
+        load_config(None, ["learner.precision=bf16"])
