@@ -88,9 +88,11 @@ class LossReport:
         """The same record with every value a Python float."""
         scalars = [self.numerator, self.count, self.tokens]
         groups = [self.mismatch.sums, self.mismatch.maxima, self.mismatch.minima, self.weighted, self.maxima]
-        flat = [torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in scalars]
-        flat += [torch.as_tensor(v, dtype=torch.float64).reshape(()) for g in groups for v in g.values()]
-        values = iter(torch.stack([v.cpu() for v in flat]).tolist())
+        every = scalars + [v for g in groups for v in g.values()]
+        # One device sync for the whole record: Python floats join the tensors' device first.
+        device = next((v.device for v in every if isinstance(v, Tensor)), torch.device("cpu"))
+        flat = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in every]
+        values = iter(torch.stack(flat).tolist())
         numerator, count, tokens = next(values), next(values), next(values)
         sums, maxima, minima, weighted, own_maxima = ({k: next(values) for k in g} for g in groups)
         return LossReport(numerator, count, tokens, MetricStats(sums, maxima, minima), weighted, own_maxima)
