@@ -7,7 +7,6 @@ delta = log pi_theta - log mu; a recomputed old policy is not needed and is igno
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from entr_megatron.algorithm.correction_base import CorrectionInputs, CorrectionOutput, finish, prepare_inputs
 from entr_megatron.algorithm.entr import (

@@ -194,6 +194,14 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"override {item!r} is not valid; must be key.path=value, e.g. controller.mode=sync")
+    set_field(raw, key, parse_value(text), f" in override {item!r}", item)
+
+
+def set_field(raw: dict[str, Any], key: str, value: Any, where: str = "", item: str | None = None) -> None:
+    """Sets the dotted field `key` (e.g. "algorithm.tau") of a raw config mapping to `value`, creating
+    sections on the way. Raises ValueError naming the key when no such field exists (`where` says
+    where the key came from, e.g. " in override 'x=1'")."""
+    item = item if item is not None else key
     parts = key.split(".")
     cls: type | None = RunConfig
     node = raw
@@ -204,15 +212,17 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         if cls is not None:
             seed = _mapping_default(cls, part)
             if part not in _hints(cls):
-                raise _unknown_key(part, cls, prefix, f" in override {item!r}")
+                raise _unknown_key(part, cls, prefix, where)
             hint = _hints(cls)[part]
             section, _ = _section_type(hint)
             if section is None and not last and not _is_mapping_field(hint):
                 value_path = ".".join(parts[: i + 1])
-                raise ValueError(f"override {item!r} is not valid; {value_path} is a value, not a section")
+                kind = "override " if item != key else "key "
+                raise ValueError(f"{kind}{item!r} is not valid{where if item == key else ''}; "
+                                 f"{value_path} is a value, not a section")
             cls = section
         if last:
-            node[part] = parse_value(text)
+            node[part] = value
         else:
             if not isinstance(node.get(part), dict):
                 node[part] = seed  # model.architecture.x=1 edits the default architecture

@@ -69,6 +69,7 @@ class RunConfig:
                 f"must be >= model.max_prompt_len + rollout.sampling.max_new_tokens = "
                 f"{self.model.max_prompt_len + self.rollout.sampling.max_new_tokens}",
             )
+        self._check_fixed_lag()
         expected = self.rollout.prompts_per_step * self.rollout.sampling.n
         dp = self.parallel.data_parallel_size(self.launcher.world_size)
         if self.learner.mini_batches * dp > expected:
@@ -82,6 +83,20 @@ class RunConfig:
             # depend on how long its batch-mates are).
             algorithm = dataclasses.replace(self.algorithm, loss_norm_tokens=self.rollout.sampling.max_new_tokens)
             object.__setattr__(self, "algorithm", algorithm)
+
+    def _check_fixed_lag(self) -> None:
+        c, max_new = self.controller, self.rollout.sampling.max_new_tokens
+        if c.mode != "fixed_lag":
+            return
+        if self.rollout.dynamic_filtering:
+            raise bad(self, "rollout.dynamic_filtering", True,
+                      "controller.mode='fixed_lag' generates each step's groups ahead with fixed versions "
+                      "and cannot sample replacements for filtered ones; set it false")
+        if c.intra_lag and c.intra_lag * c.intra_lag_stride_for(max_new) >= max_new:
+            raise bad(self, "controller.intra_lag_stride", c.intra_lag_stride,
+                      f"intra_lag ({c.intra_lag}) switches every intra_lag_stride tokens must all fall inside "
+                      f"rollout.sampling.max_new_tokens={max_new}: need intra_lag * stride < {max_new}"
+                      + ("" if c.intra_lag_stride else f" (and intra_lag < {max_new})"))
 
     def _check_parallel(self) -> None:
         p, world = self.parallel, self.launcher.world_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from entr_megatron.config.rollout import SamplingConfig
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.run_dir import RunPaths, read_eval, save_eval
@@ -19,7 +20,7 @@ from entr_megatron.utils.seeding import mix_seed
 __all__ = ["HeldOut", "evaluate"]
 
 
-def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: Any, seed: int = 0,
+def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig, seed: int = 0,
              samples_per_problem: int = 4) -> dict[str, float]:
     """Held-out accuracy on `n` problems of the test split: greedy (`eval/accuracy`), and the
     mean over `samples_per_problem` samples drawn as in training (`sampling`: the config's
@@ -27,8 +28,7 @@ def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: Any, seed: int 
     (`eval/sampled_accuracy`). A sample is correct when its reward is 1."""
     pairs = task.prompts("test", n, seed=seed)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens, n=1)
-    sampled = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                             max_new_tokens=sampling.max_new_tokens, n=samples_per_problem)
+    sampled = SamplingParams.from_config(sampling, n=samples_per_problem)
     out: dict[str, float] = {"eval/num_problems": float(len(pairs))}
     for name, params in (("accuracy", greedy), ("sampled_accuracy", sampled)):
         requests = [GenerateRequest(ids, dataclasses.replace(params, seed=mix_seed(seed, i)))

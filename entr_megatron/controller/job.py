@@ -22,7 +22,7 @@ from typing import Any
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import StopFlag, say
 from entr_megatron.controller.evaluation import HeldOut, evaluate
-from entr_megatron.controller.loop import Controller, ControllerHooks, ControllerOptions
+from entr_megatron.controller.loop import Controller, ControllerHooks
 from entr_megatron.controller.model_init import build_task, prepare_model, tokenizer_for
 from entr_megatron.controller.run_dir import RunPaths, export_final_model, write_config
 from entr_megatron.controller.run_hooks import RunCheckpoints, latest_checkpoint, step_recorder
@@ -55,7 +55,7 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
             pusher.push(0).wait()
         held_out = HeldOut(cfg, task, engine, paths)
         out["eval_before"] = held_out.before_rl(fresh=resume_step is None)
-        controller = Controller(engine, learner, pusher, task, ControllerOptions.from_config(cfg),
+        controller = Controller(engine, learner, pusher, task, c, cfg.rollout,
                                 advantage_fn=cfg.algorithm.advantage_estimator)
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)
         if resume_step is not None:

@@ -76,11 +76,8 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
                                log_dir / "router.log")
         stack.callback(router.terminate)
         router_url = router.url
-    config = SGLangEngineConfig(
-        urls=urls, router_url=router_url, max_concurrent_requests=s.max_concurrent_requests * len(urls),
-        kv_on_update=r.kv_on_update or "recompute", weight_bucket_bytes=(r.weight_bucket_mib or 512) << 20,
-        weight_dtype=sglang_wire_dtype(cfg), tp_sizes=tp_sizes,
-    )
+    config = SGLangEngineConfig.from_config(r, urls, router_url=router_url, tp_sizes=tp_sizes,
+                                            weight_dtype=sglang_wire_dtype(cfg))
     engine = SGLangEngine(config)
     stack.callback(engine.shutdown)
     return engine

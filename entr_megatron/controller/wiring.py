@@ -115,12 +115,8 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
         from entr_megatron.controller.ray_engine import RayEngine
     engines = []
     for i in range(r.num_engines):
-        config = EmbeddedEngineConfig(
-            model_dir=str(model_dir), dtype=r.dtype, init="pretrained", seed=cfg.controller.seed + i,
-            max_batch_size=r.embedded.max_batch_size, max_prefill_tokens=r.embedded.max_prefill_tokens,
-            max_model_len=cfg.model.max_seq_len, kv_on_update=r.kv_on_update or "keep",
-            num_threads=r.embedded.num_threads,
-        )
+        config = EmbeddedEngineConfig.from_config(r, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
+                                                  seed=cfg.controller.seed + i)
         engine = RayEngine(config, num_cpus=r.embedded.num_threads or 1) if on_ray else EmbeddedEngine(config)
         stack.callback(engine.shutdown)
         engines.append(engine)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from entr_megatron.config.rollout import KV_ON_UPDATE
+from entr_megatron.config.rollout import KV_ON_UPDATE, RolloutConfig
 from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, WeightReceiver
 from entr_megatron.rollout.hf_model import DTYPES, INITS
 from entr_megatron.rollout.weights import TensorSpec, WeightBucket
@@ -90,6 +90,18 @@ class EmbeddedEngineConfig:
     startup_timeout_s: float = 300.0
     rpc_timeout_s: float = 60.0
     update_timeout_s: float = 600.0
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, *, model_dir: str, max_model_len: int | None, seed: int,
+                    **overrides: Any) -> EmbeddedEngineConfig:
+        """One engine of the run's validated `rollout` section (its dtype, kv_on_update and
+        `rollout.embedded`), serving the checkpoint in `model_dir`."""
+        e = rollout.embedded
+        fields = dict(model_dir=str(model_dir), dtype=rollout.dtype, init="pretrained", seed=seed,
+                      max_batch_size=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
+                      max_model_len=max_model_len, kv_on_update=rollout.kv_on_update or "keep",
+                      num_threads=e.num_threads)
+        return cls(**{**fields, **overrides})
 
     def __post_init__(self):
         def one_of(name: str, allowed: tuple) -> None:

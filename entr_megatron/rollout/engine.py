@@ -30,6 +30,7 @@ import torch
 from entr_megatron.types import Sample
 
 if TYPE_CHECKING:
+    from entr_megatron.config.rollout import SamplingConfig
     from entr_megatron.rollout.weights import WeightStage
 
 __all__ = [
@@ -102,6 +103,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, **overrides: Any) -> SamplingParams:
+        """The request parameters of the run's `rollout.sampling` section (overrides on top, e.g. n=1)."""
+        fields = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                      max_new_tokens=sampling.max_new_tokens, n=sampling.n)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass

@@ -478,7 +478,7 @@ def test_a_chunk_goes_out_as_soon_as_the_learner_copied_it():
     bucket = SnapshotBucket(layout, pool.acquire(layout.nbytes), pool, filling=True)
     assert bucket.wait_filled(0)  # nothing to wait for
     expected = torch.cat([t.view(torch.uint8) for t in ts])
-    first_arrived, go_on, received, errors = threading.Event(), threading.Event(), [], []
+    go_on, received, errors = threading.Event(), [], []
     pieces = []
 
     def stop():  # called by the learner after each copied piece

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from entr_megatron.algorithm.advantages import grpo_advantages
-from entr_megatron.controller.loop import Controller, ControllerHooks, ControllerOptions
-from entr_megatron.rollout.engine import GenerateResult, SamplingParams, WeightUpdateReport
+from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
+from entr_megatron.controller.loop import Controller, ControllerHooks
+from entr_megatron.rollout.engine import GenerateResult, WeightUpdateReport
 
 P, N = 3, 4
 
@@ -139,9 +140,10 @@ def make(mode, lag, stale="regenerate", base_len=4, jitter=4, train_ticks=3, pus
     engine = FakeEngine(clock, base_len, jitter)
     pusher = FakePusher(clock, engine, push_ticks)
     learner = FakeLearner(clock, train_ticks)
-    opts = ControllerOptions(mode=mode, max_policy_lag=lag, stale_policy=stale, prompts_per_step=P,
-                             sampling=SamplingParams(n=N, max_new_tokens=64), **kw)
-    return Controller(engine, learner, pusher, FakeTask(), opts, "grpo", hooks), learner
+    rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=64),
+                            dynamic_filtering=kw.pop("dynamic_filtering", False))
+    controller = ControllerConfig(mode=mode, max_policy_lag=lag, stale_policy=stale, **kw)
+    return Controller(engine, learner, pusher, FakeTask(), controller, rollout, "grpo", hooks), learner
 
 
 def check_bound(learner, lag):
@@ -322,10 +324,10 @@ def test_resume_without_drain_resubmits_inflight_groups():
 
 
 def test_bad_mode_and_lag_are_value_errors():
-    with pytest.raises(ValueError, match="mode"):
-        ControllerOptions(mode="async")
-    with pytest.raises(ValueError, match="max_policy_lag"):
-        ControllerOptions(mode="fully_async", max_policy_lag=0)
+    with pytest.raises(ValueError, match="controller.mode"):
+        ControllerConfig(mode="async")
+    with pytest.raises(ValueError, match="controller.max_policy_lag"):
+        ControllerConfig(mode="fully_async", max_policy_lag=0)
 
 
 def test_should_stop_checkpoints_drained_and_ends_the_run():

@@ -173,3 +173,22 @@ def test_run_dir_files(tmp_path):
     assert (paths.final_model / "tokenizer.json").exists() and paths.latest_model() == paths.final_model
     export_final_model(Exporter(), paths, tokenizer_dir)  # an earlier end of the run is kept aside
     assert (paths.root / "final_model.previous" / "config.json").exists()
+
+
+def test_engine_configs_read_their_rollout_section():
+    """Each engine reads its own section; the per-engine defaults of kv_on_update differ."""
+    from entr_megatron.config import EmbeddedConfig, RolloutConfig, SGLangConfig
+    from entr_megatron.rollout.embedded import EmbeddedEngineConfig
+    from entr_megatron.rollout.sglang import SGLangEngineConfig
+
+    r = RolloutConfig(dtype="bfloat16", weight_bucket_mib=3,
+                      embedded=EmbeddedConfig(max_batch_size=5, max_prefill_tokens=77, num_threads=2))
+    e = EmbeddedEngineConfig.from_config(r, model_dir="/m", max_model_len=40, seed=9)
+    assert (e.model_dir, e.dtype, e.init, e.seed, e.max_model_len) == ("/m", "bfloat16", "pretrained", 9, 40)
+    assert (e.max_batch_size, e.max_prefill_tokens, e.num_threads, e.kv_on_update) == (5, 77, 2, "keep")
+    s = RolloutConfig(engine="sglang", dtype="auto", weight_bucket_mib=3, kv_on_update="keep",
+                      sglang=SGLangConfig(max_concurrent_requests=7))
+    g = SGLangEngineConfig.from_config(s, ["http://a:1", "http://b:2"], tp_sizes=(2, 2), weight_dtype="bfloat16")
+    assert g.urls == ("http://a:1", "http://b:2") and g.tp_sizes == (2, 2) and g.weight_dtype == "bfloat16"
+    assert (g.max_concurrent_requests, g.weight_bucket_bytes, g.kv_on_update) == (14, 3 << 20, "keep")
+    assert SGLangEngineConfig.from_config(RolloutConfig(engine="sglang", dtype="auto"), ["http://a:1"]).kv_on_update == "recompute"

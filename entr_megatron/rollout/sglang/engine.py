@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from entr_megatron.config.rollout import RolloutConfig
 from entr_megatron.rollout.engine import (
     EngineError,
     EngineHealth,
@@ -84,6 +85,18 @@ class SGLangEngineConfig:
     abort_retry_s: float = 0.5
     """Re-send aborts this often until the request ends (an abort arriving before the server
     registered the rid is ignored by SGLang)."""
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, urls: Sequence[str], *, router_url: str | None = None,
+                    tp_sizes: tuple[int, ...] | None = None, weight_dtype: str | None = None,
+                    **overrides: Any) -> SGLangEngineConfig:
+        """The engine over `urls` of the run's validated `rollout` section (kv_on_update, the weight
+        bucket size and `rollout.sglang.max_concurrent_requests`, per server)."""
+        fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype,
+                      max_concurrent_requests=rollout.sglang.max_concurrent_requests * len(urls),
+                      kv_on_update=rollout.kv_on_update or "recompute",
+                      weight_bucket_bytes=(rollout.weight_bucket_mib or 512) << 20)
+        return cls(**{**fields, **overrides})
 
     def __post_init__(self):
         if not self.urls:

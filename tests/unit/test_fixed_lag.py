@@ -1,0 +1,194 @@
+"""controller.mode 'fixed_lag': the versions every trained token carries are exactly those the
+inter- and intra-trajectory lags K and J prescribe (checked against the formula
+max(0, v - K - J + segment) written out here), K = J = 0 is synchronous GRPO token for token,
+a resumed run continues exactly, and the memory bound holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
+from entr_megatron.config.loader import load_config
+from entr_megatron.controller.loop import Controller
+from entr_megatron.rollout.engine import GenerateResult, WeightUpdateReport
+
+P, N = 2, 3
+
+
+class SyncEngine:
+    """Decodes a whole request at once. Token t of a sequence depends on (seed, sample, position,
+    weight version); a sequence stops after `natural_len(first prompt token)` response tokens
+    counted from the original 3-token prompt (so a continuation stops where the whole would)."""
+
+    def __init__(self, natural_len=lambda first: 10_000):
+        self.version, self.next_id, self.done, self.natural_len = 0, 0, [], natural_len
+        self.requests = []
+
+    @property
+    def weight_version(self):
+        return self.version
+
+    def submit(self, requests):
+        ids = []
+        for req in requests:
+            rid, self.next_id = f"r{self.next_id}", self.next_id + 1
+            self.requests.append(req)
+            ids.append(rid)
+            for i in range(req.params.n):
+                so_far = len(req.prompt_ids) - 3
+                room = self.natural_len(req.prompt_ids[0]) - so_far
+                k = min(req.params.max_new_tokens, room)
+                out = [1 + (req.params.seed * 7 + i * 31 + (so_far + p) * 5 + self.version * 13) % 50 for p in range(k)]
+                reason = "stop" if k == room else "length"
+                self.done.append(GenerateResult(rid, i, list(req.prompt_ids), out, [-0.5] * k, [self.version] * k,
+                                                reason, group_id=req.group_id, metadata=dict(req.metadata)))
+        return ids
+
+    def poll(self, timeout=0.0):
+        out, self.done = self.done, []
+        return out
+
+    def update_weights(self, weights, version):
+        self.version = version
+        return WeightUpdateReport(version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+
+
+class Pusher:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def push(self, version):
+        self.engine.update_weights(None, version)
+
+        class Done:
+            def wait(self):
+                pass
+
+        return Done()
+
+
+class Learner:
+    def __init__(self):
+        self.records = []
+
+    def train(self, batch, current_version):
+        self.records.append((batch, current_version))
+        return {"learner/loss": 0.0}
+
+
+class Task:
+    name = "fake"
+
+    def prompts(self, split, n, seed):
+        return [([1 + (seed * n + j) % 97, 2, 3], seed * n + j) for j in range(n)]
+
+    def reward(self, sample, reference):
+        return float(sum(sample.response_ids) % 2)
+
+
+def make(mode="fixed_lag", K=0, J=0, stride=None, max_new=12, engine=None, lag=4):
+    engine = engine or SyncEngine()
+    learner = Learner()
+    controller = ControllerConfig(mode=mode, max_policy_lag=lag, **(
+        dict(inter_lag=K, intra_lag=J, intra_lag_stride=stride) if mode == "fixed_lag" else {}))
+    rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=max_new))
+    return Controller(engine, learner, Pusher(engine), Task(), controller, rollout, "grpo"), learner, engine
+
+
+def seq_versions(batch):
+    cu = batch.cu_seqlens.tolist()
+    return [batch.versions_T[a:b][batch.loss_mask_T[a:b]].tolist() for a, b in zip(cu[:-1], cu[1:])]
+
+
+@pytest.mark.parametrize("K", [0, 1, 4])
+def test_inter_lag_every_token_is_from_version_v_minus_K(K):
+    ctrl, learner, _ = make(K=K)
+    history = ctrl.run(7)
+    for (batch, v), m in zip(learner.records, history):
+        expected = max(0, v - K)
+        assert all(s == [expected] * 12 for s in seq_versions(batch)), (v, seq_versions(batch))
+        assert m["policy_lag/max"] == m["policy_lag/min"] == v - expected
+
+
+@pytest.mark.parametrize("K,J,stride", [(3, 2, None), (1, 3, 2), (0, 2, 5)])
+def test_intra_lag_switches_at_fixed_positions(K, J, stride):
+    max_new = 12
+    s = stride or max_new // (J + 1)
+    ctrl, learner, _ = make(K=K, J=J, stride=stride, max_new=max_new)
+    ctrl.run(8)
+    for batch, v in learner.records:
+        expected = []
+        for j in range(J + 1):
+            width = s if j < J else max_new - J * s
+            expected += [max(0, v - K - J + j)] * width
+        assert all(seq == expected for seq in seq_versions(batch)), (v, seq_versions(batch)[0], expected)
+    assert len(learner.records) == 8 and [v for _, v in learner.records] == list(range(8))
+
+
+def test_a_response_that_stops_early_carries_fewer_versions():
+    # response lengths 5 (even first prompt token) or 12: with J=2 and stride 4, 2 or 3 segments
+    engine = SyncEngine(natural_len=lambda first: 5 if first % 2 == 0 else 12)
+    ctrl, learner, _ = make(K=2, J=2, stride=4, engine=engine)
+    ctrl.run(6)
+    saw_short = False
+    for batch, v in learner.records:
+        a = [max(0, v - 4 + j) for j in range(3)]
+        for seq in seq_versions(batch):
+            if len(seq) == 5:
+                saw_short = True
+                assert seq == [a[0]] * 4 + [a[1]]
+            else:
+                assert seq == [a[0]] * 4 + [a[1]] * 4 + [a[2]] * 4
+    assert saw_short
+    # no segment ran after a response stopped: every continuation extends an unfinished response
+    assert all(len(r.prompt_ids) - 3 in (4, 8) for r in engine.requests if r.params.n == 1)
+
+
+def test_zero_lag_is_synchronous_grpo_token_for_token():
+    fixed, fixed_learner, _ = make(K=0, J=0)
+    sync, sync_learner, _ = make(mode="sync", lag=0)
+    fixed.run(4)
+    sync.run(4)
+    for (a, va), (b, vb) in zip(fixed_learner.records, sync_learner.records):
+        assert va == vb
+        assert a.tokens_T.tolist() == b.tokens_T.tolist() and a.versions_T.tolist() == b.versions_T.tolist()
+        assert a.advantages_B.tolist() == b.advantages_B.tolist()
+
+
+def test_resume_continues_exactly_and_memory_is_bounded():
+    K, J = 3, 1
+    straight, learner, _ = make(K=K, J=J)
+    sizes = []
+    straight.hooks.on_step.append(lambda m: sizes.append(len(straight.lag_pipeline.batches)))
+    straight.run(6)
+    assert max(sizes) <= straight.lag_pipeline.held_batches == K + J + 1
+
+    first, learner1, _ = make(K=K, J=J)
+    first.run(3)
+    state = first.state_dict()
+    resumed, learner2, engine2 = make(K=K, J=J)
+    engine2.version = state["version"]  # a fresh engine loaded with the checkpoint's weights
+    resumed.load_state_dict(state)
+    resumed.run(3)
+    got = learner1.records + learner2.records
+    assert [v for _, v in got] == [v for _, v in learner.records]
+    for (a, _), (b, _) in zip(got, learner.records):
+        assert a.tokens_T.tolist() == b.tokens_T.tolist() and a.versions_T.tolist() == b.versions_T.tolist()
+
+
+def test_fixed_lag_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="controller.inter_lag"):
+        ControllerConfig(mode="fully_async", inter_lag=2)
+    with pytest.raises(ValueError, match="controller.intra_lag"):
+        ControllerConfig(mode="fixed_lag", intra_lag=-1)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("controller: {mode: fixed_lag, inter_lag: 2}\nrollout: {dynamic_filtering: true}\n")
+    with pytest.raises(ValueError, match="rollout.dynamic_filtering"):
+        load_config(cfg)
+    cfg.write_text("controller: {mode: fixed_lag, intra_lag: 4, intra_lag_stride: 4}\n"
+                   "rollout: {sampling: {max_new_tokens: 16}}\n")
+    with pytest.raises(ValueError, match="controller.intra_lag_stride"):
+        load_config(cfg)
+    cfg.write_text("controller: {mode: fixed_lag, intra_lag: 3, intra_lag_stride: 5}\n"
+                   "rollout: {sampling: {max_new_tokens: 16}}\n")
+    assert load_config(cfg).controller.intra_lag_stride_for(16) == 5
