@@ -71,6 +71,7 @@ def mismatch_metric_stats(
         "neg_delta": (-delta_BT).sum(),
         "k3": (torch.expm1(delta_BT) - delta_BT).sum(),  # delta is 0 at padding: adds 0
         "abs_delta": delta_BT.abs().sum(),
+        "entropy": entropy.sum(),
     }
     dropped = None
     if keep_mask_BT is not None:
@@ -129,6 +130,8 @@ def finalize_mismatch_metrics(stats: MetricStats) -> dict[str, Tensor]:
         "mismatch/mean_abs_delta": _ratio(s["abs_delta"], tokens),
         "mismatch/tokens": tokens,
     }
+    if "entropy" in s:
+        metrics["policy/entropy_mean"] = _ratio(s["entropy"], tokens)
     if "dropped" in s:
         metrics["mask/fraction"] = _ratio(s["dropped"], tokens)
     if "weight" in s:
@@ -161,6 +164,7 @@ def mismatch_metrics(
 
     - mismatch/k1 = mean(-delta), mismatch/k3 = mean(exp(delta) - 1 - delta) >= 0: estimates
       of KL(mu || pi) from tokens sampled by mu; mismatch/mean_abs_delta; mismatch/tokens.
+    - policy/entropy_mean: the learner's mean token entropy H(pi_theta) (collapse watch).
     - mask/fraction: valid tokens dropped (needs keep_mask_BT).
     - is/ess: (sum w)^2 / (n sum w^2) of the effective weights w * keep over the n valid
       tokens, in [0, 1] (needs weight_BT or keep_mask_BT; a missing one counts as 1). Pass

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from entr_megatron import __version__
-from entr_megatron.cli import demo, generate, score, train
+from entr_megatron.cli import demo, generate, plan, score, study, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     score.add_parser(sub)
     generate.add_parser(sub)
+    study.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

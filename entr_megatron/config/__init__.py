@@ -5,7 +5,7 @@ A run is one `RunConfig`, read from YAML with dotted overrides by `load_config`.
 
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.controller import ControllerConfig
-from entr_megatron.config.launcher import LauncherConfig, LoggingConfig
+from entr_megatron.config.launcher import LauncherConfig, LoggingConfig, WandbConfig
 from entr_megatron.config.learner import LearnerConfig, OptimConfig
 from entr_megatron.config.loader import config_from_dict, dump_config, load_config, parse_value
 from entr_megatron.config.model import ModelConfig, ParallelConfig
@@ -22,6 +22,7 @@ __all__ = [
     "LauncherConfig",
     "LearnerConfig",
     "LoggingConfig",
+    "WandbConfig",
     "MathTaskConfig",
     "ModelConfig",
     "OptimConfig",

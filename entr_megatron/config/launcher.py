@@ -13,6 +13,8 @@ Device = Literal["cpu", "cuda"]
 DEVICES: tuple[str, ...] = get_args(Device)
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+WandbMode = Literal["online", "offline", "disabled"]
+WANDB_MODES: tuple[str, ...] = get_args(WandbMode)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,36 @@ class LauncherConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases tracking (pip install 'entr-megatron[study]'), beside metrics.jsonl and TensorBoard.
+    A resumed run continues the same W&B run (its id is kept in RUN_DIR/wandb_run_id); every
+    metric is plotted against the training step ("step"), also when async steps log out of order."""
+
+    SECTION = "logging.wandb"
+
+    project: str = "entr-megatron"
+    """W&B project."""
+
+    group: str | None = None
+    """Runs shown together (a study sets it to its name). None: no group."""
+
+    name: str | None = None
+    """Display name. None: the run directory's name."""
+
+    mode: WandbMode = "online"
+    """One of WANDB_MODES: 'online', 'offline' (sync later with `wandb sync`), 'disabled'."""
+
+    entity: str | None = None
+    """W&B team or user. None: your default entity."""
+
+    def __post_init__(self) -> None:
+        string(self, "project")
+        for name in ("group", "name", "entity"):
+            string(self, name, optional=True)
+        choice(self, "mode", WandbMode)
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     """Run directory, metrics and console output."""
 
@@ -98,6 +130,9 @@ class LoggingConfig:
 
     level: LogLevel = "info"
     """Console log level: one of LOG_LEVELS."""
+
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases (see WandbConfig). None: no W&B."""
 
     def __post_init__(self) -> None:
         string(self, "run_dir")

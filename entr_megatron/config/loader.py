@@ -68,7 +68,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     overrides = list(overrides)
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(os.fspath(path))
+        raw = read_yaml(os.fspath(path))
     for item in overrides:
         _apply_override(raw, item)
     try:
@@ -89,6 +89,11 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.dump(_plain(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
 
 
+def config_as_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` as plain nested dicts and lists (what dump_config writes)."""
+    return _plain(cfg)
+
+
 def parse_value(text: str) -> Any:
     """A command-line value with YAML scalar rules: `true`, `1e-6`, `[1, 2]`, `null`, `sync`."""
     try:
@@ -100,7 +105,8 @@ def parse_value(text: str) -> Any:
 # ---------------------------------------------------------------- reading
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file (empty file: {}); errors name the file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path} does not exist")
     with open(path, encoding="utf-8") as f:

@@ -218,6 +218,15 @@ class LearnerWorker:
             self.sync.wait_borrowed()  # the weights are about to change
         return load_checkpoint(root, self.ddp, self.optimizer, self.scheduler, step=step)
 
+    def target_logprobs(self, examples: list[tuple[list[int], list[int]]]) -> list[float]:
+        """log p(target | prompt) of each (prompt ids, target ids) pair under the current weights at
+        temperature 1 (teacher forced; the sum over the target's tokens), on every rank."""
+        from entr_megatron.learner.scoring import score_sequences
+
+        sequences = [list(prompt) + list(target) for prompt, target in examples]
+        scored = score_sequences(self.chunks, self.model_spec, self.groups, sequences)
+        return [float(lp[len(prompt) - 1:].double().sum()) for (prompt, _), (lp, _) in zip(examples, scored)]
+
     def export_hf(self, out_dir: str) -> str:
         """Writes the current weights as an HF directory (config.json, safetensors), atomically."""
         from entr_megatron.learner.hf_export import save_hf_checkpoint

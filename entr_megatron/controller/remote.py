@@ -97,6 +97,10 @@ class RemoteLearner:
         """Every rank loads the latest checkpoint under `root`; (its step, its extra state)."""
         return self.group.call("load", root)[0]
 
+    def target_logprobs(self, examples: list[tuple[list[int], list[int]]]) -> list[float]:
+        """log p(target | prompt) of each (prompt ids, target ids) pair (teacher forced, temperature 1)."""
+        return self.group.call("target_logprobs", examples)[0]
+
     def export_hf(self, out_dir: str) -> str:
         """The current weights as an HF directory."""
         return self.group.call("export_hf", out_dir)[0]

@@ -15,6 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from entr_megatron.config.loader import config_as_dict
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.utils.run_log import MetricsLogger, ProgressBar
@@ -55,7 +56,9 @@ def step_recorder(cfg: RunConfig, run_root: Path, stack: ExitStack, pusher: Any,
     (lines of steps >= `done` dropped first: they are redone) and the progress bar; both are
     closed by `stack`."""
     c = cfg.controller
-    logger = stack.enter_context(MetricsLogger(run_root, tensorboard=cfg.logging.tensorboard, resume_from_step=done))
+    wandb_config = config_as_dict(cfg) if cfg.logging.wandb is not None else None
+    logger = stack.enter_context(MetricsLogger(run_root, tensorboard=cfg.logging.tensorboard, resume_from_step=done,
+                                               wandb=cfg.logging.wandb, config=wandb_config))
     bar = ProgressBar(c.train_steps, initial=done, desc=f"rl {c.mode}", enabled=cfg.logging.progress_bar,
                       log_interval=cfg.logging.log_interval)
     stack.callback(bar.close)

@@ -1,4 +1,4 @@
-"""Run logging: metrics.jsonl (+ TensorBoard) and a progress bar.
+"""Run logging: metrics.jsonl (+ TensorBoard, + W&B with `logging.wandb`) and a progress bar.
 
     with MetricsLogger(run_dir, resume_from_step=start) as log, ProgressBar(total, initial=start) as bar:
         for step in range(start, total):
@@ -122,7 +122,8 @@ class MetricsLogger:
     tensorboard=False, or tensorboard not installed (one warning), logs to the file only.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_from_step: int | None = None):
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_from_step: int | None = None,
+                 wandb: Any = None, config: Mapping[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -133,6 +134,11 @@ class MetricsLogger:
             _rewrite_atomically(self.path, [line for line, _ in records])
         self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
         self._writer = _summary_writer(self.run_dir / TENSORBOARD_DIR, resume_from_step) if tensorboard else None
+        self._wandb = None
+        if wandb is not None:  # a logging.wandb section: W&B too (utils/wandb_log.py)
+            from entr_megatron.utils.wandb_log import WandbSink
+
+            self._wandb = WandbSink(self.run_dir, wandb, config)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
         """Write one record; `metrics` must hold an int "step"."""
@@ -154,6 +160,8 @@ class MetricsLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._writer.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({**values, "step": step})
 
     def close(self) -> None:
         if self._file is not None:
@@ -162,6 +170,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self

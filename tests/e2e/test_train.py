@@ -259,3 +259,37 @@ def test_fixed_lag_is_reproducible_and_carries_the_prescribed_versions(tmp_path,
         v = r["policy_version"]
         assert r["policy_lag/max"] == min(v, K + J) and r["policy_lag/min"] == max(0, min(v, K)), r
     assert any(r["optim/grad_norm"] > 0 for r in a)
+
+
+def test_sft_expected_accuracy_matches_transformers_and_the_target_stops_it(tmp_path, sft_model):
+    """The warm-up's held-out expected accuracy (mean p(reference | prompt), teacher forced on the
+    Megatron learner) equals HF transformers' own forward on the exported model; with
+    sft.target_accuracy the warm-up stops at the first check that reaches it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from entr_megatron.config.loader import load_config
+    from entr_megatron.controller.model_init import build_task, tokenizer_for
+
+    rows = read_metrics(sft_model.parent / "metrics.jsonl")
+    checked = [r for r in rows if "sft/expected_accuracy" in r]
+    assert [r["step"] for r in checked] == [9, 19, 29]  # sft.eval_interval 10 of 30 steps
+    cfg = load_config(write_config(tmp_path / "c.yaml", base_config(tmp_path, sft={"steps": 30})))
+    examples = build_task(cfg, tokenizer_for(cfg)).sft_examples("test", cfg.sft.eval_size, seed=cfg.controller.seed)
+    model = AutoModelForCausalLM.from_pretrained(sft_model, torch_dtype=torch.float64).eval()
+    probs = []
+    with torch.no_grad():
+        for prompt, target in examples:
+            ids = torch.tensor([prompt + target])
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+            probs.append(math.exp(sum(logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(target))))
+    reference = sum(probs) / len(probs)
+    assert checked[-1]["sft/expected_accuracy"] == pytest.approx(reference, rel=1e-3, abs=1e-6)
+
+    target = checked[0]["sft/expected_accuracy"] * 0.5 + 1e-6  # reached at the first check
+    config = write_config(tmp_path / "t.yaml", base_config(tmp_path / "t", sft={
+        "steps": 30, "lr": 3.0e-3, "batch_size": 32, "target_accuracy": target}))
+    proc = cli("sft", "--config", str(config))
+    stopped = read_metrics(tmp_path / "t" / "sft" / "metrics.jsonl")
+    assert len(stopped) == 10 and stopped[-1]["sft/expected_accuracy"] >= target
+    assert "reached sft.target_accuracy" in proc.stderr

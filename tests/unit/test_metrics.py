@@ -36,6 +36,7 @@ def test_hand_case():
     assert m["mismatch/k3"].item() == pytest.approx(sum(math.exp(d) - 1 - d for d in deltas) / 4)
     assert m["mismatch/mean_abs_delta"].item() == pytest.approx(1.8 / 4)
     assert m["mismatch/tokens"].item() == 4
+    assert m["policy/entropy_mean"].item() == pytest.approx((0.0005 + 0.05 + 2.0 + 0.05) / 4)
     assert m["mask/fraction"].item() == pytest.approx(2 / 4)
     # Effective weights w * keep over the 4 valid tokens: [1, 0, 0.5, 0].
     assert m["is/ess"].item() == pytest.approx(1.5**2 / (4 * 1.25))
@@ -75,6 +76,7 @@ def _loop_reference(lp, mu, H, mask, keep, weight, edges, eps=0.01):
         "mismatch/k3": sum(math.exp(d[k]) - 1 - d[k] for k in valid) / n,
         "mismatch/mean_abs_delta": sum(abs(d[k]) for k in valid) / n,
         "mismatch/tokens": n,
+        "policy/entropy_mean": sum(H[k[0]][k[1]] for k in valid) / n,
         "mask/fraction": sum(not keep[k[0]][k[1]] for k in valid) / n,
     }
     w = [weight[k[0]][k[1]] if keep[k[0]][k[1]] else 0.0 for k in valid]

@@ -1,0 +1,83 @@
+"""`entr-megatron study run | report`: scaling studies over any config field.
+
+    entr-megatron study run SPEC.yaml [--out DIR] [--launcher local|ray] [--jobs N] [--dry-run]
+    entr-megatron study report DIR [--out REPORT_DIR]
+
+`run` validates the whole spec (every cell's config) before anything starts, then runs each
+cell as an ordinary `train` run directory under DIR/cells/ (default DIR: runs/studies/<name>).
+Rerunning skips finished cells and resumes interrupted ones; a failed cell is recorded and the
+others go on (the exit code is 1 when any failed). `report` writes the results table
+(Parquet, CSV), plots and report.md (default: DIR/report). The spec format: study/spec.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_parser"]
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    print(f"entr-megatron study: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def run(args) -> None:
+    from entr_megatron.study.runner import run_study
+    from entr_megatron.study.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.spec)
+    except (SpecError, FileNotFoundError) as e:
+        _fail(f"invalid spec: {e}")
+    out = Path(args.out) if args.out else Path("runs") / "studies" / spec.name
+    if args.dry_run:
+        cells = spec.cells()
+        print(f"{len(cells)} cells, axes {spec.axes}, into {out}:")
+        for cell in cells:
+            print(f"  {cell.id}")
+        return
+    ray_address = None
+    if args.launcher == "ray":
+        ray_address = spec.base_raw.get("launcher", {}).get("ray_address")
+    try:
+        result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address)
+    except SpecError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    print(json.dumps({"out": result["out"], "done": len(result["done"]), "skipped": len(result["skipped"]),
+                      "failed": result["failed"]}))
+    if result["failed"]:
+        sys.exit(1)
+
+
+def report(args) -> None:
+    from entr_megatron.study.report import write_report
+
+    study = Path(args.dir)
+    if not (study / "study.json").is_file():
+        _fail(f"{study} is not a study directory (no study.json); give the --out of `study run`")
+    path = write_report(study, Path(args.out) if args.out else None)
+    print(json.dumps({"report": str(path)}))
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("study", help="scaling studies: run a grid of train runs, then report on them",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    study = p.add_subparsers(dest="study_command", required=True, metavar="STUDY_COMMAND")
+    r = study.add_parser("run", help="run (or resume) every cell of a spec")
+    r.add_argument("spec", metavar="SPEC.yaml")
+    r.add_argument("--out", default=None, metavar="DIR", help="study directory (default: runs/studies/<name>)")
+    r.add_argument("--launcher", choices=("local", "ray"), default="local",
+                   help="cells as local processes or Ray tasks (default: local)")
+    r.add_argument("--jobs", type=int, default=1, metavar="N", help="cells at a time (default: 1)")
+    r.add_argument("--dry-run", action="store_true", help="validate the spec and list its cells; run nothing")
+    r.set_defaults(func=run)
+    q = study.add_parser("report", help="results table, plots and report.md of a study directory")
+    q.add_argument("dir", metavar="DIR")
+    q.add_argument("--out", default=None, metavar="REPORT_DIR", help="default: DIR/report")
+    q.set_defaults(func=report)

@@ -1,0 +1,258 @@
+"""Runs a study: every cell an ordinary `train` run directory, N at a time, locally or on Ray.
+
+    OUT/
+      study.json, spec.yaml        what the study is (axes, report grouping) and the spec as given
+      warmup/                      the shared SFT run (warmup/sft/model), when the spec has one
+      cells/<cell id>/
+        cell.json                  its axes and config hash (what it computes)
+        cell.yaml                  its config, as `train --config` reads it
+        status.json                pending | running | done | failed, error, wall_s, attempts
+        train.log                  the train command's output (appended per attempt)
+        metrics.jsonl, eval.json, checkpoints/, ...   the train run directory
+
+Rerunning skips cells whose status is done (a finished study reruns in seconds) and runs the
+others again: a cell that was running when the study was killed resumes from its last
+checkpoint (`train` resumes its run directory), a failed one is retried. A failed cell is
+recorded with its error and does not stop the others. A cell whose config changed since it ran
+is refused (its results would mix two configs): use another OUT or delete the cell.
+
+Local cells are subprocesses of this one: Ctrl-C stops them at their next step with a
+checkpoint (train's own SIGINT handling) and the study exits; they resume on the next run. On
+Ray (`--launcher ray`, `ray_address` from the base config's launcher section or a local
+cluster), each cell is a task with the spec's `resources`; OUT must be on a file system every
+node sees.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from entr_megatron.study.spec import Cell, SpecError, StudySpec
+
+__all__ = ["StudyResult", "run_study"]
+
+LOG_TAIL_CHARS = 4000
+"""Characters of a failed cell's output kept as its error."""
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_yaml(path: Path, raw: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def run_command(args: list[str], log_path: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Runs `entr-megatron ARGS` with its output appended to `log_path`; (exit code, last stdout line).
+    The child dies with this process (Linux: PR_SET_PDEATHSIG), so a killed study leaves no orphans."""
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} entr-megatron {' '.join(args)}\n")
+        log.flush()
+        proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", *args], stdout=subprocess.PIPE,
+                                stderr=log, text=True, env=env, preexec_fn=_die_with_parent)
+        last = ""
+        for line in proc.stdout:
+            log.write(line)
+            if line.strip():
+                last = line.strip()
+        return proc.wait(), last
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed study may leave its cells running
+
+
+def _cell_attempt(cell_dir: str) -> dict[str, Any]:
+    """One attempt at a cell: `train` on its directory (resuming it). Runs in a thread or a Ray task."""
+    t0 = time.time()
+    code, last = run_command(["train", "--config", str(Path(cell_dir) / "cell.yaml"), "--run-dir", cell_dir],
+                             str(Path(cell_dir) / "train.log"))
+    out: dict[str, Any] = {"returncode": code, "wall_s": time.time() - t0}
+    if code == 0:
+        try:
+            out["result"] = json.loads(last)
+        except json.JSONDecodeError:
+            out["result"] = None
+    else:
+        text = (Path(cell_dir) / "train.log").read_text(errors="replace")
+        out["error"] = f"exit {code}: " + text[-LOG_TAIL_CHARS:]
+    return out
+
+
+class StudyResult(dict):
+    """{"done": [ids], "failed": [ids], "skipped": [ids], "interrupted": bool, "out": str}."""
+
+
+class Progress:
+    """One line per change for the whole study: done / running / failed of N, ETA."""
+
+    def __init__(self, total: int, done: int, jobs: int):
+        self.total, self.done, self.failed, self.running, self.jobs = total, done, 0, 0, jobs
+        self.t0, self.durations, self.lock = time.time(), [], threading.Lock()
+
+    def update(self, started: int = 0, finished: str | None = None, wall_s: float | None = None, cell: str = "") -> None:
+        with self.lock:
+            self.running += started - (finished is not None)
+            if finished == "done":
+                self.done += 1
+                self.durations.append(wall_s or 0.0)
+            elif finished == "failed":
+                self.failed += 1
+            left = self.total - self.done - self.failed
+            eta = ""
+            if self.durations and left:
+                per = sum(self.durations) / len(self.durations)
+                eta = f", eta {_minutes(per * left / max(min(self.jobs, left), 1))}"
+            what = f" [{finished or 'started'}: {cell}]" if cell else ""
+            print(f"[study] {self.done}/{self.total} done, {self.running} running, {self.failed} failed, "
+                  f"elapsed {_minutes(time.time() - self.t0)}{eta}{what}", file=sys.stderr, flush=True)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _prepare(spec: StudySpec, out: Path) -> Path | None:
+    """Writes study.json and the spec; runs the shared warm-up once. Returns its model (or None)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cells").mkdir(exist_ok=True)
+    _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
+                                     "report": spec.report, "resources": spec.resources})
+    (out / "spec.yaml").write_text(spec.path.read_text())
+    if spec.warmup is not None and "model" in spec.warmup:
+        return spec.warmup["model"]
+    raw = spec.warmup_config()
+    if raw is None:
+        return None
+    warm = out / "warmup"
+    model = warm / "sft" / "model"
+    if (model / "config.json").exists():
+        return model
+    warm.mkdir(exist_ok=True)
+    raw = {**raw, "logging": {**raw.get("logging", {}), "run_dir": str(warm)}}
+    _write_yaml(warm / "warmup.yaml", raw)
+    print(f"[study] shared warm-up (SFT) in {warm}", file=sys.stderr, flush=True)
+    code, _ = run_command(["sft", "--config", str(warm / "warmup.yaml"), "--run-dir", str(warm)], str(warm / "sft.log"))
+    if code != 0 or not (model / "config.json").exists():
+        raise RuntimeError(f"the shared warm-up failed (exit {code}); see {warm / 'sft.log'}")
+    return model
+
+
+def _place(cell: Cell, out: Path) -> tuple[Path, bool]:
+    """The cell's directory with cell.json and cell.yaml; True when it is already done."""
+    cell_dir = out / "cells" / cell.id
+    known = _read_json(cell_dir / "cell.json")
+    digest = cell.config_hash()
+    if known is not None and known.get("config_hash") != digest:
+        raise SpecError(f"cell {cell.id} in {cell_dir} was run with another config (the spec or its base changed); "
+                        "use another --out, or delete that cell's directory to rerun it")
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    if known is None:
+        _write_json(cell_dir / "cell.json", {"id": cell.id, "axes": cell.axes, "config_hash": digest})
+    raw = {**cell.raw, "logging": {**cell.raw.get("logging", {}), "run_dir": str(cell_dir)}}
+    _write_yaml(cell_dir / "cell.yaml", raw)
+    status = _read_json(cell_dir / "status.json") or {}
+    if not status:
+        _write_json(cell_dir / "status.json", {"state": "pending", "error": None, "wall_s": None, "attempts": 0})
+    return cell_dir, status.get("state") == "done"
+
+
+def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", jobs: int = 1,
+              ray_address: str | None = None) -> StudyResult:
+    """Runs every cell not yet done (see the module docstring); returns what happened."""
+    if jobs < 1:
+        raise SpecError(f"--jobs must be >= 1, got {jobs}")
+    if launcher not in ("local", "ray"):
+        raise SpecError(f"--launcher must be 'local' or 'ray', got {launcher!r}")
+    out = Path(out).resolve()
+    model = _prepare(spec, out)
+    cells = spec.cells(warmup_model=model)
+    todo, skipped = [], []
+    for cell in cells:
+        cell_dir, done = _place(cell, out)
+        (skipped if done else todo).append((cell, cell_dir))
+    result = StudyResult(done=[], failed=[], skipped=[c.id for c, _ in skipped], interrupted=False, out=str(out))
+    progress = Progress(len(cells), len(skipped), jobs)
+    if not todo:
+        print(f"[study] all {len(cells)} cells done ({out})", file=sys.stderr, flush=True)
+        return result
+    submit = _ray_submitter(spec, ray_address) if launcher == "ray" else None
+
+    def attempt(cell: Cell, cell_dir: Path) -> None:
+        status = _read_json(cell_dir / "status.json") or {}
+        status.update(state="running", attempts=status.get("attempts", 0) + 1, started=time.time())
+        _write_json(cell_dir / "status.json", status)
+        progress.update(started=1, cell=cell.id)
+        try:
+            outcome = submit(str(cell_dir)) if submit else _cell_attempt(str(cell_dir))
+        except Exception as e:  # the launcher itself failed (e.g. a Ray task died): record, go on
+            outcome = {"returncode": -1, "wall_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+        record(cell, cell_dir, outcome)
+
+    def record(cell: Cell, cell_dir: Path, outcome: dict[str, Any]) -> None:
+        status = _read_json(cell_dir / "status.json") or {}
+        ok = outcome["returncode"] == 0 and (outcome.get("result") or {}).get("stopped") is not True
+        interrupted = outcome["returncode"] == 0 and not ok
+        state = "done" if ok else "pending" if interrupted else "failed"
+        status.update(state=state, error=None if ok or interrupted else outcome.get("error"),
+                      wall_s=(status.get("wall_s") or 0.0) + outcome["wall_s"], result=outcome.get("result"))
+        _write_json(cell_dir / "status.json", status)
+        if state != "pending":
+            result[state].append(cell.id)
+        progress.update(finished=state, wall_s=outcome["wall_s"], cell=cell.id)
+
+    pool = cf.ThreadPoolExecutor(max_workers=jobs)
+    futures = [pool.submit(attempt, cell, cell_dir) for cell, cell_dir in todo]
+    try:
+        for future in cf.as_completed(futures):
+            future.result()
+    except KeyboardInterrupt:
+        result["interrupted"] = True
+        print("[study] interrupted: running cells stop at their next step with a checkpoint; "
+              "run the same command to resume", file=sys.stderr, flush=True)
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return result
+
+
+def _ray_submitter(spec: StudySpec, ray_address: str | None):
+    """A function running one cell attempt as a Ray task with the spec's resources, blocking for it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("--launcher ray needs Ray: pip install 'entr-megatron[cluster]'") from e
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    options = {"num_cpus": spec.resources.get("num_cpus", 1), "num_gpus": spec.resources.get("num_gpus", 0),
+               "max_retries": 0}
+    remote = ray.remote(**options)(_cell_attempt)
+    return lambda cell_dir: ray.get(remote.remote(cell_dir))

@@ -1,0 +1,234 @@
+"""A study spec: a base config, overrides, grid axes over any config field, seeds, and an
+optional shared warm-up. Validated completely (every cell's config included) before anything runs.
+
+    name: staleness                      # default: the file's stem
+    base: ../../examples/study_base.yaml # a run config; relative paths are against the spec's folder
+    overrides:                           # dotted keys, applied to every cell
+      controller.mode: fixed_lag
+      rollout.dtype: bfloat16
+    grid:                                # one mapping: its full product; a list of mappings: the union
+      algorithm.correction: [none, entr, icepop]
+      controller.inter_lag: [0, 4, 16]
+    seeds: [0, 1, 2]                     # controller.seed of each cell (default [0])
+    warmup:                              # optional: one SFT run whose model every cell starts from
+      overrides: {sft.steps: 250}        # on top of base + overrides (needs an `sft` section)
+      # model: ../other/warmup/sft/model # or: reuse a finished warm-up (an HF model directory)
+    resources: {num_cpus: 2}             # per cell: Ray task resources (num_cpus, num_gpus)
+    report:                              # how `study report` groups the cells (all optional)
+      method: algorithm.correction
+      lag: controller.inter_lag
+      reference: {controller.inter_lag: 0}
+
+Each cell is an ordinary `train` run directory (see runner.py). Its id names its axis values,
+e.g. ``correction=entr,inter_lag=4,seed=0`` (an axis is named by the last part of its key
+unless two axes share it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from entr_megatron.config.loader import config_from_dict, dump_config, read_yaml, set_field
+from entr_megatron.config.run import RunConfig
+
+__all__ = ["Cell", "SpecError", "StudySpec", "load_spec"]
+
+SEED_KEY = "controller.seed"
+SPEC_KEYS = ("name", "base", "overrides", "grid", "seeds", "warmup", "resources", "report")
+RESOURCE_KEYS = ("num_cpus", "num_gpus")
+REPORT_KEYS = ("method", "lag", "reference")
+
+
+class SpecError(ValueError):
+    """A study spec that cannot run; the message names the spec file and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One run of the study: its axis values and its validated config (run_dir not yet set)."""
+
+    id: str
+    axes: dict[str, Any]
+    raw: dict[str, Any]
+    """The raw config mapping (base + overrides + axes), what `config` was validated from."""
+    config: RunConfig
+
+    def config_hash(self) -> str:
+        """Identity of what the cell computes (its run directory excluded)."""
+        cfg = dataclasses.replace(self.config, logging=dataclasses.replace(self.config.logging, run_dir="."))
+        return hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySpec:
+    path: Path
+    name: str
+    base: Path
+    base_raw: dict[str, Any]
+    overrides: dict[str, Any]
+    grids: list[dict[str, list[Any]]]
+    seeds: list[int]
+    warmup: dict[str, Any] | None
+    resources: dict[str, float]
+    report: dict[str, Any]
+
+    @property
+    def axes(self) -> list[str]:
+        """Every grid key in spec order, then controller.seed."""
+        keys: list[str] = []
+        for grid in self.grids:
+            keys += [k for k in grid if k not in keys]
+        return keys + [SEED_KEY]
+
+    def cells(self, warmup_model: Path | None = None) -> list[Cell]:
+        """Every cell, validated; with `warmup_model` each starts from that model (no own SFT)."""
+        out: dict[str, Cell] = {}
+        for g, grid in enumerate(self.grids):
+            where = "grid" if len(self.grids) == 1 else f"grid[{g}]"
+            for values in itertools.product(*grid.values(), self.seeds):
+                axes = dict(zip([*grid, SEED_KEY], values))
+                cell_id = self._cell_id(axes)
+                if cell_id in out:
+                    continue  # two grids of the union may share cells
+                raw = self._raw(axes, where)
+                wandb = raw.get("logging", {}).get("wandb")
+                if isinstance(wandb, dict):  # the study's cells are one W&B group, each named by its id
+                    raw["logging"]["wandb"] = {"group": self.name, "name": cell_id, **{k: v for k, v in wandb.items()
+                                                                                      if v is not None}}
+                if warmup_model is not None:
+                    raw["model"] = {**raw.get("model", {}), "path": str(warmup_model), "architecture": None}
+                    raw.pop("sft", None)
+                out[cell_id] = Cell(cell_id, axes, raw, self._validate(raw, f"{where} cell {cell_id}"))
+        return list(out.values())
+
+    def warmup_config(self) -> dict[str, Any] | None:
+        """The raw config of the shared SFT run (base + overrides + warmup.overrides)."""
+        if self.warmup is None or "model" in self.warmup:
+            return None
+        raw = copy.deepcopy(self.base_raw)
+        for key, value in {**self.overrides, **self.warmup.get("overrides", {})}.items():
+            _set(raw, key, value, self.path, "warmup.overrides" if key in self.warmup.get("overrides", {}) else "overrides")
+        if raw.get("sft") is None:
+            raise SpecError(f"{self.path}: warmup: the base config (with overrides) has no `sft` section to run")
+        self._validate(raw, "warmup")
+        return raw
+
+    def _raw(self, axes: Mapping[str, Any], where: str) -> dict[str, Any]:
+        raw = copy.deepcopy(self.base_raw)
+        for key, value in self.overrides.items():
+            _set(raw, key, value, self.path, "overrides")
+        for key, value in axes.items():
+            _set(raw, key, value, self.path, where if key != SEED_KEY else "seeds")
+        return raw
+
+    def _validate(self, raw: dict[str, Any], what: str) -> RunConfig:
+        try:
+            return config_from_dict(raw)
+        except ValueError as e:
+            raise SpecError(f"{self.path}: {what}: {e}") from None
+
+    def _cell_id(self, axes: Mapping[str, Any]) -> str:
+        lasts = [k.rsplit(".", 1)[-1] for k in self.axes]
+        parts = []
+        for key, value in axes.items():
+            short = key.rsplit(".", 1)[-1]
+            name = short if lasts.count(short) == 1 else key
+            parts.append(f"{name}={_token(value)}")
+        return ",".join(parts)
+
+
+def _token(value: Any) -> str:
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def _set(raw: dict[str, Any], key: str, value: Any, path: Path, where: str) -> None:
+    try:
+        set_field(raw, key, value, f" in {where}")
+    except ValueError as e:
+        raise SpecError(f"{path}: {where}.{key}: {e}") from None
+
+
+def load_spec(path: str | os.PathLike) -> StudySpec:
+    """The validated spec of a YAML file; raises SpecError (or FileNotFoundError) naming the field."""
+    path = Path(path)
+    if path.is_dir():
+        raise SpecError(f"{path} is a directory; give the study spec file (YAML)")
+    if not path.is_file():
+        raise FileNotFoundError(f"study spec {path} does not exist")
+    try:
+        data = read_yaml(str(path))
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    unknown = sorted(set(data) - set(SPEC_KEYS))
+    if unknown:
+        raise SpecError(f"{path}: unknown key(s) {unknown}; a spec has {list(SPEC_KEYS)}")
+
+    def need(cond: bool, field: str, msg: str) -> None:
+        if not cond:
+            raise SpecError(f"{path}: {field}: {msg}")
+
+    need("base" in data and isinstance(data["base"], str), "base", "required: the path of a run config (YAML)")
+    base = (path.parent / data["base"]).resolve()
+    need(base.is_file(), "base", f"{base} does not exist")
+    try:
+        base_raw = read_yaml(str(base))
+    except ValueError as e:
+        raise SpecError(f"{path}: base: {e}") from None
+    name = data.get("name", path.stem)
+    need(isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9._-]+", name or "") is not None, "name",
+         f"must be letters, digits, '.', '_' or '-', got {name!r}")
+    overrides = data.get("overrides") or {}
+    need(isinstance(overrides, dict), "overrides", "must be a mapping of dotted keys to values")
+    grids = data.get("grid") or {}
+    grids = [grids] if isinstance(grids, dict) else grids
+    need(isinstance(grids, list) and all(isinstance(g, dict) for g in grids), "grid",
+         "must be a mapping of dotted keys to lists of values, or a list of such mappings")
+    for g, grid in enumerate(grids):
+        for key, values in grid.items():
+            field = f"grid.{key}" if len(grids) == 1 else f"grid[{g}].{key}"
+            need(isinstance(values, list) and len(values) > 0, field, f"must be a non-empty list of values, got {values!r}")
+            need(len({repr(v) for v in values}) == len(values), field, f"repeats a value: {values!r}")
+            need(key != SEED_KEY, field, "seeds are given by the spec's `seeds` list")
+    seeds = data.get("seeds", [0])
+    need(isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                      for s in seeds) and len(set(seeds)) == len(seeds),
+         "seeds", f"must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+    warmup = data.get("warmup")
+    if warmup is not None:
+        need(isinstance(warmup, dict) and set(warmup) <= {"overrides", "model"}
+             and isinstance(warmup.get("overrides", {}), dict), "warmup",
+             "must be a mapping with an optional `overrides` mapping or a `model` directory")
+        if "model" in warmup:
+            need("overrides" not in warmup, "warmup.model", "reuses a finished warm-up: give no overrides with it")
+            model = (path.parent / str(warmup["model"])).resolve()
+            need((model / "config.json").is_file(), "warmup.model", f"{model} has no config.json (an HF model directory)")
+            warmup = {"model": model}
+    resources = data.get("resources") or {}
+    need(isinstance(resources, dict) and set(resources) <= set(RESOURCE_KEYS), "resources",
+         f"keys must be among {list(RESOURCE_KEYS)}, got {resources!r}")
+    for key, value in resources.items():
+        need(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, f"resources.{key}",
+             f"must be a number >= 0, got {value!r}")
+    report = data.get("report") or {}
+    need(isinstance(report, dict) and set(report) <= set(REPORT_KEYS), "report",
+         f"keys must be among {list(REPORT_KEYS)}, got {report!r}")
+    spec = StudySpec(path, name, base, base_raw, dict(overrides), [dict(g) for g in grids], list(seeds),
+                     warmup, dict(resources), {"method": None, "lag": None, "reference": None, **report})
+    for key in ("method", "lag"):
+        axis = spec.report[key]
+        need(axis is None or axis in spec.axes, f"report.{key}", f"{axis!r} is not an axis of the study ({spec.axes})")
+    reference = spec.report["reference"]
+    need(reference is None or (isinstance(reference, dict) and set(reference) <= set(spec.axes)),
+         "report.reference", f"must map axes of the study to values, got {reference!r}")
+    spec.cells()  # every cell's config validates, errors naming it
+    spec.warmup_config()
+    return spec

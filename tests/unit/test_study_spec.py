@@ -1,0 +1,97 @@
+"""Study specs: the cells a grid expands to, every error naming the spec field before anything
+runs, and the runner refusing a cell whose config changed since it ran."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from entr_megatron.study.runner import _place
+from entr_megatron.study.spec import SpecError, load_spec
+
+BASE = {"controller": {"mode": "fixed_lag", "train_steps": 3}, "rollout": {"sampling": {"max_new_tokens": 8}},
+        "sft": {"steps": 5}}
+
+
+def write(tmp_path, spec: dict, base: dict = BASE):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", **spec}))
+    return path
+
+
+def test_grid_product_union_and_seeds(tmp_path):
+    spec = load_spec(write(tmp_path, {
+        "name": "s", "overrides": {"rollout.dtype": "bfloat16"},
+        "grid": [{"algorithm.correction": ["none", "entr"], "controller.inter_lag": [0, 4]},
+                 {"algorithm.correction": ["none"], "controller.inter_lag": [4], "controller.intra_lag": [2]}],
+        "seeds": [0, 1]}))
+    cells = spec.cells()
+    assert len(cells) == 2 * 2 * 2 + 2
+    assert spec.axes == ["algorithm.correction", "controller.inter_lag", "controller.intra_lag", "controller.seed"]
+    ids = [c.id for c in cells]
+    assert "correction=entr,inter_lag=4,seed=1" in ids and "correction=none,inter_lag=4,intra_lag=2,seed=0" in ids
+    cell = next(c for c in cells if c.id == "correction=entr,inter_lag=4,seed=1")
+    assert cell.config.algorithm.correction == "entr" and cell.config.controller.inter_lag == 4
+    assert cell.config.controller.seed == 1 and cell.config.rollout.dtype == "bfloat16"
+    assert len({c.config_hash() for c in cells}) == len(cells)
+    assert cell.config_hash() == load_spec(spec.path).cells()[ids.index(cell.id)].config_hash()
+
+
+def test_warmup_model_replaces_the_cells_own_sft(tmp_path):
+    spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5, 1.0]}, "warmup": {"overrides": {"sft.steps": 7}}}))
+    assert spec.warmup_config()["sft"]["steps"] == 7
+    [a, _] = spec.cells(warmup_model=tmp_path / "warm")
+    assert a.config.sft is None and a.config.model.path == str(tmp_path / "warm")
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"grid": {"algorithm.corection": ["entr"]}}, "grid.algorithm.corection"),
+    ({"grid": {"algorithm.correction": ["entr", "nonsense"]}}, "algorithm.correction"),
+    ({"grid": {"algorithm.tau": []}}, "grid.algorithm.tau"),
+    ({"grid": {"algorithm.tau": [1, 1]}}, "grid.algorithm.tau"),
+    ({"grid": {"controller.seed": [1]}}, "grid.controller.seed"),
+    ({"overrides": {"controller.inter_lag": -1}}, "controller.inter_lag"),
+    ({"seeds": [0, 0]}, "seeds"),
+    ({"seeds": "0"}, "seeds"),
+    ({"report": {"method": "algorithm.tau"}}, "report.method"),
+    ({"report": {"colour": "red"}}, "report"),
+    ({"resources": {"num_cpus": -1}}, "resources.num_cpus"),
+    ({"grdi": {}}, "unknown key"),
+    ({"name": "a b"}, "name"),
+    ({"base": "missing.yaml"}, "base"),
+])
+def test_spec_errors_name_the_field(tmp_path, spec, field):
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        load_spec(write(tmp_path, spec))
+
+
+def test_warmup_needs_an_sft_section(tmp_path):
+    with pytest.raises(SpecError, match="warmup"):
+        load_spec(write(tmp_path, {"warmup": {}}, base={"controller": {"train_steps": 2}}))
+
+
+def test_a_cell_whose_config_changed_is_refused(tmp_path):
+    out = tmp_path / "out"
+    [cell] = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}})).cells()
+    cell_dir, done = _place(cell, out)
+    assert not done and json.loads((cell_dir / "cell.json").read_text())["config_hash"] == cell.config_hash()
+    status = json.loads((cell_dir / "status.json").read_text())
+    (cell_dir / "status.json").write_text(json.dumps({**status, "state": "done"}))
+    assert _place(cell, out) == (cell_dir, True)
+    [changed] = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}, "overrides": {"algorithm.entr_eps": 0.02}})).cells()
+    assert changed.id == cell.id
+    with pytest.raises(SpecError, match="another config"):
+        _place(changed, out)
+
+
+def test_warmup_model_reuses_a_finished_warm_up(tmp_path):
+    model = tmp_path / "done" / "sft" / "model"
+    with pytest.raises(SpecError, match="warmup.model"):
+        load_spec(write(tmp_path, {"warmup": {"model": "done/sft/model"}}))
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}, "warmup": {"model": "done/sft/model"}}))
+    assert spec.warmup_config() is None and spec.warmup["model"] == model.resolve()
