@@ -61,7 +61,7 @@ def report(args) -> None:
     study = Path(args.dir)
     if not (study / "study.json").is_file():
         _fail(f"{study} is not a study directory (no study.json); give the --out of `study run`")
-    path = write_report(study, Path(args.out) if args.out else None)
+    path = write_report(study, Path(args.out) if args.out else None, table=args.table)
     print(json.dumps({"report": str(path)}))
 
 
@@ -80,4 +80,6 @@ def add_parser(sub) -> None:
     q = study.add_parser("report", help="results table, plots and report.md of a study directory")
     q.add_argument("dir", metavar="DIR")
     q.add_argument("--out", default=None, metavar="REPORT_DIR", help="default: DIR/report")
+    q.add_argument("--table", choices=("key", "all"), default="key",
+                   help="results table columns: the key metrics (default, small enough to commit) or all")
     q.set_defaults(func=report)

@@ -108,7 +108,10 @@ class Plan:
     learner_busy_s: float
     engine_busy_s: float
     engines: int
-    token_lags: list[int] = field(repr=False)
+    lag_tokens: dict[int, int] = field(repr=False)
+    """Trained tokens per policy lag."""
+    step_lag_mean: list[float] = field(repr=False)
+    """Mean token lag of each step's batch (the controller's policy_lag/mean)."""
     dropped: int = 0
 
     @property
@@ -121,11 +124,16 @@ class Plan:
 
     @property
     def mean_lag(self) -> float:
-        return sum(self.token_lags) / len(self.token_lags) if self.token_lags else 0.0
+        total = sum(self.lag_tokens.values())
+        return sum(lag * n for lag, n in self.lag_tokens.items()) / total if total else 0.0
 
     @property
     def max_lag(self) -> int:
-        return max(self.token_lags, default=0)
+        return max(self.lag_tokens, default=0)
+
+    @property
+    def min_lag(self) -> int:
+        return min(self.lag_tokens, default=0)
 
     def summary(self) -> dict[str, float]:
         return {"mode": self.mode, "step_s": self.mean_step_s, "tokens_per_s": self.tokens_per_s,
@@ -138,8 +146,21 @@ class _Group:
     __slots__ = ("id", "left", "tokens", "versions", "submit_version", "aborted")
 
     def __init__(self, gid: int, n: int, submit_version: int):
-        self.id, self.left, self.tokens, self.versions = gid, n, 0, []
+        self.id, self.left, self.tokens = gid, n, 0
+        self.versions: list[list[int]] = []
+        """Runs [version, tokens] of the group's tokens."""
         self.submit_version, self.aborted = submit_version, False
+
+    def add(self, version: int, count: int) -> None:
+        self.tokens += count
+        if self.versions and self.versions[-1][0] == version:
+            self.versions[-1][1] += count
+        else:
+            self.versions.append([version, count])
+
+    @property
+    def oldest(self) -> int:
+        return min(v for v, _ in self.versions)
 
 
 class _Seq:
@@ -150,13 +171,17 @@ class _Seq:
 
 
 class _Engine:
+    """Continuous batching, advanced in macro-steps: k decode steps with the same running set
+    (until the first sequence finishes or new weights arrive), one event each."""
+
     def __init__(self, costs: Costs):
         self.c, self.running, self.waiting = costs, [], deque()
-        self.version, self.busy_until, self.busy_s, self.stall = 0, None, 0.0, 0.0
+        self.version, self.busy, self.busy_s, self.stall, self.k = 0, False, 0.0, 0.0, 0
 
-    def step_time(self) -> float:
-        """Admits waiting sequences and returns the duration of the next decode step."""
+    def plan(self, now: float, next_weights: float | None) -> float:
+        """Admits waiting sequences; returns the duration of the next macro-step (0: idle)."""
         prefill = 0
+        self.running = [q for q in self.running if not q.group.aborted]
         while self.waiting and len(self.running) < self.c.max_batch_size:
             seq = self.waiting.popleft()
             if seq.group.aborted:
@@ -165,20 +190,23 @@ class _Engine:
             prefill += seq.prompt
         if not self.running:
             return 0.0
-        t = self.c.decode_base_s + self.c.decode_per_seq_s * len(self.running) + self.c.prefill_per_token_s * prefill
-        t += self.stall
+        step = self.c.decode_base_s + self.c.decode_per_seq_s * len(self.running)
+        first = step + self.c.prefill_per_token_s * prefill + self.stall
         self.stall = 0.0
-        return t
+        k = min(q.remaining for q in self.running)
+        if next_weights is not None and next_weights > now:  # stop at the step the new weights arrive in
+            k = max(1, min(k, 1 + int((next_weights - now - first) // step) if next_weights - now > first else 1))
+        self.k = k
+        return first + (k - 1) * step
 
-    def finish_step(self) -> list[_Group]:
-        """Every running sequence gets a token at the engine's version; returns groups completed."""
+    def finish(self) -> list[_Group]:
+        """The macro-step's k tokens per running sequence at the engine's version; groups completed."""
         done, still = [], []
         for seq in self.running:
             if seq.group.aborted:
                 continue
-            seq.group.versions.append(self.version)
-            seq.group.tokens += 1
-            seq.remaining -= 1
+            seq.group.add(self.version, self.k)
+            seq.remaining -= self.k
             if seq.remaining == 0:
                 seq.group.left -= 1
                 if seq.group.left == 0:
@@ -223,25 +251,26 @@ class _Simulation:
             self._kick(engine)
 
     def _kick(self, engine: _Engine) -> None:
-        if engine.busy_until is None:
-            t = engine.step_time()
+        if not engine.busy:
+            weights = [t for t, _, kind, _ in self.events if kind == "weights"]
+            t = engine.plan(self.now, min(weights) if weights else None)
             if t > 0:
-                engine.busy_until = self.now + t
+                engine.busy = True
                 engine.busy_s += t
-                self._at(engine.busy_until, "decode", engine)
+                self._at(self.now + t, "decode", engine)
 
     def _at(self, t: float, kind: str, payload: Any) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, payload))
 
     def advance(self) -> None:
-        """Processes the next event (decode step end or weight arrival)."""
+        """Processes the next event (a macro-step's end or a weight arrival)."""
         t, _, kind, payload = heapq.heappop(self.events)
         self.now = t
         if kind == "decode":
             engine = payload
-            engine.busy_until = None
-            for group in engine.finish_step():
+            engine.busy = False
+            for group in engine.finish():
                 if not group.aborted:
                     del self.inflight[group.id]
                     self.finished.append(group)
@@ -251,6 +280,7 @@ class _Simulation:
             for engine in self.engines:
                 engine.version = max(engine.version, version)
                 engine.stall += self.c.swap_s if in_flight else 0.0
+                self._kick(engine)
 
     def wait_until(self, condition) -> None:
         while not condition():
@@ -265,7 +295,9 @@ class _Simulation:
 
     # ---- the loops -------------------------------------------------------------------------------
     def run(self) -> Plan:
-        step_s, lags, tokens, learner_busy = [], [], 0, 0.0
+        step_s, tokens, learner_busy = [], 0, 0.0
+        lags: dict[int, int] = {}  # token lag -> tokens
+        step_lag: list[float] = []
         P = self.w.prompts_per_step
         if self.mode == "one_step_off":
             self.submit(P)
@@ -289,11 +321,18 @@ class _Simulation:
             if self.mode == "fixed_lag":  # by construction: segment j of a response is K + J - j old
                 K, J = self.w.inter_lag, self.w.intra_lag
                 stride = max(self.c.max_new_tokens // (J + 1), 1)
-                lags += [min(self.version, K + J - min(J, i // stride))
-                         for g in batch for i in range(g.tokens // self.w.n) for _ in range(self.w.n)]
+                for g in batch:
+                    for i in range(g.tokens // self.w.n):
+                        lag = min(self.version, K + J - min(J, i // stride))
+                        lags[lag] = lags.get(lag, 0) + self.w.n
             else:
-                lags += [self.version - v for g in batch for v in g.versions]
+                for g in batch:
+                    for version, count in g.versions:
+                        lags[self.version - version] = lags.get(self.version - version, 0) + count
             tokens += sum(g.tokens for g in batch)
+            step_lag.append(sum((self.version - v) * c for g in batch for v, c in g.versions)
+                            / max(sum(g.tokens for g in batch), 1) if self.mode != "fixed_lag" else
+                            min(self.version, self.w.inter_lag + self.w.intra_lag / 2))
             self.version += 1
             if self.mode in ("sync", "fixed_lag"):
                 self._push(wait=True)
@@ -303,7 +342,7 @@ class _Simulation:
             step_s.append(self.now - t0)
         busy = sum(e.busy_s for e in self.engines)
         return Plan(self.mode, step_s, tokens, self.now, learner_busy, min(busy, self.now * len(self.engines)),
-                    len(self.engines), lags, self.dropped)
+                    len(self.engines), lags, step_lag, self.dropped)
 
     def _push(self, wait: bool) -> None:
         if self.version == self.pushed_version:  # the controller pushes only a new version
@@ -318,7 +357,7 @@ class _Simulation:
         P, lag = self.w.prompts_per_step, self.w.max_policy_lag
         target = self.w.max_inflight_groups or 2 * P
         while True:
-            fresh = [g for g in self.finished if min(g.versions) >= self.version - lag]
+            fresh = [g for g in self.finished if g.oldest >= self.version - lag]
             stale = len(self.finished) - len(fresh)
             if stale:
                 self.dropped += stale

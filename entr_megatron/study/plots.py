@@ -32,7 +32,7 @@ LAG = "_lag"
 """Column holding a row's lag label (str)."""
 
 _LINESTYLES = ("-", "--", ":", "-.")
-_PANEL_W, _PANEL_H, _DPI = 4.6, 3.4, 100
+_PANEL_W, _PANEL_H, _DPI = 4.6, 3.4, 80
 
 
 def _pyplot():

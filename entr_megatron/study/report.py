@@ -57,6 +57,7 @@ import pandas as pd
 from entr_megatron.study import plots
 from entr_megatron.study.fits import SigmoidFit, fit_frame, fit_groups
 from entr_megatron.study.plots import LAG, METHOD, final_accuracy_table, lag_order, markdown_table
+from entr_megatron.study.table import key_columns, parquet_safe
 from entr_megatron.utils.run_log import METRICS_FILE, read_metrics
 
 __all__ = ["StudyInfo", "detect_collapse", "final_accuracy_stats", "final_accuracy_table", "fit_table",
@@ -395,30 +396,23 @@ def fit_table(results: pd.DataFrame, info: StudyInfo) -> tuple[pd.DataFrame, dic
 # --- report.md -------------------------------------------------------------------------------
 
 
-def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:
-    """Object columns mixing types (e.g. an axis of ints and strings) as strings, for Arrow."""
-    out = frame.copy()
-    for col in out.columns:
-        if out[col].dtype == object:
-            kinds = {type(v) for v in out[col] if v is not None and not (isinstance(v, float) and math.isnan(v))}
-            if len(kinds) > 1:
-                out[col] = out[col].map(lambda v: None if v is None else str(v))
-    return out
-
-
 _DEFINITIONS = __doc__.split("(report.md ends with this list, verbatim):", 1)[1].strip()
 
 
-def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, table: str = "key") -> Path:
     """Writes results.parquet, results.csv, cells.csv, the PNG figures and report.md into
-    out_dir (default STUDY_DIR/report); returns the path of report.md."""
+    out_dir (default STUDY_DIR/report); returns the path of report.md. `table`: "key" keeps
+    the columns of `key_columns` in the two results files (small enough to commit), "all" every metric."""
+    if table not in ("key", "all"):
+        raise ValueError(f"table must be 'key' or 'all', got {table!r}")
     study_dir = Path(study_dir)
     info = read_study(study_dir)
     out = Path(out_dir) if out_dir is not None else study_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     results, cells = _results(info), _cells(info)
-    results.to_csv(out / "results.csv", index=False)
-    _parquet_safe(results).to_parquet(out / "results.parquet", index=False)
+    written = key_columns(results, info.axes) if table == "key" else results
+    written.to_csv(out / "results.csv", index=False, float_format="%.6g")
+    parquet_safe(written).to_parquet(out / "results.parquet", index=False)
     cells.to_csv(out / "cells.csv", index=False)
 
     stats = final_accuracy_stats(cells, info)

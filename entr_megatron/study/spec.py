@@ -89,12 +89,14 @@ class StudySpec:
         return keys + [SEED_KEY]
 
     def cells(self, warmup_model: Path | None = None) -> list[Cell]:
-        """Every cell, validated; with `warmup_model` each starts from that model (no own SFT)."""
+        """Every cell, validated, seed by seed (the order they run in); with `warmup_model` each
+        starts from that model (no own SFT)."""
         out: dict[str, Cell] = {}
-        for g, grid in enumerate(self.grids):
+        # seed-major: a study stopped part-way has every grid point of the first seeds
+        for seed, (g, grid) in itertools.product(self.seeds, enumerate(self.grids)):
             where = "grid" if len(self.grids) == 1 else f"grid[{g}]"
-            for values in itertools.product(*grid.values(), self.seeds):
-                axes = dict(zip([*grid, SEED_KEY], values))
+            for values in itertools.product(*grid.values()):
+                axes = {**dict(zip(grid, values)), SEED_KEY: seed}
                 cell_id = self._cell_id(axes)
                 if cell_id in out:
                     continue  # two grids of the union may share cells

@@ -63,7 +63,8 @@ def test_fully_async_beats_sync_on_a_long_tail():
 def test_fixed_lag_lags_are_prescribed():
     costs = Costs(**{**BASE, "max_new_tokens": 20})
     plan = simulate(costs, Workload(prompts_per_step=P, n=N, steps=12, inter_lag=3, intra_lag=1), "fixed_lag")
-    assert plan.max_lag == 4 and min(plan.token_lags[-P * N * 20:]) == 3
+    # steps 4..11: 10 tokens at lag 4, 10 at lag 3; step 3: all 20 at lag 3 (clamped); x P*N sequences
+    assert plan.lag_tokens[4] == 8 * 10 * P * N and plan.lag_tokens[3] == (20 + 8 * 10) * P * N
 
 
 def test_fit_line_and_cost_errors():

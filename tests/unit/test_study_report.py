@@ -221,9 +221,15 @@ def test_write_report_writes_tables_figures_and_markdown(study, tmp_path):
     assert "How to read" in text and "## Definitions" in text and "non-finite loss at step 12" in text
 
     results = load_results(root)
-    back = pd.read_parquet(out / "results.parquet")
-    assert back.shape == results.shape and list(back.columns) == list(results.columns)
-    assert pd.read_csv(out / "results.csv").shape == results.shape
+    back = pd.read_parquet(out / "results.parquet")  # the key columns (table="key", the default)
+    assert len(back) == len(results) and set(back.columns) < set(results.columns)
+    assert {"cell", "state", "step", "reward/mean", "wall_s", "tokens_cum", *read_study(root).axes} <= set(back.columns)
+    assert not any(c.startswith("entropy_bin/") and c.endswith("/mean_score") for c in back.columns)
+    assert back["reward/mean"].tolist() == pytest.approx(results["reward/mean"].tolist(), nan_ok=True)
+    assert pd.read_csv(out / "results.csv").shape == back.shape
+    write_report(root, tmp_path / "all", table="all")
+    full = pd.read_parquet(tmp_path / "all" / "results.parquet")
+    assert full.shape == results.shape and list(full.columns) == list(results.columns)
     assert len(pd.read_csv(out / "cells.csv")) == 8
 
     links = _png_links(text)

@@ -1,0 +1,82 @@
+"""The throughput planner against measured runs: predicted vs measured mean step time and mean
+policy lag for sync, one_step_off and fully_async, per configuration.
+
+    python tools/validate_planner.py runs/studies/modes [--out docs/studies/planner.md]
+
+The study (examples/studies/modes.yaml) has one cell per mode x configuration. For each
+configuration the costs come from its *sync* cell only (learner cost fitted from its steps, push
+time from its logs) plus the embedded engine timed on that cell's model (`measure_engine`);
+the other modes are then predicted, not fitted. Steps before --skip are left out (start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from entr_megatron.config.loader import load_config
+from entr_megatron.controller.run_dir import RunPaths
+from entr_megatron.study.planner import costs_from_run, measure_engine, simulate
+from entr_megatron.utils.run_log import read_metrics
+
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+def measured(cell: Path, skip: int) -> tuple[float, float, int]:
+    rows = read_metrics(cell / "metrics.jsonl")[skip:]
+    return (sum(r["timing/step_s"] for r in rows) / len(rows),
+            sum(r["policy_lag/mean"] for r in rows) / len(rows), len(rows))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("study", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--skip", type=int, default=3, help="leading steps left out (default 3)")
+    parser.add_argument("--axis", default="rollout.prompts_per_step", help="the configuration axis")
+    args = parser.parse_args()
+    cells = {}
+    for cell_json in sorted((args.study / "cells").glob("*/cell.json")):
+        info = json.loads(cell_json.read_text())
+        cells[(info["axes"]["controller.mode"], info["axes"][args.axis])] = cell_json.parent
+    configs = sorted({c for _, c in cells})
+    lines = ["| config | mode | steps | measured step s | predicted step s | error | measured lag | predicted lag | lag error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    worst_time, worst_lag = 0.0, 0.0
+    for config in configs:
+        sync = cells[("sync", config)]
+        cfg = load_config(sync / "config.yaml")
+        engine = measure_engine(str(RunPaths(sync).latest_model()), dtype=cfg.rollout.dtype,
+                                num_threads=cfg.rollout.embedded.num_threads,
+                                max_batch_size=cfg.rollout.embedded.max_batch_size)
+        costs, _ = costs_from_run(str(sync), engine, skip_steps=args.skip)
+        print(f"[validate] {args.axis}={config}: {json.dumps(dataclasses.asdict(costs))}", file=sys.stderr)
+        for mode in MODES:
+            cell = cells.get((mode, config))
+            if cell is None:
+                continue
+            _, workload = costs_from_run(str(cell), engine, skip_steps=args.skip)
+            step_s, lag, steps = measured(cell, args.skip)
+            plan = simulate(costs, dataclasses.replace(workload, steps=steps + args.skip), mode)
+            predicted_s = sum(plan.step_s[args.skip:]) / len(plan.step_s[args.skip:])
+            lags = plan.step_lag_mean[args.skip:]  # per step, as the measured policy_lag/mean
+            predicted_lag = sum(lags) / len(lags)
+            err = predicted_s / step_s - 1
+            worst_time, worst_lag = max(worst_time, abs(err)), max(worst_lag, abs(predicted_lag - lag))
+            lines.append(f"| {args.axis}={config} | {mode} | {steps} | {step_s:.3f} | {predicted_s:.3f} | {err:+.0%} "
+                         f"| {lag:.2f} | {predicted_lag:.2f} | {predicted_lag - lag:+.2f} |")
+    lines.append("")
+    lines.append(f"Largest step-time error {worst_time:.0%}; largest lag error {worst_lag:.2f} versions.")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
