@@ -49,9 +49,11 @@ def main() -> int:
     for config in configs:
         sync = cells[("sync", config)]
         cfg = load_config(sync / "config.yaml")
+        rough, _ = costs_from_run(str(sync), {"decode_base_s": 1.0, "decode_per_seq_s": 0.0}, skip_steps=args.skip)
         engine = measure_engine(str(RunPaths(sync).latest_model()), dtype=cfg.rollout.dtype,
+                                prompt_len=rough.prompt_len, tokens=max(cfg.rollout.sampling.max_new_tokens, 8) * 2,
                                 num_threads=cfg.rollout.embedded.num_threads,
-                                max_batch_size=cfg.rollout.embedded.max_batch_size)
+                                max_batch_size=cfg.rollout.embedded.max_batch_size, repeats=5)
         costs, _ = costs_from_run(str(sync), engine, skip_steps=args.skip)
         print(f"[validate] {args.axis}={config}: {json.dumps(dataclasses.asdict(costs))}", file=sys.stderr)
         for mode in MODES:

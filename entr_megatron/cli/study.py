@@ -47,10 +47,10 @@ def run(args) -> None:
         result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address)
     except SpecError as e:
         _fail(str(e))
-    except KeyboardInterrupt:
-        sys.exit(130)
     print(json.dumps({"out": result["out"], "done": len(result["done"]), "skipped": len(result["skipped"]),
-                      "failed": result["failed"]}))
+                      "failed": result["failed"], "interrupted": result["interrupted"]}))
+    if result["interrupted"]:
+        sys.exit(128 + result["signal"])
     if result["failed"]:
         sys.exit(1)
 

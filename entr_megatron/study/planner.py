@@ -80,8 +80,10 @@ class Costs:
         return cls(**data)
 
     def response_lengths(self, count: int, rng: random.Random) -> list[int]:
-        if self.response_sigma == 0:
-            return [max(1, min(self.max_new_tokens, round(self.response_median)))] * count
+        if self.response_sigma == 0:  # floor or ceil of the median, in the proportion that keeps the mean
+            low = math.floor(self.response_median)
+            return [max(1, min(self.max_new_tokens, low + (rng.random() < self.response_median - low)))
+                    for _ in range(count)]
         mu = math.log(max(self.response_median, 1.0))
         return [max(1, min(self.max_new_tokens, round(rng.lognormvariate(mu, self.response_sigma))))
                 for _ in range(count)]
@@ -131,10 +133,6 @@ class Plan:
     def max_lag(self) -> int:
         return max(self.lag_tokens, default=0)
 
-    @property
-    def min_lag(self) -> int:
-        return min(self.lag_tokens, default=0)
-
     def summary(self) -> dict[str, float]:
         return {"mode": self.mode, "step_s": self.mean_step_s, "tokens_per_s": self.tokens_per_s,
                 "learner_idle": 1 - self.learner_busy_s / self.wall_s if self.wall_s else 0.0,
@@ -172,13 +170,17 @@ class _Seq:
 
 class _Engine:
     """Continuous batching, advanced in macro-steps: k decode steps with the same running set
-    (until the first sequence finishes or new weights arrive), one event each."""
+    (until the first sequence finishes), one event each. Weights arriving during a macro-step
+    take effect from the next decode step that starts after them (the swap is between steps)."""
 
     def __init__(self, costs: Costs):
         self.c, self.running, self.waiting = costs, [], deque()
-        self.version, self.busy, self.busy_s, self.stall, self.k = 0, False, 0.0, 0.0, 0
+        self.version, self.busy, self.busy_s, self.stall = 0, False, 0.0, 0.0
+        self.k, self.start, self.first, self.step = 0, 0.0, 0.0, 0.0
+        self.old: tuple[int, int] | None = None
+        """(steps at the old version, old version) when weights arrived during the macro-step."""
 
-    def plan(self, now: float, next_weights: float | None) -> float:
+    def plan(self, now: float) -> float:
         """Admits waiting sequences; returns the duration of the next macro-step (0: idle)."""
         prefill = 0
         self.running = [q for q in self.running if not q.group.aborted]
@@ -190,22 +192,34 @@ class _Engine:
             prefill += seq.prompt
         if not self.running:
             return 0.0
-        step = self.c.decode_base_s + self.c.decode_per_seq_s * len(self.running)
-        first = step + self.c.prefill_per_token_s * prefill + self.stall
-        self.stall = 0.0
-        k = min(q.remaining for q in self.running)
-        if next_weights is not None and next_weights > now:  # stop at the step the new weights arrive in
-            k = max(1, min(k, 1 + int((next_weights - now - first) // step) if next_weights - now > first else 1))
-        self.k = k
-        return first + (k - 1) * step
+        self.step = self.c.decode_base_s + self.c.decode_per_seq_s * len(self.running)
+        self.first = self.step + self.c.prefill_per_token_s * prefill + self.stall
+        self.stall, self.start, self.old = 0.0, now, None
+        self.k = min(q.remaining for q in self.running)
+        return self.first + (self.k - 1) * self.step
+
+    def new_weights(self, now: float, version: int) -> None:
+        if version <= self.version:
+            return
+        if self.busy and self.old is None:
+            elapsed = now - self.start  # decode steps started before now keep the old weights
+            started = 1 if elapsed <= self.first else 1 + math.ceil((elapsed - self.first) / self.step)
+            self.old = (min(started, self.k), self.version)
+        self.version = version
 
     def finish(self) -> list[_Group]:
-        """The macro-step's k tokens per running sequence at the engine's version; groups completed."""
+        """The macro-step's k tokens per running sequence (at the versions they were decoded with);
+        the groups completed."""
         done, still = [], []
         for seq in self.running:
             if seq.group.aborted:
                 continue
-            seq.group.add(self.version, self.k)
+            if self.old is not None:
+                seq.group.add(self.old[1], self.old[0])
+                if self.k > self.old[0]:
+                    seq.group.add(self.version, self.k - self.old[0])
+            else:
+                seq.group.add(self.version, self.k)
             seq.remaining -= self.k
             if seq.remaining == 0:
                 seq.group.left -= 1
@@ -213,7 +227,7 @@ class _Engine:
                     done.append(seq.group)
             else:
                 still.append(seq)
-        self.running = still
+        self.running, self.old = still, None
         return done
 
 
@@ -252,8 +266,7 @@ class _Simulation:
 
     def _kick(self, engine: _Engine) -> None:
         if not engine.busy:
-            weights = [t for t, _, kind, _ in self.events if kind == "weights"]
-            t = engine.plan(self.now, min(weights) if weights else None)
+            t = engine.plan(self.now)
             if t > 0:
                 engine.busy = True
                 engine.busy_s += t
@@ -278,9 +291,8 @@ class _Simulation:
         elif kind == "weights":  # an in-flight swap stalls the next decode step; a waited one is in the wait
             version, in_flight = payload
             for engine in self.engines:
-                engine.version = max(engine.version, version)
+                engine.new_weights(self.now, version)
                 engine.stall += self.c.swap_s if in_flight else 0.0
-                self._kick(engine)
 
     def wait_until(self, condition) -> None:
         while not condition():
@@ -400,10 +412,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def measure_engine(model_dir: str, dtype: str = "float32", prompt_len: int = 16, tokens: int = 32,
                    batch_sizes: tuple[int, ...] = (1, 8, 32, 64), num_threads: int | None = 1,
-                   max_batch_size: int = 64) -> dict[str, float]:
+                   max_batch_size: int = 64, repeats: int = 3) -> dict[str, float]:
     """Decode cost of the embedded engine on `model_dir`: b sequences decoding `tokens` tokens each
-    (EOS ignored) for every b in `batch_sizes`, timed; the line step_s = base + per_seq * b fitted.
-    Returns {"decode_base_s", "decode_per_seq_s", "prefill_per_token_s"}."""
+    (EOS ignored) for every b in `batch_sizes`, timed (the median of `repeats`); the line
+    step_s = base + per_seq * b fitted. Returns {"decode_base_s", "decode_per_seq_s", "prefill_per_token_s"}."""
     import time
 
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
@@ -415,15 +427,17 @@ def measure_engine(model_dir: str, dtype: str = "float32", prompt_len: int = 16,
     per_step, prefill = [], []
     with EmbeddedEngine(config) as engine:
         generate(engine, [GenerateRequest(prompt, SamplingParams(n=2, max_new_tokens=4, ignore_eos=True, seed=0))])
+        def timed(params: SamplingParams) -> float:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                generate(engine, [GenerateRequest(prompt, params)])
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+
         for b in batch_sizes:
             params = SamplingParams(n=b, max_new_tokens=tokens, ignore_eos=True, seed=b)
-            t0 = time.perf_counter()
-            generate(engine, [GenerateRequest(prompt, params)])
-            full = time.perf_counter() - t0
-            params = dataclasses.replace(params, max_new_tokens=1)
-            t0 = time.perf_counter()
-            generate(engine, [GenerateRequest(prompt, params)])
-            one = time.perf_counter() - t0
+            full, one = timed(params), timed(dataclasses.replace(params, max_new_tokens=1))
             per_step.append((full - one) / (tokens - 1))
             prefill.append(max(one - per_step[-1], 0.0) / (b * prompt_len))
     base, per_seq = fit_line([float(b) for b in batch_sizes], per_step)
@@ -431,10 +445,11 @@ def measure_engine(model_dir: str, dtype: str = "float32", prompt_len: int = 16,
 
 
 def costs_from_run(run_dir: str, engine_costs: dict[str, float], skip_steps: int = 2,
-                   response_sigma: float = 0.0) -> tuple[Costs, Workload]:
+                   response_sigma: float = 0.0, calibrate_engine: bool = True) -> tuple[Costs, Workload]:
     """The learner's costs fitted from a run directory's steps (train time against tokens), the
     push time it logged, its response lengths and its workload; the engine's decode costs given
-    (`measure_engine`, or a cluster's numbers)."""
+    (`measure_engine`, or a cluster's numbers) and, for a sync or fixed_lag run, scaled to the
+    run's measured generation time (`calibrate_engine`)."""
     from pathlib import Path
 
     from entr_megatron.config.loader import load_config
@@ -462,4 +477,21 @@ def costs_from_run(run_dir: str, engine_costs: dict[str, float], skip_steps: int
     workload = Workload(prompts_per_step=r.prompts_per_step, n=r.sampling.n, max_policy_lag=c.max_policy_lag,
                         max_inflight_groups=c.max_inflight_groups, inter_lag=c.inter_lag, intra_lag=c.intra_lag,
                         seed=c.seed)
+    if calibrate_engine and c.mode in ("sync", "fixed_lag"):
+        costs = _calibrated(costs, workload, [float(row["timing/wait_rollout_s"]) for row in rows])
     return costs, workload
+
+
+def _calibrated(costs: Costs, workload: Workload, generation_s: list[float]) -> Costs:
+    """The engine's decode costs scaled by one factor so that a modelled synchronous step generates
+    in the run's measured mean generation time (a microbenchmark misses the engine's per-request
+    overheads inside a real run; the shape, base vs per-sequence vs prefill, stays measured)."""
+    plan = simulate(costs, dataclasses.replace(workload, steps=5), "sync")
+    modelled = (plan.wall_s - plan.learner_busy_s) / 5 - costs.push_s - costs.swap_s
+    measured = sum(generation_s) / len(generation_s)
+    if modelled <= 0 or measured <= 0:
+        return costs
+    scale = measured / modelled
+    return dataclasses.replace(costs, decode_base_s=costs.decode_base_s * scale,
+                               decode_per_seq_s=costs.decode_per_seq_s * scale,
+                               prefill_per_token_s=costs.prefill_per_token_s * scale)

@@ -353,6 +353,7 @@ def final_accuracy_table(stats: pd.DataFrame) -> pd.DataFrame:
                               f"({int(r['n'])} seed{'s' if r['n'] != 1 else ''})" for _, r in stats.iterrows()])
     table = text.pivot(index="method", columns="lag", values="cell")
     table = table[[lag for lag in lag_order(stats["lag"]) if lag in table.columns]].fillna("")
+    table = table.loc[lag_order(list(table.index))]  # methods too: numbers (a tau axis) in numeric order
     table.columns.name = None
     return table.reset_index()
 

@@ -16,8 +16,9 @@ checkpoint (`train` resumes its run directory), a failed one is retried. A faile
 recorded with its error and does not stop the others. A cell whose config changed since it ran
 is refused (its results would mix two configs): use another OUT or delete the cell.
 
-Local cells are subprocesses of this one: Ctrl-C stops them at their next step with a
-checkpoint (train's own SIGINT handling) and the study exits; they resume on the next run. On
+Local cells are subprocesses of this one: Ctrl-C or SIGTERM (a scheduler's preemption) starts no
+more cells and stops the running ones at their next step with a checkpoint (train's own SIGINT
+handling; SIGTERM is forwarded to them as SIGINT); they resume on the next run. On
 Ray (`--launcher ray`, `ray_address` from the base config's launcher section or a local
 cluster), each cell is a task with the spec's `resources`; OUT must be on a file system every
 node sees.
@@ -65,6 +66,11 @@ def _write_yaml(path: Path, raw: dict) -> None:
     os.replace(tmp, path)
 
 
+_RUNNING: set[subprocess.Popen] = set()
+"""Cell processes of this study process (for forwarding a stop)."""
+_RUNNING_LOCK = threading.Lock()
+
+
 def run_command(args: list[str], log_path: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """Runs `entr-megatron ARGS` with its output appended to `log_path`; (exit code, last stdout line).
     The child dies with this process (Linux: PR_SET_PDEATHSIG), so a killed study leaves no orphans."""
@@ -73,12 +79,48 @@ def run_command(args: list[str], log_path: str, env: dict[str, str] | None = Non
         log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", *args], stdout=subprocess.PIPE,
                                 stderr=log, text=True, env=env, preexec_fn=_die_with_parent)
-        last = ""
-        for line in proc.stdout:
-            log.write(line)
-            if line.strip():
-                last = line.strip()
-        return proc.wait(), last
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
+        try:
+            last = ""
+            for line in proc.stdout:
+                log.write(line)
+                if line.strip():
+                    last = line.strip()
+            return proc.wait(), last
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption) or SIGINT to the study: start no more cells. SIGTERM is
+    forwarded to the running cells as SIGINT, so each stops at its next step with a checkpoint
+    (a terminal's Ctrl-C reaches them itself). Handlers are restored on exit."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        first = self.signal is None
+        self.signal = signum
+        if signum == signal.SIGTERM and first:
+            with _RUNNING_LOCK:
+                for proc in _RUNNING:
+                    proc.send_signal(signal.SIGINT)
+        print(f"[study] {signal.Signals(signum).name}: no more cells start; running ones stop at their next "
+              "step with a checkpoint; run the same command to resume", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _die_with_parent() -> None:
@@ -108,7 +150,7 @@ def _cell_attempt(cell_dir: str) -> dict[str, Any]:
 
 
 class StudyResult(dict):
-    """{"done": [ids], "failed": [ids], "skipped": [ids], "interrupted": bool, "out": str}."""
+    """{"done": [ids], "failed": [ids], "skipped": [ids], "interrupted": bool, "signal": int | None, "out": str}."""
 
 
 class Progress:
@@ -207,6 +249,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
     submit = _ray_submitter(spec, ray_address) if launcher == "ray" else None
 
     def attempt(cell: Cell, cell_dir: Path) -> None:
+        if stop.signal is not None:
+            return
         status = _read_json(cell_dir / "status.json") or {}
         status.update(state="running", attempts=status.get("attempts", 0) + 1, started=time.time())
         _write_json(cell_dir / "status.json", status)
@@ -229,18 +273,11 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
             result[state].append(cell.id)
         progress.update(finished=state, wall_s=outcome["wall_s"], cell=cell.id)
 
-    pool = cf.ThreadPoolExecutor(max_workers=jobs)
-    futures = [pool.submit(attempt, cell, cell_dir) for cell, cell_dir in todo]
-    try:
-        for future in cf.as_completed(futures):
+    with StopRequest() as stop, cf.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in cf.as_completed([pool.submit(attempt, cell, cell_dir) for cell, cell_dir in todo]):
             future.result()
-    except KeyboardInterrupt:
-        result["interrupted"] = True
-        print("[study] interrupted: running cells stop at their next step with a checkpoint; "
-              "run the same command to resume", file=sys.stderr, flush=True)
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
+    result["interrupted"] = stop.signal is not None
+    result["signal"] = stop.signal
     return result
 
 

@@ -95,3 +95,33 @@ def test_warmup_model_reuses_a_finished_warm_up(tmp_path):
     (model / "config.json").write_text("{}")
     spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}, "warmup": {"model": "done/sft/model"}}))
     assert spec.warmup_config() is None and spec.warmup["model"] == model.resolve()
+
+
+def test_sigterm_starts_no_more_cells_and_a_failure_does_not_stop_the_others(tmp_path, monkeypatch):
+    """The runner without processes: each cell attempt is replaced by a function; the first fails,
+    the second gets the study a SIGTERM (a preemption) while it runs; no later cell starts."""
+    import os
+    import signal
+
+    from entr_megatron.study import runner
+
+    spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5, 1.0, 2.0, 4.0]}}))
+    calls = []
+
+    def attempt(cell_dir):
+        calls.append(cell_dir)
+        if len(calls) == 1:
+            return {"returncode": 2, "wall_s": 0.1, "error": "exit 2: boom"}
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {"returncode": 0, "wall_s": 0.2, "result": {"stopped": False}}
+
+    monkeypatch.setattr(runner, "_cell_attempt", attempt)
+    result = runner.run_study(spec, tmp_path / "out", jobs=1)
+    assert len(calls) == 2 and result["interrupted"] and result["signal"] == signal.SIGTERM
+    states = {json.loads((d / "status.json").read_text())["state"] for d in (tmp_path / "out" / "cells").iterdir()}
+    assert len(result["failed"]) == 1 and len(result["done"]) == 1 and states == {"failed", "done", "pending"}
+    assert signal.getsignal(signal.SIGTERM) is not runner.StopRequest._handle  # handlers restored
+    rerun_calls = []
+    monkeypatch.setattr(runner, "_cell_attempt", lambda d: rerun_calls.append(d) or {"returncode": 0, "wall_s": 0.1})
+    again = runner.run_study(spec, tmp_path / "out", jobs=2)
+    assert len(again["skipped"]) == 1 and len(rerun_calls) == 3 and not again["interrupted"]  # the failed one retried
