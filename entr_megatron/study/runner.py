@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from entr_megatron.study.spec import Cell, SpecError, StudySpec
+from entr_megatron.utils.jsonl import atomic_output
 
 __all__ = ["StudyResult", "run_study"]
 
@@ -48,9 +49,8 @@ LOG_TAIL_CHARS = 4000
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    with atomic_output(str(path)) as f:
+        json.dump(data, f, indent=2, default=str)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -61,9 +61,8 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _write_yaml(path: Path, raw: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
-    os.replace(tmp, path)
+    with atomic_output(str(path)) as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
 
 
 _RUNNING: set[subprocess.Popen] = set()
@@ -188,7 +187,8 @@ def _prepare(spec: StudySpec, out: Path) -> Path | None:
     (out / "cells").mkdir(exist_ok=True)
     _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
                                      "report": spec.report, "resources": spec.resources})
-    (out / "spec.yaml").write_text(spec.path.read_text())
+    with atomic_output(str(out / "spec.yaml")) as f:
+        f.write(spec.path.read_text())
     if spec.warmup is not None and "model" in spec.warmup:
         return spec.warmup["model"]
     raw = spec.warmup_config()

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from entr_megatron.utils.jsonl import atomic_output
+
 __all__ = ["RUN_ID_FILE", "WandbSink"]
 
 RUN_ID_FILE = "wandb_run_id"
@@ -31,9 +33,8 @@ def run_id(run_dir: Path) -> str:
         if known:
             return known
     new = uuid.uuid4().hex[:12]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new + "\n")
-    os.replace(tmp, path)
+    with atomic_output(str(path)) as f:
+        f.write(new + "\n")
     return new
 
 
