@@ -35,7 +35,10 @@ def run(args) -> None:
         _fail(f"invalid spec: {e}")
     out = Path(args.out) if args.out else Path("runs") / "studies" / spec.name
     if args.dry_run:
-        cells = spec.cells()
+        try:
+            cells = spec.select(spec.cells(), args.only)
+        except SpecError as e:
+            _fail(str(e))
         print(f"{len(cells)} cells, axes {spec.axes}, into {out}:")
         for cell in cells:
             print(f"  {cell.id}")
@@ -44,7 +47,8 @@ def run(args) -> None:
     if args.launcher == "ray":
         ray_address = spec.base_raw.get("launcher", {}).get("ray_address")
     try:
-        result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address)
+        result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address,
+                           only=args.only)
     except SpecError as e:
         _fail(str(e))
     print(json.dumps({"out": result["out"], "done": len(result["done"]), "skipped": len(result["skipped"]),
@@ -75,6 +79,9 @@ def add_parser(sub) -> None:
     r.add_argument("--launcher", choices=("local", "ray"), default="local",
                    help="cells as local processes or Ray tasks (default: local)")
     r.add_argument("--jobs", type=int, default=1, metavar="N", help="cells at a time (default: 1)")
+    r.add_argument("--only", action="append", default=[], metavar="AXIS=V1[,V2...]",
+                   help="run only the cells with these axis values (repeat to narrow further), "
+                        "e.g. --only seed=1 --only inter_lag=0,16,64")
     r.add_argument("--dry-run", action="store_true", help="validate the spec and list its cells; run nothing")
     r.set_defaults(func=run)
     q = study.add_parser("report", help="results table, plots and report.md of a study directory")

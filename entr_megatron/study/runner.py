@@ -228,15 +228,20 @@ def _place(cell: Cell, out: Path) -> tuple[Path, bool]:
 
 
 def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", jobs: int = 1,
-              ray_address: str | None = None) -> StudyResult:
-    """Runs every cell not yet done (see the module docstring); returns what happened."""
+              ray_address: str | None = None, only: list[str] | None = None) -> StudyResult:
+    """Runs every cell not yet done (see the module docstring), or of those the ones `only`
+    selects (StudySpec.select); returns what happened."""
     if jobs < 1:
         raise SpecError(f"--jobs must be >= 1, got {jobs}")
     if launcher not in ("local", "ray"):
         raise SpecError(f"--launcher must be 'local' or 'ray', got {launcher!r}")
     out = Path(out).resolve()
+    if only:
+        spec.select(spec.cells(), only)  # a bad filter is refused before the warm-up runs
     model = _prepare(spec, out)
     cells = spec.cells(warmup_model=model)
+    if only:
+        cells = spec.select(cells, only)
     todo, skipped = [], []
     for cell in cells:
         cell_dir, done = _place(cell, out)

@@ -111,6 +111,24 @@ class StudySpec:
                 out[cell_id] = Cell(cell_id, axes, raw, self._validate(raw, f"{where} cell {cell_id}"))
         return list(out.values())
 
+    def select(self, cells: list[Cell], only: list[str]) -> list[Cell]:
+        """The cells matching every `AXIS=V1,V2,...` filter (an axis named by its dotted key or
+        its last part, e.g. `inter_lag=0,16` or `seed=1`); values of one filter are alternatives."""
+        chosen = cells
+        for item in only:
+            name, sep, values = item.partition("=")
+            keys = [k for k in self.axes if name in (k, k.rsplit(".", 1)[-1])]
+            if not sep or not values or len(keys) != 1:
+                raise SpecError(f"--only {item!r}: expected AXIS=VALUE[,VALUE...] with AXIS one of "
+                                f"{[k.rsplit('.', 1)[-1] for k in self.axes]} (or its dotted key)")
+            key, wanted = keys[0], values.split(",")
+            present = sorted({_token(c.axes[key]) for c in cells if key in c.axes})
+            unknown = [v for v in wanted if v not in present]
+            if unknown:
+                raise SpecError(f"--only {item!r}: {key} has no value {unknown}; the study has {present}")
+            chosen = [c for c in chosen if key in c.axes and _token(c.axes[key]) in wanted]
+        return chosen
+
     def warmup_config(self) -> dict[str, Any] | None:
         """The raw config of the shared SFT run (base + overrides + warmup.overrides)."""
         if self.warmup is None or "model" in self.warmup:

@@ -40,6 +40,22 @@ def test_grid_product_union_and_seeds(tmp_path):
     assert cell.config_hash() == load_spec(spec.path).cells()[ids.index(cell.id)].config_hash()
 
 
+def test_only_selects_cells_by_axis_values(tmp_path):
+    spec = load_spec(write(tmp_path, {"grid": {"algorithm.correction": ["none", "entr"], "controller.inter_lag": [0, 4, 16]},
+                                      "seeds": [0, 1]}))
+    cells = spec.cells()
+    picked = spec.select(cells, ["seed=1", "controller.inter_lag=0,16"])
+    assert [c.id for c in picked] == ["correction=none,inter_lag=0,seed=1", "correction=none,inter_lag=16,seed=1",
+                                      "correction=entr,inter_lag=0,seed=1", "correction=entr,inter_lag=16,seed=1"]
+    assert spec.select(cells, []) == cells
+    with pytest.raises(SpecError, match=r"inter_lag has no value \['8'\]"):
+        spec.select(cells, ["inter_lag=8"])
+    with pytest.raises(SpecError, match="AXIS one of"):
+        spec.select(cells, ["tau=1"])
+    with pytest.raises(SpecError, match="AXIS one of"):
+        spec.select(cells, ["seed"])
+
+
 def test_warmup_model_replaces_the_cells_own_sft(tmp_path):
     spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5, 1.0]}, "warmup": {"overrides": {"sft.steps": 7}}}))
     assert spec.warmup_config()["sft"]["steps"] == 7
