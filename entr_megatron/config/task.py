@@ -57,13 +57,19 @@ class MathTaskConfig:
     """Training problems (.jsonl, .json or .parquet). Required when task.name is 'math'."""
 
     eval_files: tuple[str, ...] = ()
-    """Held-out problems; empty: the last task.eval_size training problems are held out."""
+    """Held-out problems; empty: task.eval_size problems of the training files (those with the
+    smallest hash of their text: the same ones for every seed) are held out of training instead."""
 
     prompt_key: str = "problem"
-    """Column holding the problem text."""
+    """Field (column) holding the problem text; tried first, then 'prompt' and 'problem'."""
 
     answer_key: str = "answer"
-    """Column holding the reference answer."""
+    """Field (column) holding the reference answer; tried first, then 'answer' and 'solution'."""
+
+    prompt_template: str = "{problem}"
+    """The prompt around the problem text (`{problem}`; literal braces as `{{ }}`). The default, the
+    bare problem, costs no tokens of model.max_prompt_len (the data may carry its own instruction);
+    examples/qwen3_*.yaml ask for a boxed answer (rollout.tasks.math_data.BOXED_TEMPLATE)."""
 
     def __post_init__(self) -> None:
         for name in ("train_files", "eval_files"):
@@ -73,6 +79,14 @@ class MathTaskConfig:
                     raise bad(self, name, file, f"files must end with one of {', '.join(DATA_FILE_SUFFIXES)}")
         string(self, "prompt_key")
         string(self, "answer_key")
+        string(self, "prompt_template")
+        try:
+            filled = self.prompt_template.format(problem="\0")
+        except (KeyError, IndexError, ValueError):
+            filled = ""
+        if "\0" not in filled:
+            raise bad(self, "prompt_template", self.prompt_template,
+                      "must contain {problem} and no other {field} (literal braces as {{ }})")
 
 
 @dataclass(frozen=True)

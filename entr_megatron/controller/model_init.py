@@ -35,10 +35,12 @@ def tokenizer_for(cfg: RunConfig) -> Any:
 
 
 def build_task(cfg: RunConfig, tokenizer: Any) -> Any:
-    """The task of `cfg.task` with the policy's tokenizer."""
+    """The task of `cfg.task` with the policy's tokenizer; prompts longer than model.max_prompt_len
+    tokens are left out (math) or refused (arithmetic). Bad data files raise here, before training."""
     from entr_megatron.rollout.tasks import TASK_BUILDERS
 
-    return TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer)  # the config admits only these names
+    # the config admits only these names
+    return TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer, cfg.model.max_prompt_len)
 
 
 def prepare_model(cfg: RunConfig, paths: RunPaths, tokenizer: Any) -> Path:
