@@ -6,10 +6,12 @@ The fields mirror the user-facing ones of the engines (`rollout/embedded.py`,
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from entr_megatron.config.validate import boolean, choice, integer, number, str_tuple, url_tuple
+from entr_megatron.config.validate import bad, boolean, choice, integer, number, str_tuple, string, url_tuple
 
 Engine = Literal["embedded", "sglang"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -23,6 +25,8 @@ KvOnUpdate = Literal["keep", "recompute"]
 KV_ON_UPDATE: tuple[str, ...] = get_args(KvOnUpdate)
 RouterPolicy = Literal["cache_aware", "round_robin", "random"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""What `rollout.sglang.api_key_env` may hold: the name of an environment variable."""
 
 
 @dataclass(frozen=True)
@@ -83,14 +87,45 @@ class SGLangConfig:
     """Requests in flight per server from the controller. >= 1."""
 
     startup_timeout_s: float = 1800.0
-    """Seconds to wait for a server to load its model. > 0."""
+    """Seconds to wait for a server to load its model. Positive, finite."""
+
+    host: str = "127.0.0.1"
+    """Address the launched servers and the router listen on (SGLang --host). The default,
+    loopback, is reachable from this node only: the servers have no other access control than
+    api_key_env. "0.0.0.0": every interface. Does not apply to servers given by urls."""
+
+    api_key_env: str | None = None
+    """Name of the environment variable holding the servers' API key (e.g. SGLANG_API_KEY), never
+    the key itself. Launched servers and the router get it as --api-key (read from the
+    environment inside the process, so it is in no command line, log or file); every request
+    sends it as `Authorization: Bearer <key>`. The variable must be set wherever an engine client
+    is built: the controller and learner rank 0. None: no key."""
+
+    request_timeout_s: float = 60.0
+    """Seconds one control call may take (health, model info, abort, pause, resume, flush).
+    Positive, finite."""
+
+    generate_timeout_s: float = 3600.0
+    """Seconds one /generate call (a prompt's n samples, not streamed) may take. Positive, finite."""
+
+    weight_update_timeout_s: float = 1800.0
+    """Seconds for joining the weight-update group and for each bucket of an update. Positive, finite."""
+
+    http_retries: int = 3
+    """Retries of an idempotent call (GET /health, /model_info, /server_info, POST /flush_cache)
+    after no connection, no answer in time, a cut-off answer or HTTP 502/503/504. /generate and
+    the weight-update calls are sent once. >= 0."""
+
+    retry_backoff_s: float = 0.5
+    """Wait before the first retry, doubled for each next one (at most 30 s). Positive, finite."""
 
     urls: tuple[str, ...] | None = None
     """Already running servers (http:// or https://host:port), one per engine (rollout.num_engines
     of them): `train` launches nothing and drives these, and tp_size, mem_fraction_static,
-    base_port, extra_args and startup_timeout_s do not apply (the servers' own flags do). The
-    servers must reach learner rank 0, which hosts the weight-update group (launcher.master_addr;
-    with Ray, rank 0's node IP);
+    base_port, extra_args, host and startup_timeout_s do not apply (the servers' own flags do;
+    with api_key_env, start them with --api-key set to the same key). The servers must reach
+    learner rank 0, which hosts the weight-update group and listens on that address only
+    (launcher.master_addr; with Ray, rank 0's node IP);
     their weights are overwritten by the learner's before the first rollout. Any launcher.device
     works (the servers run elsewhere). None: `train` launches rollout.num_engines servers on its
     own node (launcher.kind 'local', one node, no engine_nodes), on the GPUs after the learner's."""
@@ -106,7 +141,17 @@ class SGLangConfig:
         boolean(self, "router")
         choice(self, "router_policy", RouterPolicy)
         integer(self, "max_concurrent_requests", low=1)
-        number(self, "startup_timeout_s", low=0, low_open=True)
+        string(self, "host")
+        string(self, "api_key_env", optional=True)
+        if self.api_key_env is not None and not ENV_VAR_NAME.fullmatch(self.api_key_env):
+            # Not echoed: a value that is no variable name may be the key itself.
+            raise bad(self, "api_key_env", "<not shown>",
+                      "must be null or the name of an environment variable ([A-Za-z_][A-Za-z0-9_]*) that holds the key, "
+                      "not the key")
+        for name in ("startup_timeout_s", "request_timeout_s", "generate_timeout_s", "weight_update_timeout_s",
+                     "retry_backoff_s"):
+            number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
+        integer(self, "http_retries", low=0)
 
 
 @dataclass(frozen=True)

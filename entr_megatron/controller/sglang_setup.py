@@ -17,6 +17,7 @@ every submit, and would read a version torn across servers while an update is un
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,7 +35,8 @@ from entr_megatron.rollout.engine import (
 from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
 from entr_megatron.utils.spawn import free_port
 
-__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "sglang_engine", "sglang_wire_dtype"]
+__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "sglang_engine",
+           "sglang_wire_dtype"]
 
 
 def sglang_wire_dtype(cfg: RunConfig) -> str | None:
@@ -44,9 +46,20 @@ def sglang_wire_dtype(cfg: RunConfig) -> str | None:
     return None if d in ("auto", cfg.model.dtype) else d
 
 
+def model_vocab_size(model_dir: Path) -> int | None:
+    """The HF config's vocab_size (the logits' width: every sampled token id is below it); None if unknown."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:
-    """One SGLangEngine over the run's servers (launched here, with a router when asked, or given
-    by `rollout.sglang.urls`); their shutdown on `stack`."""
+    """One SGLangEngine over the run's servers (launched here on `rollout.sglang.host`, with a router
+    when asked, or given by `rollout.sglang.urls`); their shutdown on `stack`. With
+    `rollout.sglang.api_key_env` the servers, the router and every client get the key."""
     from entr_megatron.rollout.sglang import (
         RouterConfig,
         SGLangServerConfig,
@@ -60,9 +73,10 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
     if s.urls is None:
         check_launch(cfg)
         first_gpu = cfg.launcher.nproc_per_node  # the local learner ranks hold GPUs 0 .. nproc_per_node - 1
-        configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, tp_size=s.tp_size, dtype=r.dtype,
+        configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, host=s.host, tp_size=s.tp_size, dtype=r.dtype,
                                       mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
-                                      random_seed=cfg.controller.seed + i, extra_args=s.extra_args)
+                                      random_seed=cfg.controller.seed + i, extra_args=s.extra_args,
+                                      api_key_env=s.api_key_env)
                    for i in range(r.num_engines)]
         say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
         servers = launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s)
@@ -72,12 +86,13 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
         urls, tp_sizes = tuple(s.urls), None  # the engine asks each server its tp_size
     router_url = None
     if s.router:
-        router = launch_router(RouterConfig(worker_urls=urls, port=free_port(), policy=s.router_policy),
+        router = launch_router(RouterConfig(worker_urls=urls, host=s.host, port=free_port(), policy=s.router_policy,
+                                            api_key_env=s.api_key_env),
                                log_dir / "router.log")
         stack.callback(router.terminate)
         router_url = router.url
     config = SGLangEngineConfig.from_config(r, urls, router_url=router_url, tp_sizes=tp_sizes,
-                                            weight_dtype=sglang_wire_dtype(cfg))
+                                            weight_dtype=sglang_wire_dtype(cfg), vocab_size=model_vocab_size(model_dir))
     engine = SGLangEngine(config)
     stack.callback(engine.shutdown)
     return engine
@@ -100,10 +115,15 @@ def forget_server_versions(cfg: RunConfig) -> None:
     """Servers given by URL hold weights we know nothing of: label them version -1, so that the
     learner's weights are pushed (as its version) before the first rollout."""
     from entr_megatron.rollout.sglang import SGLangClient, SGLangError
+    from entr_megatron.rollout.sglang.client import api_key_from_env
 
-    for url in cfg.rollout.sglang.urls or ():
+    s = cfg.rollout.sglang
+    key = api_key_from_env(s.api_key_env)
+    for url in s.urls or ():
         try:
-            SGLangClient(url).update_weight_version("-1", abort_all_requests=False)
+            client = SGLangClient(url, s.request_timeout_s, api_key=key, retries=s.http_retries,
+                                  retry_backoff_s=s.retry_backoff_s)
+            client.update_weight_version("-1", abort_all_requests=False)
         except SGLangError as e:
             if e.status != 404:  # a server without versions: nothing to relabel
                 raise

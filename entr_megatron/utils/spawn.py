@@ -7,11 +7,26 @@ children re-import it.
 
 `torchrun_env` / `enter_rank` are the one place a rank's torchrun variables are
 written: for these ranks and for the controller's worker groups (processes, Ray).
+
+Listening sockets. torch's `TCPStore` server (libuv and legacy backends alike, torch
+2.13) binds the wildcard address, every interface, IPv4 and IPv6, whatever host name
+it is given: the name only tells the clients where to dial. It takes over a socket we
+bound ourselves (`master_listen_fd`), so `tcp_store` binds the address its clients dial
+(`bind_address` says otherwise) and hands that socket over: a store for 127.0.0.1
+listens on loopback only. `enter_rank` does the same for torch.distributed's own
+rendezvous store (`serve_rendezvous`, on rank 0). gloo listens on the address of its
+device (GLOO_SOCKET_IFNAME, else the host name's address). None of them authenticates
+its peers.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import ipaddress
+import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -21,15 +36,54 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["enter_rank", "free_port", "free_port_range", "run_gloo", "torchrun_env"]
+__all__ = [
+    "ALL_INTERFACES",
+    "LOOPBACK",
+    "bind_ip",
+    "die_with_parent",
+    "enter_rank",
+    "free_port",
+    "free_port_range",
+    "is_loopback",
+    "listening_socket",
+    "run_gloo",
+    "serve_rendezvous",
+    "tcp_store",
+    "torchrun_env",
+]
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = ("", "0.0.0.0", "::", "*")
+"""Bind addresses that mean every interface: the only way to get torch's own (wildcard) bind."""
+LISTEN_BACKLOG = 4096
+"""What torch's own TCPStore sockets use (a rendezvous of many ranks connects at once)."""
+RENDEZVOUS_TIMEOUT_S = 1800.0
+"""`serve_rendezvous`: timeout of the store's own client (torch.distributed's default for gloo)."""
+
+_RENDEZVOUS: dict[int, Any] = {}
+"""port -> the TCPStore `serve_rendezvous` keeps alive for this process's lifetime."""
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies, however it dies (Linux
+    PR_SET_PDEATHSIG; a no-op elsewhere). Called first thing in every child the job starts (ranks,
+    engines, Megatron's checkpoint-writer manager, a study's cells), so a job killed outright
+    leaves no orphans. The parent must be the main thread of its process (the kernel counts a
+    thread's exit as the parent's death)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: children of a job killed outright may outlive it
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
@@ -45,7 +99,7 @@ def free_port_range(count: int, attempts: int = 100) -> int:
             for port in range(base, base + count):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sockets.append(s)
-                s.bind(("127.0.0.1", port))
+                s.bind((LOOPBACK, port))
             return base
         except OSError:
             continue
@@ -53,6 +107,102 @@ def free_port_range(count: int, attempts: int = 100) -> int:
             for s in sockets:
                 s.close()
     raise RuntimeError(f"no {count} consecutive free ports found in {attempts} attempts")
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or "localhost" (a name that resolves to loopback is not: on other nodes it may not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_ip(host: str) -> str | None:
+    """The IP a server whose clients dial `host` listens on: the IP itself, or what the name resolves
+    to here ("localhost": 127.0.0.1); None for `ALL_INTERFACES`."""
+    if host in ALL_INTERFACES:
+        return None
+    if host == "localhost":
+        return LOOPBACK
+    host = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    ip = infos[0][4][0]
+    if ipaddress.ip_address(ip).is_loopback:
+        logger.warning("%s resolves to %s here: a server for it listens on loopback only, which other "
+                       "nodes cannot reach (give an IP address)", host, ip)
+    return ip
+
+
+def listening_socket(ip: str, port: int) -> socket.socket:
+    """A TCP socket bound to (ip, port) and listening (SO_REUSEADDR, as torch's own)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def tcp_store(host: str, port: int, world_size: int | None, is_master: bool, timeout: datetime.timedelta, *,
+              bind_address: str | None = None, multi_tenant: bool = False, wait_for_workers: bool = True):
+    """A `dist.TCPStore` at host:port. The server (is_master) listens on `bind_address` only (None:
+    `host`, the address its clients dial; one of `ALL_INTERFACES`: every interface, torch's own bind).
+
+    multi_tenant: another master store of this process on the same port shares its server (torch
+    keeps one per port); a port already bound here is then left to torch to reuse."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout, multi_tenant=multi_tenant)
+    ip = bind_ip(host if bind_address is None else bind_address)
+    if ip is None:
+        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=wait_for_workers,
+                             multi_tenant=multi_tenant)
+    try:
+        sock = listening_socket(ip, port)
+    except OSError as e:
+        if multi_tenant and port and e.errno == errno.EADDRINUSE:
+            # Either this process already serves the port (torch hands back that server) or
+            # another one does (torch raises its own "address already in use").
+            return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=wait_for_workers,
+                                 multi_tenant=True)
+        raise
+    bound_port = sock.getsockname()[1]
+    fd = sock.detach()  # the store's server owns (and closes) it from here on
+    return dist.TCPStore(host, bound_port, world_size, True, timeout, wait_for_workers=wait_for_workers,
+                         multi_tenant=multi_tenant, master_listen_fd=fd)
+
+
+def serve_rendezvous(master_addr: str, master_port: int) -> bool:
+    """Start torch.distributed's rendezvous server of this process (rank 0) on `master_addr` only.
+
+    `init_process_group` (tcp:// and env://) opens its store multi-tenant, so rank 0's takes over
+    this server instead of binding every interface itself. The server stays until the process
+    exits. Returns False (torch binds as it does) when the address is a wildcard, the port is
+    taken, or the address is not one of this host's."""
+    if master_port in _RENDEZVOUS:
+        return True
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return False  # torchrun's agent serves the store; the ranks are all clients
+    try:
+        if bind_ip(master_addr) is None:
+            return False
+        store = tcp_store(master_addr, master_port, None, True, datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                          multi_tenant=True, wait_for_workers=False)
+    except (OSError, RuntimeError) as e:  # torch's DistNetworkError is a RuntimeError
+        logger.warning("rendezvous store not bound to %s:%s (%s): torch.distributed binds it on every interface",
+                       master_addr, master_port, e)
+        return False
+    _RENDEZVOUS[master_port] = store
+    return True
 
 
 def torchrun_env(rank: int, world_size: int, master_addr: str, master_port: int, *,
@@ -70,17 +220,21 @@ def torchrun_env(rank: int, world_size: int, master_addr: str, master_port: int,
     }
 
 
-def enter_rank(env: Mapping[str, str], threads: int | None = None, *, loopback_gloo: bool = True) -> None:
+def enter_rank(env: Mapping[str, str], threads: int | None = None, *, loopback_gloo: bool = True,
+               bind_rendezvous: bool = True) -> None:
     """Make this process a rank: export `env` (see `torchrun_env`) and give torch `threads`
     intra-op threads (None or 0: torch's default).
 
     With `loopback_gloo` and rank 0 on 127.0.0.1, gloo is pinned to the loopback interface
     (unless GLOO_SOCKET_IFNAME is already set): its own choice, the host name's address, may
-    be an interface the loopback rendezvous cannot reach.
+    be an interface the loopback rendezvous cannot reach. With `bind_rendezvous`, rank 0 starts
+    the rendezvous store on MASTER_ADDR only (`serve_rendezvous`), not on every interface.
     """
     os.environ.update(env)
     if loopback_gloo and env.get("MASTER_ADDR") == LOOPBACK:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if bind_rendezvous and env.get("RANK") == "0" and env.get("MASTER_ADDR") and env.get("MASTER_PORT", "").isdigit():
+        serve_rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     if threads:
         torch.set_num_threads(threads)
 

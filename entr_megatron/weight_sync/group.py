@@ -14,6 +14,12 @@ engines' processes need none. The store keys are laid out the way SGLang's
 `"<group_name>/"`, `"<device>/"`), so a learner-side group pairs with SGLang
 servers' ranks. NCCL on GPU, gloo on CPU, the same code: only the device of the
 tensors on the wire changes (`BroadcastGroup.device`).
+
+What listens: rank 0's store on `WeightGroup.bind_address` (None: the master address,
+127.0.0.1 for a one-node run; see `utils.spawn.tcp_store`), and each rank's gloo pairs on
+127.0.0.1 when the master address is loopback (unless GLOO_SOCKET_IFNAME says otherwise),
+else on gloo's choice of interface. Neither authenticates its peers: on a shared network
+keep the master address on an interface only the job's nodes reach.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from entr_megatron.utils.spawn import bind_ip, is_loopback, tcp_store
+
 __all__ = ["BACKENDS", "BroadcastGroup", "WeightGroup", "default_backend", "stage_groups"]
 
 BACKENDS = ("gloo", "nccl")
@@ -41,6 +49,8 @@ between them, so one piece's hand-shake overlaps another's bytes (measured on lo
 GLOO_THREADS_PER_STREAM = 4
 """Worker threads (and pieces in flight) per connection of a multi-stream gloo group: with 4
 rather than torch's 2, 4-16 MiB pieces (one tensor each, `snapshot="borrow"`) move 1.2-1.4x faster."""
+TORCH_GLOO_THREADS = 2
+"""Worker threads of torch's own one-connection gloo group (ProcessGroupGloo::Options)."""
 # Devices of the backends `_new_process_group_helper` creates for one backend name (SGLang's side
 # creates all of them, and each one's rendezvous waits for every rank: ours must too).
 _BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
@@ -61,6 +71,9 @@ class WeightGroup:
     streams: int = 1
     """gloo: TCP connections between each pair of ranks, used in turn by consecutive broadcasts
     (`stage_groups`); 1 for SGLang's groups, whose side opens one."""
+    bind_address: str | None = None
+    """Where rank 0's store listens. None: `master_address` only (the address the others dial);
+    "0.0.0.0" (or "", "::"): every interface, as torch's own TCPStore."""
 
 
 def default_backend() -> str:
@@ -131,16 +144,16 @@ class BroadcastGroup:
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError(f"group {spec.group_name!r}: backend nccl needs CUDA; use gloo on CPU")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
-            spec.master_address, spec.master_port, spec.world_size, rank == 0, timeout, multi_tenant=True,
-        )
+        store = tcp_store(spec.master_address, spec.master_port, spec.world_size, rank == 0, timeout,
+                          bind_address=spec.bind_address, multi_tenant=True)
+        gloo_host = _gloo_hostname(spec)
         group_store = dist.PrefixStore(f"{spec.group_name}/", dist.PrefixStore(spec.group_name, store))
         backends = {}
         for device in _BACKEND_DEVICES[spec.backend]:
             device_store = dist.PrefixStore(f"{device}/", group_store)
             if spec.backend == "gloo":
                 streams = spec.streams if device == "cpu" else 1  # the "cuda" one only mirrors SGLang's side
-                backends[device] = _gloo_group(device_store, rank, spec.world_size, timeout, streams)
+                backends[device] = _gloo_group(device_store, rank, spec.world_size, timeout, streams, gloo_host)
             else:
                 options = dist.ProcessGroupNCCL.Options()
                 options.is_high_priority_stream = False
@@ -247,19 +260,33 @@ class BroadcastGroup:
             self._pg = self._store = self._staging = None
 
 
-def _gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, streams: int):
+def _gloo_hostname(spec: WeightGroup) -> str | None:
+    """The address gloo's pairs listen on: loopback when every rank dials a loopback master (and
+    GLOO_SOCKET_IFNAME is unset); None: gloo's own choice (that variable, else the host name's address)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not is_loopback(spec.master_address):
+        return None
+    return bind_ip(spec.master_address)
+
+
+def _gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, streams: int,
+                hostname: str | None = None):
     """A gloo process group with `streams` TCP connections per pair of ranks (torch's constructor
     opens one; collectives take them in turn by their tag) and `GLOO_THREADS_PER_STREAM` worker
-    threads per connection, on the interface(s) of GLOO_SOCKET_IFNAME or the host's default one."""
-    if streams == 1:
+    threads per connection (torch's 2 with one connection), on `hostname`'s address, or on the
+    interface(s) of GLOO_SOCKET_IFNAME or the host's default one."""
+    if streams == 1 and hostname is None:
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-    devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in ifnames for _ in range(streams)] if ifnames \
-        else [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
+    if ifnames:
+        devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in ifnames for _ in range(streams)]
+    elif hostname is not None:
+        devices = [dist.ProcessGroupGloo.create_device(hostname=hostname) for _ in range(streams)]
+    else:
+        devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = devices
-    options._threads = GLOO_THREADS_PER_STREAM * len(devices)
+    options._threads = GLOO_THREADS_PER_STREAM * len(devices) if streams > 1 else TORCH_GLOO_THREADS
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 

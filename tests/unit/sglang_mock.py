@@ -16,6 +16,11 @@ weight-sync step joins the gloo group and receives the broadcast.
         SGLangClient(server.url).generate({...})
         server.calls          # [(method, path, payload), ...]
 
+With `api_key` it checks `Authorization: Bearer <key>` on every endpoint but /health*,
+/ready and /metrics, answering 401 {"error": "Unauthorized"} as SGLang's
+add_api_key_middleware does. `tamper` rewrites /generate answers and `truncate_next`
+cuts an answer's body short, for the tests of a client that does not trust its server.
+
 Run as a script it serves like `python -m sglang.launch_server` (same flags; unknown ones
 ignored) until SIGTERM, for the launcher tests.
 """
@@ -113,7 +118,7 @@ class MockSGLangServer:
 
     def __init__(self, *, port: int = 0, vocab_size: int = 1000, eos_token_id: int | None = None,
                  token_delay_s: float = 0.0, weight_version: str = "default", tp_size: int = 1,
-                 model_path: str = "mock-model", sessions: bool = True):
+                 model_path: str = "mock-model", sessions: bool = True, api_key: str | None = None):
         self.vocab_size, self.eos_token_id, self.token_delay_s = vocab_size, eos_token_id, token_delay_s
         self.weight_version, self.tp_size, self.model_path = weight_version, tp_size, model_path
         self.sessions = sessions
@@ -123,6 +128,14 @@ class MockSGLangServer:
         """path -> (status, body) answered once instead of the real answer."""
         self.delay: dict[str, float] = {}
         """path -> seconds to sleep before answering."""
+        self.api_key = api_key
+        """Required as `Authorization: Bearer <key>` (SGLang --api-key); None: no check."""
+        self.unauthorized: list[tuple[str, str]] = []
+        """(method, path) of the requests refused for a missing or wrong key."""
+        self.tamper: Callable[[Any], Any] | None = None
+        """Rewrites each successful /generate answer (a dict, or a list for a batch) before it is sent."""
+        self.truncate_next: dict[str, int] = {}
+        """path -> bytes of the next answer's body actually sent (the Content-Length announces all of it)."""
         self.on_init_group: Callable[[dict], None] = lambda payload: None
         self.on_update_weights: Callable[[dict], None] = lambda payload: None
         self.on_destroy_group: Callable[[dict], None] = lambda payload: None
@@ -380,21 +393,24 @@ def _make_handler(server: MockSGLangServer) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: Any) -> None:
             pass
 
-        def _answer(self, status: int, body: Any) -> None:
+        def _answer(self, status: int, body: Any, path: str = "") -> None:
             if body is None:
                 data, ctype = b"", "text/plain"
             elif isinstance(body, str):
                 data, ctype = body.encode(), "text/plain; charset=utf-8"
             else:
                 data, ctype = json.dumps(body).encode(), "application/json"
+            cut = server.truncate_next.pop(path, None)
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                self.wfile.write(data if cut is None else data[:cut])
             except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout tests)
                 pass
+            if cut is not None:  # hang up mid-body
+                self.close_connection = True
 
         def _handle(self, method: str) -> None:
             path = urlparse(self.path).path
@@ -406,6 +422,11 @@ def _make_handler(server: MockSGLangServer) -> type[BaseHTTPRequestHandler]:
                 except ValueError as e:
                     return self._answer(400, _error_response(f"JSON decode error: {e}"))
             server.calls.append((method, path, body))
+            exempt = path.startswith(("/health", "/ready", "/metrics"))
+            if server.api_key is not None and not exempt and \
+                    self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                server.unauthorized.append((method, path))
+                return self._answer(401, {"error": "Unauthorized"})
             if path in server.delay:
                 time.sleep(server.delay[path])
             if path in server.fail_next:
@@ -413,7 +434,7 @@ def _make_handler(server: MockSGLangServer) -> type[BaseHTTPRequestHandler]:
             if method == "GET" and path in ("/health", "/health_generate", "/ready"):
                 return self._answer(200, None)
             if method == "GET" and path in ("/model_info", "/get_model_info"):
-                return self._answer(200, server.model_info())
+                return self._answer(200, server.model_info(), path)
             if method == "GET" and path in ("/server_info", "/get_server_info"):
                 return self._answer(200, server.server_info())
             if path == "/flush_cache" and method in ("GET", "POST"):
@@ -421,7 +442,10 @@ def _make_handler(server: MockSGLangServer) -> type[BaseHTTPRequestHandler]:
             if method in ("POST", "PUT") and path == "/generate":
                 if not isinstance(body, dict):
                     return self._answer(400, _error_response("Field required: body"))
-                return self._answer(*server.generate(body))
+                status, answer = server.generate(body)
+                if status == 200 and server.tamper is not None:
+                    answer = server.tamper(answer)
+                return self._answer(status, answer, path)
             if method == "POST" and path in BODIES:
                 if not isinstance(body, dict):
                     return self._answer(400, _error_response("Field required: body"))
@@ -448,17 +472,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--api-key", default=None)
     parser.add_argument("--mock-exit-code", type=int, default=None, help="exit at once with this code")
     parser.add_argument("--mock-startup-s", type=float, default=0.0, help="sleep before serving")
     args, unknown = parser.parse_known_args(argv)
     print(f"mock sglang {SGLANG_VERSION}: {args.model_path} tp={args.tp_size}; ignoring {unknown}", flush=True)
+    print(f"server_args={vars(args)!r}", flush=True)  # as SGLang logs its ServerArgs, the key among them
     if args.mock_exit_code is not None:
         print("mock: failing on purpose", file=sys.stderr, flush=True)
         sys.exit(args.mock_exit_code)
     time.sleep(args.mock_startup_s)
     assert args.host == "127.0.0.1", "the mock only listens on 127.0.0.1"
     server = MockSGLangServer(port=args.port, tp_size=args.tp_size, weight_version=args.weight_version,
-                              model_path=args.model_path)
+                              model_path=args.model_path, api_key=args.api_key)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.httpd.shutdown).start())
     print(f"The server is fired up and ready to roll! {server.url}", flush=True)
     server.httpd.serve_forever(poll_interval=0.05)

@@ -9,12 +9,14 @@
 
 Modules: `protocol.py` the HTTP protocol of SGLang 0.5.23 (endpoints, the bodies we
 build, how answers are parsed, the flattened weight bucket), `client.py` one server's
-HTTP API and its errors, `engine.py` the `RolloutEngine` (generation; a weight update
-pauses the servers around weight_sync's transfer), `launcher.py` server and router
-processes. Nothing here imports sglang.
+HTTP API and its errors (retries of idempotent calls, the API key), `engine.py` the
+`RolloutEngine` (generation, answers checked before use; a weight update pauses the
+servers around weight_sync's transfer), `launcher.py` server and router processes (on
+127.0.0.1 unless configured, the key handed over through the environment). Nothing here
+imports sglang.
 """
 
-from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout
+from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout, api_key_from_env
 from entr_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineConfig, WeightTransfer
 from entr_megatron.rollout.sglang.launcher import (
     ManagedProcess,
@@ -30,6 +32,7 @@ from entr_megatron.rollout.sglang.protocol import (
     KV_ON_UPDATE,
     SGLANG_SOURCE,
     SGLANG_VERSION,
+    BadAnswer,
     FlatBucket,
     generate_payload,
     iter_flattened_buckets,
@@ -44,6 +47,7 @@ __all__ = [
     "KV_ON_UPDATE",
     "SGLANG_SOURCE",
     "SGLANG_VERSION",
+    "BadAnswer",
     "FlatBucket",
     "ManagedProcess",
     "RouterConfig",
@@ -54,6 +58,7 @@ __all__ = [
     "SGLangServerConfig",
     "SGLangTimeout",
     "WeightTransfer",
+    "api_key_from_env",
     "generate_payload",
     "iter_flattened_buckets",
     "launch_router",

@@ -9,7 +9,12 @@ Control calls (abort, pause, resume) go to every server; `/generate` goes to the
 sglang-router when one is configured, else to the server with the fewest of our
 requests in flight. Each request is one non-streamed `/generate` call of its n
 samples (`protocol.generate_payload`), run in a thread pool; `poll` hands back the
-parsed answers and raises a failed call's `SGLangError`.
+parsed answers and raises a failed call's `SGLangError`. An answer is checked before
+it is used (`protocol.parse_generate_output`: token ids inside the vocabulary when
+`vocab_size` is known, finite log-probs, per-token lists of one length); a bad one
+fails its request with an error naming the server, the request, the field and the
+value. /generate is never retried (a rid sent twice is a new sample, or refused while
+the first runs); the idempotent calls are (`retries`, see `client.py`).
 
 Weights: `update_weights` pauses every server (`kv_on_update`), lets the attached
 `WeightTransfer` move the tensors, then resumes them and labels later tokens with the
@@ -22,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import json
+import math
 import random
 import threading
 import time
@@ -42,9 +48,10 @@ from entr_megatron.rollout.engine import (
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout, wait_all
+from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout, api_key_from_env, wait_all
 from entr_megatron.rollout.sglang.protocol import (
     KV_ON_UPDATE,
+    BadAnswer,
     ParsedSample,
     generate_payload,
     parse_generate_output,
@@ -63,11 +70,21 @@ class SGLangEngineConfig:
     router_url: str | None = None
     """sglang-router in front of `urls`: /generate goes there."""
     request_timeout_s: float = 60.0
-    """Control calls (abort, pause, info)."""
+    """Control calls (abort, pause, info, health)."""
     generate_timeout_s: float = 3600.0
     """One /generate call (a whole non-streamed group of samples)."""
     weight_update_timeout_s: float = 1800.0
     """Group set-up and each bucket of a weight update."""
+    retries: int = 3
+    """Retries of an idempotent call after a transient failure (client.py); /generate has none."""
+    retry_backoff_s: float = 0.5
+    """Wait before the first retry; doubled for each next one (at most client.MAX_BACKOFF_S)."""
+    api_key_env: str | None = None
+    """Environment variable holding the servers' --api-key, sent as `Authorization: Bearer`
+    (None: no key). The key itself is read when the engine is built, in every process that
+    builds one (learner rank 0 too), and is never part of this config."""
+    vocab_size: int | None = None
+    """Token ids of an answer must lie in [0, vocab_size); None: only >= 0 is checked."""
     max_concurrent_requests: int = 256
     """/generate calls in flight at once (one per GenerateRequest; the rest wait)."""
     kv_on_update: str = "recompute"
@@ -92,10 +109,14 @@ class SGLangEngineConfig:
                     **overrides: Any) -> SGLangEngineConfig:
         """The engine over `urls` of the run's validated `rollout` section (kv_on_update, the weight
         bucket size and `rollout.sglang.max_concurrent_requests`, per server)."""
+        s = rollout.sglang
         fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype,
-                      max_concurrent_requests=rollout.sglang.max_concurrent_requests * len(urls),
+                      max_concurrent_requests=s.max_concurrent_requests * len(urls),
                       kv_on_update=rollout.kv_on_update or "recompute",
-                      weight_bucket_bytes=(rollout.weight_bucket_mib or 512) << 20)
+                      weight_bucket_bytes=(rollout.weight_bucket_mib or 512) << 20,
+                      request_timeout_s=s.request_timeout_s, generate_timeout_s=s.generate_timeout_s,
+                      weight_update_timeout_s=s.weight_update_timeout_s, retries=s.http_retries,
+                      retry_backoff_s=s.retry_backoff_s, api_key_env=s.api_key_env)
         return cls(**{**fields, **overrides})
 
     def __post_init__(self):
@@ -111,9 +132,16 @@ class SGLangEngineConfig:
             raise ValueError(f"SGLangEngineConfig.weight_dtype must be a torch dtype name, got {self.weight_dtype!r}")
         if self.tp_sizes is not None and (len(self.tp_sizes) != len(self.urls) or min(self.tp_sizes) < 1):
             raise ValueError(f"SGLangEngineConfig.tp_sizes must give a size >= 1 per url, got {self.tp_sizes}")
-        for name in ("request_timeout_s", "generate_timeout_s", "weight_update_timeout_s", "abort_retry_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SGLangEngineConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("request_timeout_s", "generate_timeout_s", "weight_update_timeout_s", "abort_retry_s",
+                     "retry_backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"SGLangEngineConfig.{name} must be a positive finite number of seconds, got {value!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"SGLangEngineConfig.retries must be an integer >= 0, got {self.retries!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 1):
+            raise ValueError(f"SGLangEngineConfig.vocab_size must be None or an integer >= 1, got {self.vocab_size!r}")
 
 
 @runtime_checkable
@@ -139,8 +167,10 @@ class SGLangEngine:
 
     def __init__(self, config: SGLangEngineConfig):
         self.config = config
-        self.servers = [SGLangClient(u, config.request_timeout_s) for u in config.urls]
-        self.router = None if config.router_url is None else SGLangClient(config.router_url, config.request_timeout_s)
+        key = api_key_from_env(config.api_key_env, "SGLangEngineConfig.api_key_env")
+        client = dict(api_key=key, retries=config.retries, retry_backoff_s=config.retry_backoff_s)
+        self.servers = [SGLangClient(u, config.request_timeout_s, **client) for u in config.urls]
+        self.router = None if config.router_url is None else SGLangClient(config.router_url, config.request_timeout_s, **client)
         self._pool = cf.ThreadPoolExecutor(config.max_concurrent_requests, thread_name_prefix="sglang-generate")
         self._control = cf.ThreadPoolExecutor(2 * len(self.servers) + 4, thread_name_prefix="sglang-control")
         self._cond = threading.Condition()
@@ -356,18 +386,24 @@ class SGLangEngine:
                 # Always seeded: a deterministic-inference server would give every unseeded sample seed 42.
                 payload = generate_payload(r.prompt_ids, r.params, live.rids, seed=random.getrandbits(62))
                 outs = client.generate(payload, timeout=self.config.generate_timeout_s)
+                url = client.url + "/generate"
                 by_rid = {o["meta_info"].get("id"): o for o in outs}
                 if set(by_rid) == set(live.rids):
                     outs = [by_rid[rid] for rid in live.rids]
                 if len(outs) != len(live.rids):
-                    raise SGLangError(f"/generate returned {len(outs)} answers for {len(live.rids)} samples", url=client.url)
+                    raise SGLangError(f"unusable /generate answer from {url} for request {r.request_id}: {len(outs)} "
+                                      f"answers for {len(live.rids)} samples; not retried (/generate is not idempotent)",
+                                      url=url, body=json.dumps(outs)[:4000])
                 parsed = []
-                for o in outs:
+                for i, (rid, o) in enumerate(zip(live.rids, outs)):
                     try:
-                        parsed.append(parse_generate_output(o, r.params, default_version=self.config.initial_version))
-                    except (ValueError, KeyError, TypeError, IndexError) as e:
-                        raise SGLangError(f"unusable /generate answer for request {r.request_id}: {e}",
-                                          url=client.url, body=json.dumps(o)[:4000]) from e
+                        parsed.append(parse_generate_output(o, r.params, default_version=self.config.initial_version,
+                                                            vocab_size=self.config.vocab_size))
+                    except (BadAnswer, ValueError, KeyError, TypeError, IndexError) as e:
+                        what = str(e) if isinstance(e, BadAnswer) else f"{type(e).__name__}: {e}"
+                        raise SGLangError(f"unusable /generate answer from {url} for request {r.request_id} (sample "
+                                          f"{i} of {len(outs)}, rid {rid}): {what}; not retried (/generate is not "
+                                          "idempotent)", url=url, body=json.dumps(o)[:4000]) from e
             results = [
                 GenerateResult(request_id=r.request_id, sample_index=i, prompt_ids=list(r.prompt_ids),
                                group_id=r.group_id, metadata=dict(r.metadata), **p)

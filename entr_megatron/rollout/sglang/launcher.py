@@ -16,27 +16,41 @@ it ends its scheduler and detokenizer children too), with stdout and stderr in o
 log file. `wait_healthy` polls GET /health (503 while the server warms up) until 200,
 and fails early with the log's tail when the process exits. The flags were checked
 against SGLang 0.5.23 (srt/arg_groups/fields/*.py: model_path, tp_size, port, host,
-dtype choices, mem_fraction_static, base_gpu_id, weight_version, random_seed) and
+dtype choices, mem_fraction_static, base_gpu_id, weight_version, random_seed, api_key) and
 sglang-router 0.3.2 (sglang_router/launch_router.py, router_args.py: --worker-urls,
---host, --port, --policy). Nothing here imports sglang.
+--host, --port, --policy, --api-key). Nothing here imports sglang.
+
+Network: servers and router listen on `host`, 127.0.0.1 unless configured. With
+`api_key_env` the process gets `--api-key <the key>` appended to its own sys.argv by a
+small Python shim (`API_KEY_SHIM`) that reads the variable, so the key is in no command
+line (`ps`, /proc/<pid>/cmdline show the variable's name) and in no log: the process's
+output reaches its log through a pipe that replaces the key by `REDACTED` (SGLang prints
+its server args, the key among them, at start-up). A server checks the key on every
+endpoint but /health*, /ready and /metrics; sglang-router 0.3.2's --api-key is the key it
+sends to the workers (whether it checks its own clients' is the router's business: keep
+it on loopback).
 """
 
 from __future__ import annotations
 
 import collections
+import ipaddress
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError
+from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, api_key_from_env
 
 __all__ = [
+    "API_KEY_SHIM",
     "DTYPES",
+    "REDACTED",
     "ROUTER_POLICIES",
     "ManagedProcess",
     "RouterConfig",
@@ -54,6 +68,40 @@ ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manu
 """--policy choices of sglang-router 0.3.2."""
 LOG_TAIL_LINES = 40
 """Lines of a failed process's log quoted in the error."""
+REDACTED = "<redacted>"
+"""What the API key reads as in a process's log."""
+API_KEY_SHIM = (
+    "import os, runpy, sys; env, how, target, *args = sys.argv[1:]; "
+    "sys.argv = [target, *args, '--api-key', os.environ[env]]; "
+    "runpy.run_module(target, run_name='__main__', alter_sys=True) if how == '-m' else "
+    "runpy.run_path(target, run_name='__main__')"
+)
+"""`python -c API_KEY_SHIM <variable> -m <module> | <script> <args...>`: runs the module (as
+`python -m` would) or the script with `--api-key <value of the variable>` added to its sys.argv."""
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+"""Hosts that listen on every interface: clients on this node dial 127.0.0.1."""
+
+
+def _client_url(host: str, port: int) -> str:
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"http://{host}:{port}"
+
+
+def _with_api_key(cmd: list[str], api_key_env: str | None, what: str) -> list[str]:
+    """`cmd` (python -m module ... or python script ...) run through `API_KEY_SHIM` when there is a key."""
+    if api_key_env is None:
+        return cmd
+    if len(cmd) >= 3 and cmd[1] == "-m":
+        return [cmd[0], "-c", API_KEY_SHIM, api_key_env, "-m", *cmd[2:]]
+    if len(cmd) >= 2 and cmd[1].endswith(".py"):
+        return [cmd[0], "-c", API_KEY_SHIM, api_key_env, "path", *cmd[1:]]
+    raise ValueError(f"{what}.api_key_env needs a Python command (python -m <module> or python <script>.py) to hand the "
+                     f"key over without a command line; got command_prefix {cmd[:2]}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +126,8 @@ class SGLangServerConfig:
     """Added to this process's environment (e.g. CUDA_VISIBLE_DEVICES)."""
     command_prefix: tuple[str, ...] | None = None
     """None: (sys.executable, "-m", "sglang.launch_server"). Tests put a mock server here."""
+    api_key_env: str | None = None
+    """Environment variable holding the server's --api-key (see the module docstring); None: no key."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -91,12 +141,11 @@ class SGLangServerConfig:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
+        return _client_url(self.host, self.port)
 
 
 def server_command(config: SGLangServerConfig) -> list[str]:
-    """The argv of one server."""
+    """The argv of one server (through `API_KEY_SHIM` with an api_key_env: no key in it)."""
     c = config
     cmd = list(c.command_prefix or (sys.executable, "-m", "sglang.launch_server"))
     cmd += ["--model-path", c.model_path, "--host", c.host, "--port", str(c.port), "--tp-size", str(c.tp_size), "--dtype", c.dtype]
@@ -108,7 +157,7 @@ def server_command(config: SGLangServerConfig) -> list[str]:
         cmd += ["--weight-version", str(c.weight_version)]
     if c.random_seed is not None:
         cmd += ["--random-seed", str(c.random_seed)]
-    return cmd + list(c.extra_args)
+    return _with_api_key(cmd + list(c.extra_args), c.api_key_env, "SGLangServerConfig")
 
 
 @dataclass(frozen=True)
@@ -123,6 +172,8 @@ class RouterConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     command_prefix: tuple[str, ...] | None = None
     """None: (sys.executable, "-m", "sglang_router.launch_router")."""
+    api_key_env: str | None = None
+    """Environment variable holding the workers' API key (the router's --api-key); None: no key."""
 
     def __post_init__(self):
         if not self.worker_urls:
@@ -132,30 +183,39 @@ class RouterConfig:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}"
+        return _client_url(self.host, self.port)
 
 
 def router_command(config: RouterConfig) -> list[str]:
+    """The argv of the router (through `API_KEY_SHIM` with an api_key_env: no key in it)."""
     cmd = list(config.command_prefix or (sys.executable, "-m", "sglang_router.launch_router"))
     cmd += ["--worker-urls", *config.worker_urls, "--host", config.host, "--port", str(config.port), "--policy", config.policy]
-    return cmd + list(config.extra_args)
+    return _with_api_key(cmd + list(config.extra_args), config.api_key_env, "RouterConfig")
 
 
 class ManagedProcess:
-    """A server process in its own session, logging to one file."""
+    """A server process in its own session, logging to one file. With an `api_key` (the key the
+    process was handed through its environment) its output goes through a pipe that replaces
+    the key by `REDACTED` on its way to the log, and the health checks send it."""
 
-    def __init__(self, name: str, argv: Sequence[str], url: str, log_path: str | os.PathLike, env: Mapping[str, str] | None = None):
+    def __init__(self, name: str, argv: Sequence[str], url: str, log_path: str | os.PathLike,
+                 env: Mapping[str, str] | None = None, *, api_key: str | None = None):
         self.name, self.argv, self.url = name, list(argv), url
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._api_key = api_key
+        self._pump: threading.Thread | None = None
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, start_new_session=True,
+                self.argv, stdout=log if api_key is None else subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True,
             )
+        if api_key is not None:
+            self._pump = threading.Thread(target=_copy_redacted, args=(self.proc.stdout, self.log_path, api_key),
+                                          name=f"log {name}", daemon=True)
+            self._pump.start()
 
     @property
     def pid(self) -> int:
@@ -173,15 +233,16 @@ class ManagedProcess:
 
     def wait_healthy(self, timeout_s: float, path: str = "/health", interval_s: float = 1.0) -> None:
         """Poll `path` until it answers 200; raise (with the log's tail) on exit or timeout."""
-        client = SGLangClient(self.url)
+        client = SGLangClient(self.url, api_key=self._api_key)
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
+                self._flush_log()
                 err = SGLangError(f"{self.name} exited with code {self.proc.returncode} before it was healthy", url=self.url)
                 err.add_note(f"log {self.log_path}, last lines:\n{self.log_tail()}")
                 raise err
             left = deadline - time.monotonic()
-            if client.is_healthy(timeout=max(0.1, min(30.0, left)), path=path):
+            if client.is_healthy(timeout=max(0.1, min(30.0, left)), path=path, retries=0):  # this loop retries
                 return
             if time.monotonic() >= deadline:
                 err = SGLangError(f"{self.name} not healthy after {timeout_s:.0f} s ({self.url}{path})", url=self.url)
@@ -200,7 +261,13 @@ class ManagedProcess:
                 self.proc.wait(10)
         # Children that outlive the leader (scheduler, detokenizer) share its session.
         self._signal(signal.SIGKILL)
+        self._flush_log()
         return self.proc.returncode
+
+    def _flush_log(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until the redacting pipe has written what the exited process printed."""
+        if self._pump is not None and not self.alive():
+            self._pump.join(timeout_s)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -215,6 +282,21 @@ class ManagedProcess:
         self.terminate()
 
 
+def _copy_redacted(stream, log_path: Path, secret: str) -> None:
+    """Copy a process's output to its log, line by line, with `secret` replaced (a pump thread)."""
+    # As printed, and inside a repr (SGLang logs its ServerArgs dataclass).
+    needles = {secret.encode(), repr(secret)[1:-1].encode()}
+    mask = REDACTED.encode()
+    with stream, open(log_path, "ab", buffering=0) as log:
+        for line in iter(stream.readline, b""):
+            for needle in needles:
+                line = line.replace(needle, mask)
+            try:
+                log.write(line)
+            except OSError:  # a full disk: keep draining, or the process blocks on its next print
+                pass
+
+
 def launch_servers(
     configs: Sequence[SGLangServerConfig], log_dir: str | os.PathLike, startup_timeout_s: float = 1800.0,
     interval_s: float = 2.0,
@@ -224,11 +306,12 @@ def launch_servers(
     ports = [c.port for c in configs]
     if len(set(ports)) != len(ports):
         raise ValueError(f"two servers on one port: {ports}")
+    keys = [api_key_from_env(c.api_key_env, "SGLangServerConfig.api_key_env") for c in configs]  # before any start
     servers: list[ManagedProcess] = []
     try:
-        for c in configs:
+        for c, key in zip(configs, keys):
             log = Path(log_dir) / f"sglang-{c.port}.log"
-            servers.append(ManagedProcess(f"sglang server :{c.port}", server_command(c), c.url, log, c.env))
+            servers.append(ManagedProcess(f"sglang server :{c.port}", server_command(c), c.url, log, c.env, api_key=key))
         deadline = time.monotonic() + startup_timeout_s
         for s in servers:
             s.wait_healthy(max(1.0, deadline - time.monotonic()), interval_s=interval_s)
@@ -242,7 +325,9 @@ def launch_router(
     config: RouterConfig, log_path: str | os.PathLike, startup_timeout_s: float = 300.0, interval_s: float = 1.0,
 ) -> ManagedProcess:
     """Start the router and wait for its /health."""
-    router = ManagedProcess(f"sglang-router :{config.port}", router_command(config), config.url, log_path, config.env)
+    key = api_key_from_env(config.api_key_env, "RouterConfig.api_key_env")
+    router = ManagedProcess(f"sglang-router :{config.port}", router_command(config), config.url, log_path, config.env,
+                            api_key=key)
     try:
         router.wait_healthy(startup_timeout_s, interval_s=interval_s)
     except BaseException:

@@ -51,6 +51,10 @@ How an answer becomes a `GenerateResult` (`parse_generate_output`):
 - Seeds: each sample sends sampling_seed (from SamplingParams.seed, else a random one,
   mixed with the sample index); only servers launched with --enable-deterministic-inference
   use it (and would give every unseeded request seed 42).
+- Checks: an answer is refused (`BadAnswer`: the field's path, its value, the rule) for a
+  missing field (output_ids may be absent only for a request aborted while queued), a token
+  id outside [0, vocab_size), a log-prob that is not finite or above `LOGPROB_SLACK`, a
+  log-prob entry whose token is not the output's, and per-token lists of other lengths.
 - Stop tokens stay in `output_ids` (finished_len = matched position + 1). An aborted running request still decodes one
   more step; while paused in place, it ends only after `resume`.
 
@@ -71,6 +75,7 @@ sample of a batch with top-p/top-k.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -83,8 +88,10 @@ from entr_megatron.utils.seeding import mix_seed
 
 __all__ = [
     "KV_ON_UPDATE",
+    "LOGPROB_SLACK",
     "SGLANG_SOURCE",
     "SGLANG_VERSION",
+    "BadAnswer",
     "FlatBucket",
     "ParsedSample",
     "generate_payload",
@@ -114,6 +121,8 @@ requests keep the KV cache of the old weights (in-flight update, as the embedded
 default); the prefix cache cannot be flushed then and keeps serving old-weight prefixes."""
 SAMPLING_SEED_MODULUS = 1 << 63
 """SGLang's sampling_seed is an int64."""
+LOGPROB_SLACK = 1e-4
+"""A reported log-prob may exceed 0 by this much (float rounding in log_softmax); more is a broken answer."""
 
 
 # --- /generate: the body --------------------------------------------------------------------
@@ -183,6 +192,24 @@ class ParsedSample(TypedDict):
     versions: list[int]
 
 
+class BadAnswer(ValueError):
+    """A field of an SGLang answer that breaks the protocol: its path in the answer, the bad value
+    (shortened) and what was expected, e.g. `meta_info.output_token_logprobs[3][0]=nan is not a
+    finite log-prob`."""
+
+    def __init__(self, field: str, value: Any, rule: str):
+        super().__init__(field, value, rule)
+        self.field, self.value, self.rule = field, value, rule
+
+    def __str__(self) -> str:
+        return f"{self.field}={_short(self.value)} {self.rule}"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def version_number(version: Any, default: int) -> int:
     """Our int of an SGLang version string ("3" -> 3; "default" and the like -> `default`)."""
     try:
@@ -191,41 +218,94 @@ def version_number(version: Any, default: int) -> int:
         return default
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _logprob(x: Any, field: str) -> float:
+    """A log-prob of an answer: a finite real number <= LOGPROB_SLACK."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise BadAnswer(field, x, "is not a finite log-prob")
+    if x > LOGPROB_SLACK:
+        raise BadAnswer(field, x, "is not a log-prob (> 0)")
+    return float(x)
+
+
+def _token_ids(ids: Any, vocab_size: int | None) -> list[int]:
+    if not isinstance(ids, list):
+        raise BadAnswer("output_ids", ids, "is not a list of token ids")
+    for t, x in enumerate(ids):
+        if not _is_int(x) or x < 0 or (vocab_size is not None and x >= vocab_size):
+            span = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise BadAnswer(f"output_ids[{t}]", x, f"is not a token id of the vocabulary ({span})")
+    return list(ids)
+
+
 def _token_versions(meta: Mapping[str, Any], num_tokens: int, default: int) -> list[int]:
     spans = meta.get("weight_versions") or []
     if not spans:
         return [version_number(meta.get("weight_version"), default)] * num_tokens
+    if not isinstance(spans, list):
+        raise BadAnswer("meta_info.weight_versions", spans, "is not a list of {version, start, end} spans")
+    for i, span in enumerate(spans):
+        if not isinstance(span, Mapping) or "version" not in span or not _is_int(span.get("start")) \
+                or not _is_int(span.get("end")):
+            raise BadAnswer(f"meta_info.weight_versions[{i}]", span, "is not a {version, start, end} span with int bounds")
     versions = [version_number(spans[0]["version"], default)] * num_tokens
     for span in spans:
         v = version_number(span["version"], default)
-        for t in range(max(0, int(span["start"])), min(num_tokens, int(span["end"]))):
+        for t in range(max(0, span["start"]), min(num_tokens, span["end"])):
             versions[t] = v
     return versions
 
 
-def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, default_version: int) -> ParsedSample:
-    """One /generate answer -> the per-token fields of a GenerateResult (see the module docstring)."""
-    meta = out["meta_info"]
-    output_ids = [int(t) for t in out.get("output_ids") or []]
-    n = len(output_ids)
+def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, default_version: int,
+                          vocab_size: int | None = None) -> ParsedSample:
+    """One /generate answer -> the per-token fields of a GenerateResult (see the module docstring).
+    Raises `BadAnswer` for a missing field, a token id outside [0, vocab_size) (None: >= 0), a
+    log-prob that is not finite or above 0, or per-token lists whose lengths differ."""
+    if not isinstance(out, Mapping):
+        raise BadAnswer("answer", out, "is not a JSON object")
+    meta = out.get("meta_info")
+    if not isinstance(meta, Mapping):
+        raise BadAnswer("meta_info", meta, "is missing or not an object")
     reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, dict) else None
+    kind = reason.get("type") if isinstance(reason, Mapping) else None
     if kind not in ("stop", "length", "abort"):
-        raise ValueError(f"unexpected finish_reason {reason!r}")
-    entries = meta.get("output_token_logprobs") or []
-    if len(entries) != n or any(int(e[1]) != t for e, t in zip(entries, output_ids)):
-        raise ValueError(f"output_token_logprobs ({len(entries)} entries) do not match output_ids ({n} tokens)")
-    reported = [float(e[0]) for e in entries]
+        raise BadAnswer("meta_info.finish_reason", reason, "is not {type: stop | length | abort}")
+    if "output_ids" not in out and kind != "abort":  # a request aborted while queued has none
+        raise BadAnswer("output_ids", None, "is missing")
+    output_ids = _token_ids(out.get("output_ids", []), vocab_size)
+    n = len(output_ids)
+    entries = meta.get("output_token_logprobs")
+    if entries is None and n:
+        raise BadAnswer("meta_info.output_token_logprobs", None, f"is missing for {n} output tokens (return_logprob was set)")
+    entries = entries or []
+    if not isinstance(entries, list):
+        raise BadAnswer("meta_info.output_token_logprobs", entries, "is not a list of [logprob, token_id, text] entries")
+    if len(entries) != n:
+        raise BadAnswer("len(meta_info.output_token_logprobs)", len(entries), f"and len(output_ids)={n} do not match")
+    reported = []
+    for t, (e, token) in enumerate(zip(entries, output_ids)):
+        if not isinstance(e, list) or len(e) < 2:
+            raise BadAnswer(f"meta_info.output_token_logprobs[{t}]", e, "is not a [logprob, token_id, text] entry")
+        if e[1] != token or not _is_int(e[1]):
+            raise BadAnswer(f"meta_info.output_token_logprobs[{t}][1]", e[1], f"is not output_ids[{t}]={token}")
+        reported.append(_logprob(e[0], f"meta_info.output_token_logprobs[{t}][0]"))
     raw = reported if params.return_raw_logprobs else None
     if _truncated(params):
         sampling = meta.get("output_token_sampling_logprobs")
         if sampling is None:
             if n:
-                raise ValueError(f"no output_token_sampling_logprobs: the server ignores return_sampling_mask (SGLang {SGLANG_VERSION} has it)")
+                raise BadAnswer("meta_info.output_token_sampling_logprobs", None,
+                                f"is missing: the server ignores return_sampling_mask (SGLang {SGLANG_VERSION} has it)")
             sampling = []
-        logprobs = [float(x) for x in sampling]
-        if len(logprobs) != n:
-            raise ValueError(f"{len(logprobs)} output_token_sampling_logprobs for {n} tokens")
+        if not isinstance(sampling, list):
+            raise BadAnswer("meta_info.output_token_sampling_logprobs", sampling, "is not a list of log-probs")
+        if len(sampling) != n:
+            raise BadAnswer("len(meta_info.output_token_sampling_logprobs)", len(sampling),
+                            f"and len(output_ids)={n} do not match")
+        logprobs = [_logprob(x, f"meta_info.output_token_sampling_logprobs[{t}]") for t, x in enumerate(sampling)]
     else:
         logprobs = reported
     return ParsedSample(
