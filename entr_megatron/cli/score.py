@@ -13,7 +13,8 @@ config, written by save_checkpoint(..., model_config=...)); the model is built
 from it and the weights of step --step (default: the step `latest` names) are
 loaded. Dist checkpointing reshards: --tp/--pp need not be the saving run's.
 
-Input: JSONL, one object per line with "input_ids": [token ids]. Output: every
+Input: JSONL, one object per line with "input_ids": [token ids], at most the model's
+max_position_embeddings of them (a longer line is refused, naming it). Output: every
 line with all its fields, in the same order, plus
   "logprobs": [L-1 floats]  log p(input_ids[i+1] | input_ids[0..i])
   "entropy":  [L-1 floats]  entropy (nats) of that next-token distribution
@@ -87,10 +88,14 @@ class Line:
     rollout_logprobs: list[float] | None
 
 
-def _parse_line(obj: dict, where: str, vocab_size: int) -> Line:
+def _parse_line(obj: dict, where: str, vocab_size: int, max_len: int | None = None) -> Line:
     if obj.get("input_ids") is None:
         raise ValueError(f'{where}: missing "input_ids"')
     ids = check_token_ids(obj["input_ids"], where, "input_ids", vocab_size)
+    if max_len is not None and len(ids) > max_len:
+        # Positions past max_position_embeddings were never trained: their scores would mean nothing.
+        raise ValueError(f'{where}: "input_ids" has {len(ids)} tokens, more than the model\'s {max_len} positions '
+                         "(max_position_embeddings); shorten or drop the line")
     rollout = obj.get("rollout_logprobs")
     if rollout is not None:
         if not isinstance(rollout, list) or not 1 <= len(rollout) <= len(ids) - 1:
@@ -103,11 +108,12 @@ def _parse_line(obj: dict, where: str, vocab_size: int) -> Line:
     return Line(0, ids, rollout)
 
 
-def read_input(path: str, vocab_size: int) -> list[Line]:
-    """Every non-blank line of a JSONL file, validated; ValueError names the file and line."""
+def read_input(path: str, vocab_size: int, max_len: int | None = None) -> list[Line]:
+    """Every non-blank line of a JSONL file, validated (token ids in the vocabulary, at most `max_len`
+    of them when given); ValueError names the file and line."""
     lines = []
     for lineno, where, obj in read_jsonl_objects(path):
-        line = _parse_line(obj, where, vocab_size)
+        line = _parse_line(obj, where, vocab_size, max_len)
         line.lineno = lineno
         lines.append(line)
     return lines
@@ -217,15 +223,17 @@ def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> Non
 
 
 def _launch(world: int, job: _Job) -> None:
-    """Run `_rank_main` on `world` spawned local ranks; raise RuntimeError with a failed rank's traceback."""
+    """Run `_rank_main` on `world` spawned local ranks; raise RuntimeError with a failed rank's traceback
+    (or its exit code / signal when it died without one)."""
     threads = max(1, (os.cpu_count() or 1) // world)
     ctx = mp.start_processes(_rank_main, args=(world, free_port(), threads, job), nprocs=world, join=False,
                              start_method="spawn")
     try:
         while not ctx.join(timeout=1.0):
             pass
-    except mp.ProcessException as e:
-        raise RuntimeError(f"rank {e.error_index} failed:{e}") from None
+    # torch.multiprocessing exports these two (their base, ProcessException, only from .spawn).
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise RuntimeError(f"rank {e.error_index} failed: {str(e).strip()}") from None
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -237,16 +245,11 @@ def _launch(world: int, job: _Job) -> None:
 
 def _check_layout(spec, tp: int, pp: int) -> None:
     """Refuse layouts Megatron cannot build for this model, naming the sizes (experts are not TP-split here)."""
-    checks = [
-        ("num_attention_heads", spec.num_attention_heads, tp, "--tp"),
-        ("num_key_value_heads", spec.num_query_groups, tp, "--tp"),
-        ("num_hidden_layers", spec.num_layers, pp, "--pp"),
-    ]
-    if not spec.is_moe:
-        checks.append(("intermediate_size", spec.ffn_hidden_size, tp, "--tp"))
-    for what, value, size, flag in checks:
-        if value % size:
-            raise ValueError(f"{flag} {size} does not divide the model's {what}={value}")
+    conflicts = models.layout_conflicts(spec, tp=tp, pp=pp)
+    if conflicts:
+        c = conflicts[0]
+        raise ValueError(f"--{c.size} {c.divisor} does not divide the model's {c.field}={c.value} "
+                         f"({models.LAYOUT_REASONS[c.size]})")
 
 
 def run(args) -> None:
@@ -311,7 +314,7 @@ def _run(args) -> None:
     if model_config is None:
         with HfCheckpoint(args.model) as ckpt:
             check_hf_checkpoint(ckpt, spec)
-    lines = read_input(args.input, spec.vocab_size)
+    lines = read_input(args.input, spec.vocab_size, spec.max_position_embeddings)
     if not lines:
         raise ValueError(f"{args.input}: no input lines")
     world = args.tp * args.pp

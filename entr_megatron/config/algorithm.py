@@ -7,6 +7,7 @@ algorithm's registries have exactly these keys.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -110,19 +111,20 @@ class AlgorithmConfig:
 
     mis_token_band: tuple[float, float] = (0.5, 2.0)
     """mis_token: token-level masked IS, weight rho * 1[lo <= rho <= hi], rho = pi_old / mu
-    (verl: IS cap 2, rejection lower bound 1 / upper). 0 <= lo <= 1 <= hi."""
+    (verl: IS cap 2, rejection lower bound 1 / upper). 0 <= lo <= 1 <= hi; hi may be .inf (no upper
+    bound: the bands are the only fields that take .inf)."""
 
     mis_seq_band: tuple[float, float] = (0.5, 2.0)
     """mis_seq: sequence-level masked IS (Seq-MIS, verl's decoupled_seq_is_rs preset): weight
-    prod_t rho_t inside [lo, hi], the whole sequence dropped outside. 0 <= lo <= 1 <= hi."""
+    prod_t rho_t inside [lo, hi], the whole sequence dropped outside. 0 <= lo <= 1 <= hi; hi may be .inf."""
 
     mis_geo_band: tuple[float, float] = (0.999, 1.001)
     """mis_geo: geometric rejection (verl's geo_rs presets, rs_threshold "0.999_1.001"): drop a
-    sequence whose exp(mean_t log rho_t) is outside [lo, hi], weight 1. 0 <= lo <= 1 <= hi."""
+    sequence whose exp(mean_t log rho_t) is outside [lo, hi], weight 1. 0 <= lo <= 1 <= hi; hi may be .inf."""
 
     icepop_band: tuple[float, float] = (0.5, 5.0)
     """icepop: weight k * 1[lo <= k <= hi], k = pi_old / mu (Ring-1T's alpha = 0.5, beta = 5).
-    0 <= lo <= 1 <= hi."""
+    0 <= lo <= 1 <= hi; hi may be .inf (no upper bound)."""
 
     kpop_threshold: float = 0.1
     """kpop: drop a token when max(D(p || q), D(q || p)) > this (nats), D the KL between the
@@ -243,10 +245,14 @@ class AlgorithmConfig:
 
 
 def _unit_band(obj: AlgorithmConfig, name: str) -> None:
-    """A [lo, hi] band around ratio 1; YAML gives lists, stored as an immutable, hashable tuple of floats."""
+    """A [lo, hi] band around ratio 1; YAML gives lists, stored as an immutable, hashable tuple of floats.
+
+    hi = +inf (YAML .inf) is "no upper bound", the one use of a non-finite number in a run's config."""
     value = getattr(obj, name)
-    pair = isinstance(value, (tuple, list)) and len(value) == 2 and all(is_number(v) for v in value)
+    pair = (isinstance(value, (tuple, list)) and len(value) == 2 and is_number(value[0])
+            and (is_number(value[1]) or value[1] == math.inf))
     if not pair or not 0.0 <= value[0] <= 1.0 <= value[1]:
-        rule = "must be a pair [lo, hi] with 0 <= lo <= 1 <= hi (on-policy tokens, ratio 1, must be kept)"
+        rule = ("must be a pair [lo, hi] of numbers with 0 <= lo <= 1 <= hi (on-policy tokens, ratio 1, must be "
+                "kept); hi may be .inf (no upper bound), lo must be finite")
         raise bad(obj, name, value, rule)
     object.__setattr__(obj, name, (float(value[0]), float(value[1])))

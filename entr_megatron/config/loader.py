@@ -4,7 +4,9 @@
 
 Values are parsed with YAML scalar rules (`true`, `1e-6`, `[1, 2]`, `null`). Unknown keys,
 in the file or in an override, fail with the valid keys at that level and a "did you
-mean". Everything is validated here, before any process starts. Layer L0.
+mean"; .inf and .nan fail in every float field (and inside `model.architecture`). An empty
+file is refused rather than read as "all defaults". Everything is validated here, before any
+process starts. Layer L0.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import yaml
 
 from entr_megatron.config.run import RunConfig
-from entr_megatron.config.validate import FieldError
+from entr_megatron.config.validate import NOT_FINITE, FieldError, is_non_finite
 
 
 class _Loader(yaml.SafeLoader):
@@ -63,12 +65,15 @@ _Dumper.add_implicit_resolver(*_FLOAT)
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """The validated RunConfig of a YAML file (None: the defaults) with `key.path=value` overrides applied.
 
-    Raises ValueError naming the file, the dotted field, the bad value and what is allowed;
-    FileNotFoundError when `path` does not exist."""
+    Raises ValueError naming the file, the dotted field, the bad value and what is allowed (also
+    for a file that is empty, holds only comments or `null`); FileNotFoundError when `path` does
+    not exist."""
     overrides = list(overrides)
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml(os.fspath(path))
+        if not raw:  # an empty file would silently run the built-in defaults
+            raise ValueError(f"{os.fspath(path)}: the config is empty (see examples/cpu_demo.yaml)")
     for item in overrides:
         _apply_override(raw, item)
     try:
@@ -106,11 +111,24 @@ def parse_value(text: str) -> Any:
 
 
 def read_yaml(path: str) -> dict[str, Any]:
-    """The top-level mapping of a YAML config file (empty file: {}); errors name the file and line."""
-    if not os.path.isfile(path):
+    """The top-level mapping of a YAML file (empty file: {}); errors name the file (and line): a
+    missing file raises FileNotFoundError, a directory, an unreadable or non-UTF-8 file ValueError."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory, not a YAML file")
+    if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the file: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[e.start]:02x}); "
+                         "a config is a UTF-8 YAML file") from None
     try:
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
@@ -123,7 +141,8 @@ def read_yaml(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+        raise ValueError(f"{path}: the top level must be a mapping of sections (model:, rollout:, ...), "
+                         f"got {type(data).__name__}")
     return data
 
 
@@ -162,6 +181,17 @@ def _unknown_key(key: Any, cls: type, path: str, context: str = "") -> ValueErro
     return ValueError(f"unknown key {key!r} at {where}{context}{hint} Valid keys: {', '.join(valid)}")
 
 
+def _refuse_non_finite(section: str, name: str, value: Any, in_mapping: bool = False) -> None:
+    """.inf / .nan in a float field, or anywhere inside a free-form mapping (model.architecture), is
+    refused naming its dotted path. A list-valued field (the ratio bands) is its validator's to
+    judge: a band's upper end may be .inf."""
+    if is_non_finite(value) or (in_mapping and isinstance(value, list) and any(map(is_non_finite, value))):
+        raise FieldError(section, name, value, NOT_FINITE)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _refuse_non_finite(f"{section}.{name}" if section else name, str(key), item, in_mapping=True)
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if isinstance(data, cls):
         return data
@@ -183,6 +213,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
         elif _is_float_field(hints[key]) and isinstance(value, int) and not isinstance(value, bool):
             kwargs[key] = float(value)
         else:
+            if _is_float_field(hints[key]) or _is_mapping_field(hints[key]):
+                _refuse_non_finite(path, key, value)
             kwargs[key] = value
     try:
         return cls(**kwargs)

@@ -6,12 +6,16 @@ message reads `rollout.sglang.tp_size=0 is not valid; must be an integer >= 1`.
 Sections that are also used on their own (AlgorithmConfig, LearnerConfig) say their
 class name (`AlgorithmConfig.tau`); the loader, which knows the dotted path it builds,
 re-homes the error with `FieldError.at` (`algorithm.tau`). Choices are `Literal` types:
-`choice` reads the allowed values from the type itself. Layer L0.
+`choice` reads the allowed values from the type itself. Numbers are finite: YAML's .inf, -.inf
+and .nan are refused in every float field (by the loader, and by `number` for sections built in
+Python); the one place .inf means something, the upper end of AlgorithmConfig's ratio bands
+("no upper bound"), says so in its doc. Layer L0.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, get_args
 from urllib.parse import urlsplit
 
@@ -45,9 +49,21 @@ def bad(obj: Any, name: str, value: Any, rule: str, when: str = "") -> FieldErro
     return FieldError(type(obj).SECTION, name, value, rule, when)
 
 
+NOT_FINITE = "must be a finite number (not .inf or .nan)"
+"""The rule of a float field given YAML's .inf, -.inf or .nan (the loader and `number` say it alike)."""
+
+
 def is_number(value: Any) -> bool:
-    """An int or float that is not NaN; bool is an int subclass, but `lr: true` in YAML is a typo, not 1.0."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+    """A finite int or float: not NaN or +-inf (YAML's .nan, .inf), and not a bool (an int subclass,
+    but `lr: true` in YAML is a typo, not 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def is_non_finite(value: Any) -> bool:
+    """A float that is NaN or +-inf."""
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def choice(obj: Any, name: str, options: Any) -> None:
@@ -71,9 +87,12 @@ def integer(obj: Any, name: str, low: int = 0, high: int | None = None, optional
 def number(
     obj: Any, name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False
 ) -> None:
-    """Field `name` must be a number in the interval from `low` to `high`; the bounds print as given (0 or 0.0)."""
+    """Field `name` must be a finite number in the interval from `low` to `high` (a `high` of inf: no
+    upper bound, but .inf itself is refused); the bounds print as given (0 or 0.0)."""
     value = getattr(obj, name)
     rule = f"must be a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if is_non_finite(value):
+        raise bad(obj, name, value, NOT_FINITE)
     if not is_number(value):
         raise bad(obj, name, value, rule)
     too_low = value <= low if low_open else value < low
@@ -134,3 +153,20 @@ def url_tuple(obj: Any, name: str) -> None:
     if len(set(urls)) != len(urls):
         raise bad(obj, name, value, f"{rule}; a server is listed twice")
     object.__setattr__(obj, name, tuple(urls))
+
+
+def readable_files(obj: Any, name: str) -> None:
+    """Every path of the list field `name` must be a file this process can read. Not run when a
+    section is built (a config is also loaded where its files are not, e.g. to plan a study):
+    the job calls it before it starts (controller/job.py `check_inputs`)."""
+    value = getattr(obj, name)
+    for path in value:
+        if os.path.isdir(path):
+            problem = "is a directory, not a file"
+        elif not os.path.exists(path):
+            problem = "does not exist"
+        elif not os.access(path, os.R_OK):
+            problem = "is not readable (permissions)"
+        else:
+            continue
+        raise bad(obj, name, value, f"{path} {problem}")

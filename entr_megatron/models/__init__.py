@@ -13,10 +13,21 @@ Typical use (the learner loading HF weights into a Megatron GPTModel):
 and back (weight sync, export): `family.to_hf(name, full_tensor, spec)` or
 `to_hf_state_dict(...)`. Names use global layer/expert indices; `offset_layer`
 and `expert_local_name` translate to a PP stage's / EP rank's local names.
+Before a run starts: `check_architecture(fields)` / `architecture_hf_config(fields)`
+(a model built from config fields) and `layout_conflicts(spec, tp=, pp=, ...)` (the
+sizes Megatron cannot split the model by).
 This package never imports megatron, torch.distributed or (at import) transformers.
 """
 
-from entr_megatron.models.families import FAMILIES, ModelFamily, get_family, model_spec
+from entr_megatron.models.families import (
+    FAMILIES,
+    ModelFamily,
+    architecture_fields,
+    architecture_hf_config,
+    check_architecture,
+    get_family,
+    model_spec,
+)
 from entr_megatron.models.layouts import (
     interleave_qkv,
     merge_gated,
@@ -38,11 +49,14 @@ from entr_megatron.models.mapping import (
 )
 from entr_megatron.models.megatron_config import ACTIVATIONS, gpt_model_kwargs, transformer_config_kwargs
 from entr_megatron.models.sharding import (
+    LAYOUT_REASONS,
     TP_SPLITS,
+    LayoutConflict,
     TpSplit,
     expert_global_name,
     expert_local_name,
     is_expert_param,
+    layout_conflicts,
     offset_layer,
     shard,
     tp_split,
@@ -54,11 +68,16 @@ __all__ = [
     "ACTIVATIONS",
     "FAMILIES",
     "HF_LAYOUTS",
+    "LAYOUT_REASONS",
     "TP_SPLITS",
+    "LayoutConflict",
     "MegatronNaming",
     "ModelFamily",
     "ModelSpec",
     "TpSplit",
+    "architecture_fields",
+    "architecture_hf_config",
+    "check_architecture",
     "check_hf_keys",
     "detect_hf_layout",
     "expert_global_name",
@@ -69,6 +88,7 @@ __all__ = [
     "hf_names",
     "interleave_qkv",
     "is_expert_param",
+    "layout_conflicts",
     "megatron_names",
     "megatron_shape",
     "merge_gated",

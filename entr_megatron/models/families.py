@@ -8,6 +8,8 @@ from the spec by shared code.
 
 from __future__ import annotations
 
+import difflib
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 
 from entr_megatron.models import mapping, megatron_config, tables
-from entr_megatron.models.hf_config import ConfigReader, config_dict
+from entr_megatron.models.hf_config import ConfigReader, config_dict, hf_config_fields
 from entr_megatron.models.spec import MegatronNaming, ModelSpec
 
 
@@ -192,3 +194,53 @@ def model_spec(hf_config: Any, *, te_fused_norms: bool = False, grouped_experts:
     return get_family(hf_config).spec(
         hf_config, te_fused_norms=te_fused_norms, grouped_experts=grouped_experts
     )
+
+
+# --- a model built from config fields (a run's model.architecture) --------------------------
+
+
+@functools.cache
+def architecture_fields(model_type: str) -> tuple[str, frozenset[str]]:
+    """(name of transformers' config class, the keys an architecture of this family may hold): the
+    class's fields (`hf_config_fields`) and those the family's reader consults (head_dim, which
+    Qwen2Config lacks but HF's Qwen2 attention reads when present). Imports transformers."""
+    import transformers
+
+    family = get_family(model_type)
+    name, fields = hf_config_fields(model_type)
+    reader = ConfigReader(transformers.CONFIG_MAPPING[model_type]().to_dict(), model_type)
+    family.read(reader)
+    return name, fields | reader.seen
+
+
+def check_architecture(architecture: Mapping[str, Any], where: str = "model.architecture") -> None:
+    """Refuse HF config fields (e.g. a run's `model.architecture`) whose model_type has no family, or
+    holding a key that transformers' config class of that model_type does not know: transformers
+    keeps such a key as an attribute no model reads, so a typo (`num_hidden_layer: 2`) would build
+    the default instead. Errors name `<where>.<key>` and the closest valid names."""
+    model_type = architecture.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where}.model_type={model_type!r} is not valid; allowed: {', '.join(FAMILIES)}")
+    class_name, fields = architecture_fields(model_type)
+    for key in architecture:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), sorted(fields), n=3, cutoff=0.6)
+            hint = (f": did you mean {close[0]!r}? Closest valid names: {', '.join(close)}" if close
+                    else f"; valid names: {', '.join(sorted(fields))}")
+            raise ValueError(f"unknown key {where}.{key} (transformers' {class_name} has no such field and "
+                             f"would ignore it){hint}")
+
+
+def architecture_hf_config(architecture: Mapping[str, Any], where: str = "model.architecture") -> dict:
+    """The HF config (what its config.json would hold) transformers builds from `architecture`, its
+    keys checked first (`check_architecture`). A left-out vocab_size takes transformers' default
+    (a run's tokenizer sets the real one when it builds the model). Raises ValueError naming `where`."""
+    import transformers
+
+    check_architecture(architecture, where)
+    fields = dict(architecture)
+    model_type = fields.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers' own checks of the values: the input is at fault
+        raise ValueError(f"{where}: transformers refuses it: {' '.join(str(e).split())}") from None

@@ -7,6 +7,8 @@ Accepts both spellings transformers has used: `rope_theta` + `rope_scaling`
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +20,9 @@ MEGATRON_LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# The RoPE spellings of transformers 4.x config files; transformers >= 5 folds them into
+# `rope_parameters` when a config class has that field (PreTrainedConfig.convert_rope_params_to_dict).
+LEGACY_ROPE_FIELDS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 
 
 def config_dict(hf_config: Any) -> dict:
@@ -30,15 +35,36 @@ def config_dict(hf_config: Any) -> dict:
     raise TypeError(f"expected a config dict or a transformers PretrainedConfig, got {type(hf_config)}")
 
 
+@functools.cache
+def hf_config_fields(model_type: str) -> tuple[str, frozenset[str]]:
+    """(class name, field names) of transformers' config class for `model_type`: the parameters of
+    its `__init__`, the attributes and `to_dict()` keys of a default instance, its `attribute_map`
+    aliases (num_experts for num_local_experts) and, when it has `rope_parameters`, the RoPE
+    spellings it converts (LEGACY_ROPE_FIELDS). Anything else given to it is kept as a plain
+    attribute that no model reads. Imports transformers."""
+    import transformers
+
+    cls = transformers.CONFIG_MAPPING[model_type]
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    names = {n for n, p in inspect.signature(cls.__init__).parameters.items() if p.kind not in skip} - {"self"}
+    default = cls()
+    names |= set(vars(default)) | set(default.to_dict()) | set(getattr(cls, "attribute_map", {})) | {"model_type"}
+    if "rope_parameters" in names:
+        names |= set(LEGACY_ROPE_FIELDS)
+    return cls.__name__, frozenset(n for n in names if not n.startswith("_"))
+
+
 class ConfigReader:
     """Field access on one HF config with errors that say which model and field."""
 
     def __init__(self, cfg: Mapping, model_type: str):
         self.cfg = cfg
         self.model_type = model_type
+        self.seen: set[str] = set()  # the fields asked for (families.architecture_fields)
 
     def get(self, field: str, default: Any = None) -> Any:
         """The value, or `default` when the field is absent or null."""
+        self.seen.add(field)
         value = self.cfg.get(field)
         return default if value is None else value
 
@@ -72,7 +98,7 @@ class ConfigReader:
     def refuse_common(self) -> None:
         """Checks shared by every family we support."""
         self.require_value("hidden_act", ("silu",), "only SwiGLU MLPs are implemented", "silu")
-        if self.cfg.get("quantization_config") is not None:
+        if self.get("quantization_config") is not None:
             self.refuse(
                 "quantization_config",
                 self.cfg["quantization_config"].get("quant_method", "?")
@@ -81,7 +107,7 @@ class ConfigReader:
                 "quantized checkpoints cannot be trained; use the bf16/fp32 weights",
                 "absent",
             )
-        layer_types = self.cfg.get("layer_types")
+        layer_types = self.get("layer_types")
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
             self.refuse(
                 "layer_types",
@@ -92,7 +118,7 @@ class ConfigReader:
 
     def rope(self, default_theta: float) -> tuple[float, float | None]:
         """(rope_theta, llama3 scaling factor or None); refuses other RoPE variants."""
-        params = self.cfg.get("rope_parameters")
+        params = self.get("rope_parameters")
         if params is not None:
             where, scaling = "rope_parameters", dict(params)
             theta = scaling.get("rope_theta", self.get("rope_theta", default_theta))

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import enum
 import functools
+from typing import NamedTuple
 
 import torch
 
 from entr_megatron.models import tables
+from entr_megatron.models.spec import ModelSpec
 from entr_megatron.models.templates import compile_template, resolve
 
 
@@ -170,3 +172,49 @@ def offset_layer(megatron_name: str, offset: int) -> str:
     if idx["layer"] + offset < 0:
         raise ValueError(f"{megatron_name!r}: layer index + {offset} is negative")
     return compile_template(template).format(**dict(idx, layer=idx["layer"] + offset))
+
+
+# --- which layouts a model admits ------------------------------------------------------------
+
+
+class LayoutConflict(NamedTuple):
+    """A parallel size that does not divide a model dimension Megatron splits evenly by it."""
+
+    size: str
+    """Which size: "tp", "pp", "vpp" (pp * vpp virtual stages), "ep" or "expert_tp"."""
+    divisor: int
+    """What must divide the dimension: the size (pp * vpp for "vpp")."""
+    field: str
+    """The HF config field, e.g. num_attention_heads."""
+    value: int
+    """Its value in the model."""
+
+
+LAYOUT_REASONS: dict[str, str] = {
+    "tp": "each tensor-parallel rank holds whole attention and key/value heads and an equal share of the MLP",
+    "pp": "each pipeline stage holds the same number of layers",
+    "vpp": "each virtual pipeline stage holds the same number of layers",
+    "ep": "each expert-parallel rank holds the same number of experts",
+    "expert_tp": "each expert-tensor-parallel rank holds an equal share of every expert's MLP",
+}
+"""Why Megatron needs each size of LayoutConflict to divide its dimensions (for messages)."""
+
+
+def layout_conflicts(
+    spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, expert_tp: int = 1
+) -> list[LayoutConflict]:
+    """Every model dimension the learner layout does not divide, in the order tp, pp, vpp, ep,
+    expert_tp: heads, key/value heads (whole QKV groups per TP rank, see the module docstring) and
+    the dense MLP by tp; layers by pp and by pp * vpp; experts by ep and their MLP by expert_tp.
+    Empty: Megatron can build the model on this layout."""
+    checks = [("tp", tp, "num_attention_heads", spec.num_attention_heads),
+              ("tp", tp, "num_key_value_heads", spec.num_query_groups)]
+    if not spec.is_moe:  # every layer of a supported MoE model is MoE: the dense width is unused
+        checks.append(("tp", tp, "intermediate_size", spec.ffn_hidden_size))
+    checks.append(("pp", pp, "num_hidden_layers", spec.num_layers))
+    if vpp is not None:
+        checks.append(("vpp", pp * vpp, "num_hidden_layers", spec.num_layers))
+    if spec.is_moe:
+        checks += [("ep", ep, "num_experts", spec.num_experts),
+                   ("expert_tp", expert_tp, "moe_intermediate_size", spec.moe_ffn_hidden_size)]
+    return [LayoutConflict(*c) for c in checks if c[3] % c[1]]
