@@ -3,11 +3,12 @@
     ckpt_root/
       latest                  the step of the last complete checkpoint (text)
       model_config.json       the HF config of the model saved here (optional: ``save_checkpoint(model_config=)``)
-      iter_0000100/           a complete checkpoint (Megatron dist checkpointing, torch_dist)
+      iter_0000100/           a complete checkpoint (Megatron dist checkpointing, torch_dist), its last
+                              file manifest.json: every file's size and SHA-256 (checkpoint/manifest.py)
       iter_0000200/
       .tmp_iter_0000300/      a save in progress, or the leftovers of one that crashed
 
-A save writes everything into ``.tmp_iter_<step>`` and only then, on rank 0,
+A save writes everything into ``.tmp_iter_<step>``, the manifest last, and only then, on rank 0,
 renames the directory to ``iter_<step>`` and replaces ``latest`` (written to
 ``.tmp_latest`` first). Both are single ``rename`` calls, so at every instant
 ``latest`` names a complete directory: a crash at any point leaves the previous
@@ -31,13 +32,16 @@ __all__ = [
     "COMPLETE_MARKERS",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "LATEST_FILE",
     "MODEL_CONFIG_FILE",
     "clean_stale",
     "commit",
+    "fsync_dir",
     "iter_dir",
     "latest_step",
     "list_steps",
+    "missing_markers",
     "model_config_text",
     "prepare_tmp_dir",
     "read_model_config",
@@ -54,6 +58,9 @@ MODEL_CONFIG_FILE = "model_config.json"
 # Written by Megatron's torch_dist save: the common (rank-0) state, the DCP
 # metadata, and metadata.json, which dist checkpointing writes last.
 COMPLETE_MARKERS = ("common.pt", ".metadata", "metadata.json")
+# Every file's size and checksum (checkpoint/manifest.py), the last file of a save: a directory is
+# published only with it.
+MANIFEST_FILE = "manifest.json"
 _TMP = ".tmp_"
 _ITER = re.compile(r"^iter_(\d{7,})$")
 _OLD = re.compile(r"^\.tmp_old_(iter_\d{7,})$")
@@ -61,6 +68,11 @@ _OLD = re.compile(r"^\.tmp_old_(iter_\d{7,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded as asked (the message says why and where)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (the message says why, e.g. ENOSPC); its partial files are gone and the
+    previous checkpoint is intact."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -76,8 +88,8 @@ def _tmp_dir(root: Path, step: int) -> Path:
     return root / f"{_TMP}iter_{step:07d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    # Makes a rename durable; a no-op where directories cannot be opened (Windows).
+def fsync_dir(path: Path) -> None:
+    """Makes a rename in ``path`` durable; a no-op where directories cannot be opened (Windows)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -115,7 +127,8 @@ def list_steps(root: str | os.PathLike) -> list[int]:
     return sorted(int(m.group(1)) for e in root.iterdir() if (m := _ITER.match(e.name)) and e.is_dir())
 
 
-def _missing_markers(path: Path) -> list[str]:
+def missing_markers(path: Path) -> list[str]:
+    """The files of a finished torch_dist save that ``path`` lacks."""
     return [name for name in COMPLETE_MARKERS if not (path / name).exists()]
 
 
@@ -144,7 +157,7 @@ def resolve_checkpoint_dir(root: str | os.PathLike, step: int | None = None) -> 
             f"no checkpoint for step {step} in {root}: {path.name} does not exist "
             f"(complete steps there: {steps or 'none'}; latest: {latest_step(root)})"
         )
-    missing = _missing_markers(path)
+    missing = missing_markers(path)
     if missing:
         raise CheckpointError(
             f"incomplete checkpoint {path}: {', '.join(missing)} missing (it was not written by a finished "
@@ -178,7 +191,7 @@ def clean_stale(root: str | os.PathLike) -> list[str]:
             entry.unlink()
         removed.append(entry.name)
     if removed:
-        _fsync_dir(root)
+        fsync_dir(root)
     return removed
 
 
@@ -199,7 +212,7 @@ def _write_latest(root: Path, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _remove_checkpoint(root: Path, step: int) -> None:
@@ -214,13 +227,13 @@ def commit(root: str | os.PathLike, step: int, keep_last: int | None = None) -> 
     """Publish the finished ``.tmp_iter_<step>`` as ``iter_<step>`` and point ``latest`` at it (rank 0).
 
     An existing ``iter_<step>`` is replaced (moved aside first, restored by
-    ``clean_stale`` if this crashes half way). With ``keep_last=N`` the
-    checkpoints of the N highest steps are kept afterwards, and the one just
-    saved (which a rollback to an older step makes one more).
+    ``clean_stale`` if this crashes half way). With ``keep_last=N`` this one and
+    the N-1 highest steps below it are kept; higher steps (left by a rollback, or
+    a damaged checkpoint the run fell back from) are neither counted nor deleted.
     """
     root = Path(root)
     tmp, final = _tmp_dir(root, step), iter_dir(root, step)
-    missing = _missing_markers(tmp)
+    missing = missing_markers(tmp) + ([] if (tmp / MANIFEST_FILE).exists() else [MANIFEST_FILE])
     if missing:
         raise CheckpointError(f"refusing to publish {tmp}: {', '.join(missing)} missing")
     aside = None
@@ -228,14 +241,16 @@ def commit(root: str | os.PathLike, step: int, keep_last: int | None = None) -> 
         aside = root / f"{_TMP}old_{final.name}"
         os.replace(final, aside)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _write_latest(root, step)
     if aside is not None:
         shutil.rmtree(aside)
     if keep_last is not None:
-        for old in list_steps(root)[:-keep_last]:
-            if old != step:
-                _remove_checkpoint(root, old)
+        # Steps above this one (abandoned by a rollback, or a damaged checkpoint the run went back
+        # from) are neither counted nor deleted: the newest keep_last up to this step stay.
+        older = [s for s in list_steps(root) if s < step]
+        for old in older[:max(0, len(older) - (keep_last - 1))]:
+            _remove_checkpoint(root, old)
     return final
 
 
@@ -269,7 +284,7 @@ def write_model_config(root: str | os.PathLike, config) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / MODEL_CONFIG_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def read_model_config(root: str | os.PathLike) -> dict | None:

@@ -32,9 +32,15 @@ for a small model.
 
 from __future__ import annotations
 
+import errno
 import logging
+import multiprocessing
+import multiprocessing.managers
 import os
 import pickle
+import re
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +48,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.utils import unwrap_model
 
-from entr_megatron.checkpoint import directory, state
+from entr_megatron.checkpoint import directory, manifest, state
 from entr_megatron.checkpoint.compat import load_optimizer_state, prime_distributed_optimizer
-from entr_megatron.checkpoint.directory import CheckpointError
+from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
 from entr_megatron.checkpoint.state import DISTRIBUTED_OPTIMIZER_FORMATS, INFO_KEY, OPTIMIZER_KEY, RNG_KEY
 from entr_megatron.checkpoint.validate import check_format, check_loadable, check_model_matches
 from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+from entr_megatron.utils.spawn import die_with_parent
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -99,9 +107,79 @@ def _check_ready(chunks) -> list:
     return unwrap_model(chunks)
 
 
+def _writer_results_queue() -> None:
+    """Megatron's torch_dist writer reports through a queue of a `multiprocessing` manager process
+    it starts on the first save (filesystem_async._get_write_results_queue) and never stops; a rank
+    that dies leaves it running (~250 MB). Start that manager ourselves, dying with its rank."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def _write(sharded_state_dict: dict, path: Path, content_metadata: dict) -> None:
     """Megatron's synchronous torch_dist save of everything (all ranks)."""
+    _writer_results_queue()
     dist_checkpointing.save(sharded_state_dict, str(path), content_metadata=content_metadata)
+
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _hashed_by(name: str, rank: int) -> bool:
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) == rank if m else rank == 0
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (all ranks)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _write_manifest(path: Path, step: int) -> None:
+    """Each rank hashes the shards it wrote (``__<rank>_<i>.distcp``), rank 0 the common files too;
+    rank 0 writes the manifest (all ranks)."""
+    rank = dist.get_rank()
+    names = [n for n in manifest.data_files(path) if _hashed_by(n, rank)]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, manifest.digest_files(path, names))
+    _on_rank0(manifest.write_manifest, path, step, {k: v for part in gathered for k, v in part.items()})
+
+
+def _no_space(error: BaseException, root: Path) -> bool:
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC or "No space left" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    # torch's zip writer reports a short write as "unexpected pos ...": judge by what is left
+    usage = shutil.disk_usage(root)
+    return usage.free < max(16 << 20, usage.total // 1000)
+
+
+def _save_failed(root: Path, tmp: Path, step: int, error: BaseException) -> CheckpointSaveError:
+    """Rank 0: removes the partial save and says why it failed in one line (ENOSPC named)."""
+    written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.is_dir() else 0
+    no_space = _no_space(error, root)
+    free = shutil.disk_usage(root).free
+    for attempt in range(3):  # a writer process of the failed save may still be closing its file
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            break
+        time.sleep(0.5 * (attempt + 1))
+    else:
+        logger.warning("could not remove the partial save %s; the next save or load removes it", tmp)
+    previous = directory.latest_step(root) if (root / directory.LATEST_FILE).exists() else None
+    kept = f"the checkpoint of step {previous} is intact" if previous is not None else "no earlier checkpoint"
+    why = (f"no space left on device (ENOSPC): {free / 2**20:.0f} MiB free on that file system, this save had "
+           f"written {written / 2**20:.1f} MiB" if no_space else f"{type(error).__name__}: {error}")
+    return CheckpointSaveError(f"saving the checkpoint of step {step} into {root} failed: {why}; its partial files "
+                               f"were removed, {kept}")
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -166,7 +244,21 @@ def save_checkpoint(
             sharded, is_loading=False, metadata=state.with_groups(metadata, chunks))
     sharded[RNG_KEY] = state.rng_sharded_object(state.rng_state())
     sharded[INFO_KEY] = state.checkpoint_info(step, chunks, optimizer, scheduler, extra)
-    _write(sharded, tmp, metadata)
+    error = None
+    try:
+        _write(sharded, tmp, metadata)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
+        error = e  # (torch's CheckpointException, which aggregates the ranks' write errors, is a BaseException)
+    if _any_rank(error is not None):  # all ranks agree before the next collective
+        failure = None
+        if dist.get_rank() == 0:  # one line (ENOSPC named), the partial save removed
+            failure = _save_failed(root, tmp, step, error or CheckpointError("another rank failed"))
+        dist.barrier()
+        raise (failure or CheckpointSaveError(
+            f"saving the checkpoint of step {step} into {root} failed"
+            + (f" on rank {dist.get_rank()}: {type(error).__name__}: {error}" if error else " on another rank"))
+        ) from error
+    _write_manifest(tmp, step)
     _on_rank0(directory.write_model_config, root, model_config)
     final = _on_rank0(directory.commit, root, step, keep_last)
     if dist.get_rank() == 0:
@@ -183,6 +275,7 @@ def load_checkpoint(
     strict: bool = True,
     *,
     cleanup: bool = True,
+    verify: bool = True,
 ) -> tuple[int, Any]:
     """Load a checkpoint into this rank's model (and optimizer, scheduler, RNG); returns ``(step, extra_state)``.
 
@@ -198,6 +291,10 @@ def load_checkpoint(
         cleanup: remove the leftovers of interrupted saves (rank 0, logged). Pass
             False when another job may be saving into ``ckpt_root`` right now (an
             evaluator reading a live run): its save in progress looks the same.
+        verify: check every file against the checkpoint's manifest first (rank 0, one read of
+            the checkpoint); with ``step=None`` a damaged or missing latest checkpoint is
+            reported and the newest good older one loaded (``manifest.choose_checkpoint``).
+            False: the caller verified it (``entr-megatron train`` does, before ranks start).
 
     RNG states are restored only in the saving layout (module docstring).
     Raises ``CheckpointNotFoundError`` when there is no such checkpoint (naming
@@ -208,7 +305,14 @@ def load_checkpoint(
     root = Path(ckpt_root)
     if cleanup:
         _on_rank0(directory.clean_stale, root)
-    step, path = _on_rank0(directory.resolve_checkpoint_dir, root, step)
+    if verify:
+        choice = _on_rank0(manifest.choose_checkpoint, root, step)
+        if dist.get_rank() == 0:
+            for name, problems in choice.skipped:
+                logger.warning("skipping %s: %s", root / name, "; ".join(problems))
+        step, path = choice.step, choice.path
+    else:
+        step, path = _on_rank0(directory.resolve_checkpoint_dir, root, step)
     common = dist_checkpointing.load_common_state_dict(str(path))
     info = common.get(INFO_KEY)
     check_format(path, info)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from entr_megatron import __version__
-from entr_megatron.cli import demo, generate, plan, score, study, train
+from entr_megatron.cli import checkpoint, demo, generate, plan, score, study, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,12 +21,25 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     study.add_parser(sub)
     plan.add_parser(sub)
+    checkpoint.add_parser(sub)
     return parser
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    # SIGTERM unwinds like Ctrl-C (engines and ranks stopped on the way out); during RL steps the
+    # job's StopFlag makes it finish the step and save first.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM, or a grace period over: stopped at once
+        print(f"entr-megatron {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

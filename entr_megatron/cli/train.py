@@ -1,15 +1,20 @@
 """`entr-megatron train | sft | eval`: the main job, its warm-up, and held-out evaluation.
 
     entr-megatron train --config examples/cpu_demo.yaml [--run-dir DIR] [--max-steps N] \\
-        [--launcher local|ray] [controller.mode=sync algorithm.tau=0.3 ...]
+        [--launcher local|ray] [--restart-from-scratch] [controller.mode=sync algorithm.tau=0.3 ...]
     entr-megatron sft   --config FILE [--run-dir DIR] [--steps N] [key=value ...]
     entr-megatron eval  --config FILE (--run-dir DIR | --model HF_DIR) [--n N] [key=value ...]
 
-The config (YAML plus dotted overrides) is validated before anything starts: a
-bad value stops the command with the field, the value and what is allowed.
+The config (YAML plus dotted overrides) is validated before anything starts, and
+so is what it points to (the task's data files, the model against the parallel
+layout): a bad value stops the command with the field, the value and what is
+allowed (exit status 2).
 `train` runs the SFT warm-up when the config has an `sft` section and the run
 directory has no SFT model yet, then RL; it resumes a run directory where it
-stopped (see controller/run_dir.py for the layout). Ctrl-C saves a checkpoint and exits.
+stopped, from its newest checkpoint that verifies (see controller/run_dir.py for
+the layout; --restart-from-scratch starts over, keeping the old ones aside). A
+second job on a run directory in use exits 2 naming the holder. Ctrl-C or SIGTERM
+saves a checkpoint at the end of the step and exits 0; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -30,10 +35,9 @@ def _load(args) -> object:
         overrides.append(f"launcher.kind={args.launcher}")
     try:
         cfg = load_config(args.config, overrides)
-        if args.command == "train":
-            from entr_megatron.controller.job import check_launch
+        from entr_megatron.controller.job import check_inputs
 
-            check_launch(cfg)
+        check_inputs(cfg, args.command)  # the task's files, the model against parallel.*, ...
         return cfg
     except (ValueError, FileNotFoundError) as e:
         print(f"entr-megatron {args.command}: invalid config: {e}", file=sys.stderr)
@@ -47,6 +51,26 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="dotted config overrides, e.g. controller.mode=sync rollout.sampling.n=4")
 
 
+def _refused(command: str, job, *args, **kwargs):
+    """`job(*args, **kwargs)`; a run directory another job holds, that is not writable or has no
+    room for a checkpoint, or whose checkpoints are all unusable, is one message and exit 2
+    (nothing started); a failed save (e.g. a full disk) one message and exit 1."""
+    from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
+    from entr_megatron.controller.run_hooks import DiskSpaceError
+    from entr_megatron.utils.run_lock import RunLockedError
+
+    try:
+        return job(*args, **kwargs)
+    except (RunLockedError, CheckpointSaveError, DiskSpaceError) as e:
+        print(f"entr-megatron {command}: {e}", file=sys.stderr)
+        sys.exit(2 if not isinstance(e, CheckpointSaveError) else 1)
+    except CheckpointError as e:
+        hint = ("\nNothing was loaded or overwritten. To start over anyway (checkpoints and metrics kept aside), "
+                "rerun with --restart-from-scratch" if command == "train" else "")
+        print(f"entr-megatron {command}: {e}{hint}", file=sys.stderr)
+        sys.exit(2)
+
+
 def run_train(args) -> None:
     from entr_megatron.controller.job import run_train as job
 
@@ -54,7 +78,8 @@ def run_train(args) -> None:
     if args.max_steps is not None and args.max_steps < 1:
         print("entr-megatron train: --max-steps must be >= 1", file=sys.stderr)
         sys.exit(2)
-    result = job(cfg, args.run_dir, max_steps=args.max_steps)
+    result = _refused("train", job, cfg, args.run_dir, max_steps=args.max_steps,
+                      restart_from_scratch=args.restart_from_scratch)
     print(json.dumps(result, default=str))
 
 
@@ -65,7 +90,7 @@ def run_sft(args) -> None:
     if cfg.sft is None:
         print("entr-megatron sft: the config has no `sft` section", file=sys.stderr)
         sys.exit(2)
-    out = job(cfg, args.run_dir, steps=args.steps)
+    out = _refused("sft", job, cfg, args.run_dir, steps=args.steps)
     print(json.dumps({"sft_model": str(out)}))
 
 
@@ -97,6 +122,10 @@ def add_parsers(sub) -> None:
                    help="stop after N more RL steps this start (default: until controller.train_steps)")
     p.add_argument("--launcher", choices=("local", "ray"), default=None,
                    help="learner ranks as local processes or Ray actors (default: launcher.kind)")
+    p.add_argument("--restart-from-scratch", action="store_true",
+                   help="start RL from step 0 even though the run directory has checkpoints (they and "
+                        "metrics.jsonl are kept aside as *.discarded-<time>); without it an unusable "
+                        "checkpoint is an error, never a silent fresh start")
     p.set_defaults(func=run_train)
 
     p = sub.add_parser("sft", help="the supervised warm-up only (writes RUN_DIR/sft/model)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from entr_megatron.config.validate import bad, boolean, choice, integer
+from entr_megatron.config.validate import bad, boolean, choice, integer, number
 
 ControllerMode = Literal["sync", "one_step_off", "fully_async", "fixed_lag"]
 CONTROLLER_MODES: tuple[str, ...] = get_args(ControllerMode)
@@ -76,6 +76,12 @@ class ControllerConfig:
     drain_on_checkpoint: bool = True
     """Let in-flight groups finish before a checkpoint (False: they are resubmitted on resume)."""
 
+    stop_grace_s: float = 25.0
+    """SIGTERM (a scheduler's preemption) finishes the current step, saves a checkpoint and exits 0,
+    like Ctrl-C, unless that takes longer than this: then the job stops at once without one. Keep it
+    below the scheduler's own grace period (SLURM KillWait, Kubernetes terminationGracePeriodSeconds;
+    both 30 s by default), after which it sends SIGKILL. > 0."""
+
     def __post_init__(self) -> None:
         choice(self, "mode", ControllerMode)
         integer(self, "max_policy_lag", low=0, high=MAX_POLICY_LAG_LIMIT)
@@ -104,3 +110,4 @@ class ControllerConfig:
         return self.intra_lag_stride or max(max_new_tokens // (self.intra_lag + 1), 1)
         boolean(self, "abort_doomed")
         boolean(self, "drain_on_checkpoint")
+        number(self, "stop_grace_s", low=0, low_open=True)

@@ -3,11 +3,15 @@
     run_train(cfg, run_dir)    model_init -> SFT -> engines + learner ranks (wiring.connect) -> Controller.run
     run_sft(cfg, run_dir)      the warm-up alone (sft.py)
     run_eval(cfg, model_dir)   held-out accuracy of one HF model (evaluation.py)
+    check_inputs(cfg, command) what a job reads, checked before anything starts or is written
 
 `train` resumes where the run stopped (the layout: run_dir.py): SFT is skipped when `sft/model`
-exists, RL continues from the latest checkpoint (weights, optimizer, data position, staleness
-buffer, RNG); metrics.jsonl drops the lines of steps that are redone. Ctrl-C finishes the
-current step, saves a checkpoint and exits; a second Ctrl-C stops at once.
+exists, RL continues from the newest checkpoint that verifies against its manifest (weights,
+optimizer, data position, staleness buffer, RNG; a damaged or missing one is named and the one
+before used, never a silent fresh start: run_hooks.resume_point); metrics.jsonl drops the lines
+of steps that are redone. One job per run directory (utils/run_lock.py). Ctrl-C or SIGTERM
+finishes the current step, saves a checkpoint and exits 0 (SIGTERM within
+controller.stop_grace_s); a second signal stops at once (console.py).
 """
 
 from __future__ import annotations
@@ -15,36 +19,117 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from entr_megatron.checkpoint.directory import clean_stale
 from entr_megatron.config.run import RunConfig
+from entr_megatron.config.validate import FieldError, readable_files
 from entr_megatron.controller.console import StopFlag, say
 from entr_megatron.controller.evaluation import HeldOut, evaluate
 from entr_megatron.controller.loop import Controller, ControllerHooks
 from entr_megatron.controller.model_init import build_task, prepare_model, tokenizer_for
 from entr_megatron.controller.run_dir import RunPaths, export_final_model, write_config
-from entr_megatron.controller.run_hooks import RunCheckpoints, latest_checkpoint, step_recorder
+from entr_megatron.controller.run_hooks import RunCheckpoints, check_disk, resume_point, step_recorder
 from entr_megatron.controller.sft import warm_up
 from entr_megatron.controller.sglang_setup import check_launch
 from entr_megatron.controller.wiring import connect, make_engines
+from entr_megatron.utils.run_lock import RunLock
 
-__all__ = ["RunPaths", "build_task", "check_launch", "evaluate", "make_engines", "prepare_model", "run_eval",
-           "run_sft", "run_train", "tokenizer_for"]
+__all__ = ["RunPaths", "build_task", "check_inputs", "check_launch", "check_model_layout", "evaluate",
+           "make_engines", "prepare_model", "run_eval", "run_sft", "run_train", "tokenizer_for"]
+
+LEARNER_COMMANDS: Sequence[str] = ("train", "sft")
+"""The jobs that build the learner from `model` on the `parallel` layout."""
 
 
-def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_steps: int | None = None) -> dict:
+def check_inputs(cfg: RunConfig, command: str = "train") -> None:
+    """What the job `command` ("train", "sft" or "eval") reads, checked before anything is started
+    or written: a task `train` can drive for task.name, the chosen task's data files and (train,
+    sft) sft.data_files readable; for train and sft the model against the learner layout
+    (`check_model_layout`); for train where SGLang servers may be launched (`check_launch`).
+    Raises ValueError naming the field (the CLI prints it and exits 2)."""
+    from entr_megatron.rollout.tasks import TASK_BUILDERS, check_task_files
+
+    if cfg.task.name not in TASK_BUILDERS:
+        raise FieldError("task", "name", cfg.task.name, f"allowed: {', '.join(TASK_BUILDERS)} (the tasks train drives)")
+    options = getattr(cfg.task, cfg.task.name, None)  # the section of the chosen task: task.math, ...
+    for f in dataclasses.fields(options) if options is not None else ():
+        if f.name.endswith("_files"):
+            readable_files(options, f.name)
+    check_task_files(cfg.task)  # their contents: UTF-8, records, the held-out split
+    if command in LEARNER_COMMANDS:
+        if cfg.sft is not None:
+            readable_files(cfg.sft, "data_files")
+        check_model_layout(cfg)
+    if command == "train":
+        check_launch(cfg)
+
+
+def check_model_layout(cfg: RunConfig) -> None:
+    """The run's model, from `model.architecture` (its keys checked against transformers' config
+    class: models.check_architecture) or model.path's config.json, against parallel.*: tp, pp (x vpp),
+    ep and expert_tp must divide the heads, layers, experts... Megatron splits by them, and ep > 1
+    needs an MoE model. Raises ValueError naming the field and both numbers."""
+    from entr_megatron import models
+    from entr_megatron.learner.hf_load import read_hf_config
+
+    if cfg.model.path is None:
+        hf_config, source = models.architecture_hf_config(cfg.model.architecture), "model.architecture"
+    else:
+        try:
+            hf_config = read_hf_config(cfg.model.path)
+        except ValueError as e:
+            raise FieldError("model", "path", cfg.model.path, str(e)) from None
+        source = f"model.path {cfg.model.path}"
+    try:
+        spec = models.model_spec(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    p = cfg.parallel
+    if p.ep > 1 and not spec.is_moe:
+        raise FieldError("parallel", "ep", p.ep, f"needs an MoE model; the model of {source} is dense: use 1")
+    conflicts = models.layout_conflicts(spec, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, expert_tp=p.expert_tp)
+    if conflicts:
+        size = conflicts[0].size
+        same = [c for c in conflicts if c.size == size]
+        divide = f"pp * vpp = {same[0].divisor} must divide" if size == "vpp" else "must divide"
+        raise FieldError(
+            "parallel", size, getattr(p, size),
+            f"{divide} {', '.join(f'{c.field}={c.value}' for c in same)} of the model ({source}): "
+            f"{models.LAYOUT_REASONS[size]}",
+            when=f"parallel.pp={p.pp}" if size == "vpp" else "",
+        )
+
+
+def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_steps: int | None = None,
+              restart_from_scratch: bool = False) -> dict:
     """SFT (once), then RL until `controller.train_steps` (or `max_steps` more this start); returns
     {"start_step", "eval_before", "steps", "wall_s", "step_s_mean", "stopped"} and, once the last
-    step is done, "eval_after"."""
+    step is done, "eval_after". The run directory is locked for the job (RunLockedError when
+    another job holds it); RL resumes from its newest good checkpoint (`resume_point`)."""
     paths = RunPaths(Path(run_dir or cfg.logging.run_dir))
-    check_launch(cfg)  # before anything is written
-    write_config(cfg, paths)
+    check_inputs(cfg, "train")  # before anything is written
     tokenizer = tokenizer_for(cfg)
-    task = build_task(cfg, tokenizer)
+    task = build_task(cfg, tokenizer)  # reads the data files: bad ones fail before config.yaml is rewritten
+    with RunLock(paths.root, "train") as lock:
+        if lock.previous.get("pid"):
+            say(f"{paths.root} was last held by pid {lock.previous['pid']} on {lock.previous.get('host')}, "
+                "which is gone (killed?): taking over")
+        removed = clean_stale(paths.checkpoints)  # a crashed save's debris can fill the disk
+        if removed:
+            say(f"removed the leftovers of an interrupted checkpoint save: {', '.join(removed)}")
+        write_config(cfg, paths)
+        return _train(cfg, paths, tokenizer, task, max_steps, restart_from_scratch)
+
+
+def _train(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
+           restart_from_scratch: bool) -> dict:
     start_dir = _start_model(cfg, paths, tokenizer, task)
-    resume_step = latest_checkpoint(paths.checkpoints)
+    resume_step = resume_point(paths, restart_from_scratch)
+    check_disk(paths, start_dir, cfg.controller.keep_last_checkpoints)
     c, done = cfg.controller, resume_step or 0
     remaining = c.train_steps - done if max_steps is None else min(c.train_steps - done, max_steps)
     out: dict[str, Any] = {"start_step": done}
@@ -59,9 +144,9 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
                                 advantage_fn=cfg.algorithm.advantage_estimator)
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)
         if resume_step is not None:
-            checkpoints.resume(controller)
+            checkpoints.resume(controller, resume_step)
         on_step = step_recorder(cfg, paths.root, stack, pusher, done)
-        stop = stack.enter_context(StopFlag())
+        stop = stack.enter_context(StopFlag(grace_s=c.stop_grace_s))
         controller.hooks = ControllerHooks(on_step=[on_step], checkpoint_interval=c.checkpoint_interval,
                                            on_checkpoint=checkpoints.save, eval_interval=c.eval_interval,
                                            on_eval=held_out.during_rl, should_stop=stop)
@@ -83,9 +168,11 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
 def run_sft(cfg: RunConfig, run_dir: str | os.PathLike | None = None, steps: int | None = None) -> Path:
     """The supervised warm-up alone (`sft.steps`, or `steps`); returns run_dir/sft/model."""
     paths = RunPaths(Path(run_dir or cfg.logging.run_dir))
-    paths.root.mkdir(parents=True, exist_ok=True)
+    check_inputs(cfg, "sft")  # before anything is written
     tokenizer = tokenizer_for(cfg)
-    return warm_up(cfg, paths, prepare_model(cfg, paths, tokenizer), build_task(cfg, tokenizer), steps=steps)
+    task = build_task(cfg, tokenizer)
+    with RunLock(paths.root, "sft"):
+        return warm_up(cfg, paths, prepare_model(cfg, paths, tokenizer), task, steps=steps)
 
 
 def run_eval(cfg: RunConfig, model: Path, n: int | None = None) -> dict:
@@ -93,6 +180,7 @@ def run_eval(cfg: RunConfig, model: Path, n: int | None = None) -> dict:
     the config's task, with its own tokenizer when it has one."""
     from entr_megatron.rollout.tasks import load_tokenizer
 
+    check_inputs(cfg, "eval")
     if cfg.rollout.engine == "embedded":  # one engine is plenty for an evaluation
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=1))
     has_tokenizer = (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists()

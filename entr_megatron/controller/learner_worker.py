@@ -211,12 +211,12 @@ class LearnerWorker:
                                keep_last=keep_last, model_config=self.hf_config)
         return os.fspath(path)
 
-    def load(self, root: str, step: int | None = None) -> tuple[int, Any]:
+    def load(self, root: str, step: int | None = None, verify: bool = True) -> tuple[int, Any]:
         from entr_megatron.checkpoint.io import load_checkpoint
 
         if self.sync is not None:
             self.sync.wait_borrowed()  # the weights are about to change
-        return load_checkpoint(root, self.ddp, self.optimizer, self.scheduler, step=step)
+        return load_checkpoint(root, self.ddp, self.optimizer, self.scheduler, step=step, verify=verify)
 
     def target_logprobs(self, examples: list[tuple[list[int], list[int]]]) -> list[float]:
         """log p(target | prompt) of each (prompt ids, target ids) pair under the current weights at

@@ -93,9 +93,10 @@ class RemoteLearner:
         """A dist checkpoint of every rank's state (and `extra_state`) as `step` under `root`."""
         return self.group.call("save", root, step, extra_state, keep_last)[0]
 
-    def load(self, root: str) -> tuple[int, Any]:
-        """Every rank loads the latest checkpoint under `root`; (its step, its extra state)."""
-        return self.group.call("load", root)[0]
+    def load(self, root: str, step: int | None = None, verify: bool = True) -> tuple[int, Any]:
+        """Every rank loads checkpoint `step` (None: the latest good one) under `root`; (its step,
+        its extra state). verify=False: the caller checked it against its manifest already."""
+        return self.group.call("load", root, step, verify)[0]
 
     def target_logprobs(self, examples: list[tuple[list[int], list[int]]]) -> list[float]:
         """log p(target | prompt) of each (prompt ids, target ids) pair (teacher forced, temperature 1)."""

@@ -53,6 +53,7 @@ from entr_megatron.rollout.embedded_protocol import (
 from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpdateReport
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
 from entr_megatron.rollout.weights import WeightStage
+from entr_megatron.utils.spawn import die_with_parent
 
 __all__ = ["run_worker"]
 
@@ -242,7 +243,9 @@ class _Worker:
 def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: Any) -> None:
     """Entry point of the engine process (spawned by `EmbeddedEngine`)."""
     # Ctrl-C in a terminal reaches the whole process group: the owner decides (e.g. the
-    # training job drains, checkpoints, then shuts the engine down); it dies with its owner.
+    # training job drains, checkpoints, then shuts the engine down); it dies with its owner,
+    # also when the owner is killed outright.
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if config.num_threads is not None:

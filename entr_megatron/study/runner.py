@@ -41,6 +41,7 @@ import yaml
 
 from entr_megatron.study.spec import Cell, SpecError, StudySpec
 from entr_megatron.utils.jsonl import atomic_output
+from entr_megatron.utils.spawn import die_with_parent
 
 __all__ = ["StudyResult", "run_study"]
 
@@ -77,7 +78,7 @@ def run_command(args: list[str], log_path: str, env: dict[str, str] | None = Non
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} entr-megatron {' '.join(args)}\n")
         log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", *args], stdout=subprocess.PIPE,
-                                stderr=log, text=True, env=env, preexec_fn=_die_with_parent)
+                                stderr=log, text=True, env=env, preexec_fn=die_with_parent)
         with _RUNNING_LOCK:
             _RUNNING.add(proc)
         try:
@@ -120,15 +121,6 @@ class StopRequest:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: a killed study may leave its cells running
 
 
 def _cell_attempt(cell_dir: str) -> dict[str, Any]:
@@ -208,17 +200,57 @@ def _prepare(spec: StudySpec, out: Path) -> Path | None:
     return model
 
 
-def _place(cell: Cell, out: Path) -> tuple[Path, bool]:
-    """The cell's directory with cell.json and cell.yaml; True when it is already done."""
+def _recorded_by_older_version(cell: Cell, cell_dir: Path, known: dict) -> bool:
+    """True when `known` (the cell's cell.json) records the computation of `cell` under an older
+    set of config fields (fields added since, at their defaults, do not count); False when it
+    records exactly this config. Raises SpecError naming the fields whose values differ. A
+    cell.json without the fields (an older runner) is judged by the raw config (cell.yaml)."""
+    digest = cell.config_hash()
+    if known.get("config_hash") == digest:
+        return False
+    fields, before = cell.config_fields(), known.get("config")
+    if isinstance(before, dict):
+        changed = [k for k in fields if k in before and before[k] != fields[k]]
+        if changed:
+            shown = ", ".join(f"{k}: {before[k]!r} -> {fields[k]!r}" for k in changed[:5])
+            raise SpecError(f"cell {cell.id} in {cell_dir} was run with another config ({shown}"
+                            f"{', ...' if len(changed) > 5 else ''}); use another --out, or delete that cell's "
+                            "directory to rerun it")
+    else:
+        old_raw = _read_yaml(cell_dir / "cell.yaml")
+        if old_raw is None or _without_run_dir(old_raw) != _without_run_dir(cell.raw):
+            raise SpecError(f"cell {cell.id} in {cell_dir} was run with another config (the spec or its base "
+                            "changed); use another --out, or delete that cell's directory to rerun it")
+    return True
+
+
+def _without_run_dir(raw: dict) -> dict:
+    logging_section = {k: v for k, v in (raw.get("logging") or {}).items() if k != "run_dir"}
+    return {**raw, "logging": logging_section}
+
+
+def _read_yaml(path: Path) -> dict | None:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _place(cell: Cell, out: Path, upgraded: list[str] | None = None) -> tuple[Path, bool]:
+    """The cell's directory with cell.json and cell.yaml; True when it is already done. A cell run
+    by an earlier version whose config only gained fields is kept, its cell.json rewritten and its
+    id appended to `upgraded`."""
     cell_dir = out / "cells" / cell.id
     known = _read_json(cell_dir / "cell.json")
-    digest = cell.config_hash()
-    if known is not None and known.get("config_hash") != digest:
-        raise SpecError(f"cell {cell.id} in {cell_dir} was run with another config (the spec or its base changed); "
-                        "use another --out, or delete that cell's directory to rerun it")
+    if known is not None and _recorded_by_older_version(cell, cell_dir, known):
+        if upgraded is not None:
+            upgraded.append(cell.id)
+        known = None
     cell_dir.mkdir(parents=True, exist_ok=True)
     if known is None:
-        _write_json(cell_dir / "cell.json", {"id": cell.id, "axes": cell.axes, "config_hash": digest})
+        _write_json(cell_dir / "cell.json", {"id": cell.id, "axes": cell.axes, "config_hash": cell.config_hash(),
+                                             "config": cell.config_fields()})
     raw = {**cell.raw, "logging": {**cell.raw.get("logging", {}), "run_dir": str(cell_dir)}}
     _write_yaml(cell_dir / "cell.yaml", raw)
     status = _read_json(cell_dir / "status.json") or {}
@@ -242,10 +274,13 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
     cells = spec.cells(warmup_model=model)
     if only:
         cells = spec.select(cells, only)
-    todo, skipped = [], []
+    todo, skipped, upgraded = [], [], []
     for cell in cells:
-        cell_dir, done = _place(cell, out)
+        cell_dir, done = _place(cell, out, upgraded)
         (skipped if done else todo).append((cell, cell_dir))
+    if upgraded:
+        print(f"[study] {len(upgraded)} cells were recorded by an earlier version with the same settings (config "
+              "fields added since are at their defaults): kept", file=sys.stderr, flush=True)
     result = StudyResult(done=[], failed=[], skipped=[c.id for c, _ in skipped], interrupted=False, out=str(out))
     progress = Progress(len(cells), len(skipped), jobs)
     if not todo:

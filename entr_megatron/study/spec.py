@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from entr_megatron.config.loader import config_from_dict, dump_config, read_yaml, set_field
+from entr_megatron.config.loader import config_as_dict, config_from_dict, dump_config, read_yaml, set_field
 from entr_megatron.config.run import RunConfig
 
 __all__ = ["Cell", "SpecError", "StudySpec", "load_spec"]
@@ -63,8 +63,24 @@ class Cell:
 
     def config_hash(self) -> str:
         """Identity of what the cell computes (its run directory excluded)."""
-        cfg = dataclasses.replace(self.config, logging=dataclasses.replace(self.config.logging, run_dir="."))
-        return hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16]
+        return hashlib.sha256(dump_config(self._resolved()).encode()).hexdigest()[:16]
+
+    def config_fields(self) -> dict[str, Any]:
+        """Every field of the resolved config by dotted key (its run directory excluded)."""
+        return _flatten(config_as_dict(self._resolved()))
+
+    def _resolved(self) -> RunConfig:
+        return dataclasses.replace(self.config, logging=dataclasses.replace(self.config.logging, run_dir="."))
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 @dataclasses.dataclass(frozen=True)

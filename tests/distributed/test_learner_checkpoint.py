@@ -17,8 +17,11 @@ and forks writers; a launch ~10 s):
    distributed optimizer: 3 steps uninterrupted versus 1 step, save, everything
    rebuilt from another seed, load, 2 steps: losses and weights bit-identical
    after steps 2 and 3 (and not without the RNG restore); then a save that
-   crashes after writing leaves ``latest`` and the last checkpoint intact, the
-   leftovers go (logged) at the next load/save, ``keep_last`` prunes; then the
+   crashes after writing is one error naming the step, its partial files removed,
+   ``latest`` and the last checkpoint intact; a killed save's leftovers go (logged)
+   at the next load/save, ``keep_last`` prunes; a flipped byte in the newest
+   checkpoint is named and the load falls back to the one before (bit-identical
+   weights), as it does when ``latest`` names a deleted checkpoint; then the
    errors for a missing / empty / incomplete checkpoint, an unknown step and a
    model that does not match.
 """
@@ -31,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -255,7 +259,7 @@ def _reshard(rank, world, root):
 
 # --- launch 2: resume, atomicity, errors ---------------------------------------------------------
 
-def _resume(rank, world, root):
+def _resume(rank, world, root, tiny_fs=""):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from entr_megatron.checkpoint import io as checkpoint
@@ -323,17 +327,24 @@ def _resume(rank, world, root):
 
     L = fresh(98)
     checkpoint._write = write_then_crash
-    with pytest.raises(OSError, match="simulated crash"):
+    rank0_says = "; its partial files were removed, the checkpoint of step 1 is intact" if rank == 0 else ""
+    with pytest.raises(CheckpointError, match=f"step 2 .*failed.*OSError: simulated crash mid-save{rank0_says}"):
         save_checkpoint(root, 2, L.chunks, L.opt, L.sched, extra_state={"next_batch": 2})
     checkpoint._write = real_write
     dist.barrier()
     assert latest_step(root) == 1
-    assert sorted(os.listdir(root)) == [".tmp_iter_0000002", "iter_0000001", "latest"], os.listdir(root)
+    if rank == 0:  # it removed the partial save
+        assert sorted(os.listdir(root)) == ["iter_0000001", "latest"], os.listdir(root)
+    dist.barrier()
+    if rank == 0:  # the debris of a save killed outright (no chance to clean up)
+        os.makedirs(os.path.join(root, ".tmp_iter_0000002"))
+    dist.barrier()
     assert load_checkpoint(root, L.chunks, L.opt, L.sched) == (1, extra)
     got = named_local_params(L.chunks)
     assert all(torch.equal(got[n].detach(), t) for n, t in want_params[0].items()), "weights of step 1 after the crash"
     assert sorted(os.listdir(root)) == ["iter_0000001", "latest"], "the load removes the leftovers"
-    log0("crash mid-save: latest still names step 1, which loads; the leftovers are removed")
+    log0("crash mid-save: one-line error, partial files removed, step 1 loads; a killed save's leftovers are "
+         "removed by the next load")
 
     # The leftovers of a crashed save are also removed (and logged) by the next save; keep_last prunes.
     dist.barrier()  # everyone has looked before rank 0 makes new leftovers
@@ -353,6 +364,36 @@ def _resume(rank, world, root):
     assert load_checkpoint(root, L.chunks, L.opt, L.sched, step=2)[0] == 2
     log0("stale temporaries cleaned and logged by the next save; keep_last=2 keeps steps 2 and 3")
 
+    # Damaged bytes in the newest checkpoint: named, and the load falls back to step 2.
+    want = {n: t.detach().clone() for n, t in named_local_params(L.chunks).items()}  # step 2's weights
+    dist.barrier()
+    if rank == 0:
+        shard = os.path.join(root, "iter_0000003", "__0_0.distcp")
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"iter_0000003 is damaged: __0_0.distcp: SHA-256 differs"):
+        load_checkpoint(root, L.chunks, L.opt, L.sched, step=3)
+    records.clear()
+    logging.getLogger("entr_megatron.checkpoint.io").addHandler(handler)
+    L2 = fresh(77)
+    assert load_checkpoint(root, L2.chunks, L2.opt, L2.sched)[0] == 2
+    got = named_local_params(L2.chunks)
+    assert all(torch.equal(got[n].detach(), t) for n, t in want.items()), "the fallback loads step 2's weights"
+    if rank == 0:
+        assert any("skipping" in r.getMessage() and "iter_0000003" in r.getMessage() for r in records)
+    log0("a flipped byte in step 3 is named; the load falls back to step 2, bit-identical")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(os.path.join(root, "iter_0000003"))
+        os.remove(os.path.join(root, "latest"))
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write("3\n")
+    dist.barrier()
+
     # Errors.
     missing = os.path.join(root, "nowhere")
     with pytest.raises(CheckpointNotFoundError, match=re.escape(missing) + ".*does not exist"):
@@ -363,11 +404,11 @@ def _resume(rank, world, root):
     dist.barrier()
     with pytest.raises(CheckpointNotFoundError, match=re.escape(empty) + ": no 'latest' file.*empty directory"):
         load_checkpoint(empty, L.chunks)
-    with pytest.raises(CheckpointNotFoundError, match=r"step 7.*complete steps there: \[2, 3\]"):
+    with pytest.raises(CheckpointNotFoundError, match=r"step 7.*complete steps there: \[2\]"):
         load_checkpoint(root, L.chunks, step=7)
     dist.barrier()
     if rank == 0:
-        shutil.copytree(os.path.join(root, "iter_0000003"), os.path.join(root, "iter_0000004"))
+        shutil.copytree(os.path.join(root, "iter_0000002"), os.path.join(root, "iter_0000004"))
         os.remove(os.path.join(root, "iter_0000004", "metadata.json"))
     dist.barrier()
     with pytest.raises(CheckpointError, match="incomplete checkpoint .*iter_0000004.*metadata.json missing"):
@@ -380,8 +421,18 @@ def _resume(rank, world, root):
     tied = build(initialize_model_parallel(tp=2, seed=5), model_config(tp=2), tie_embeddings=True)
     with pytest.raises(CheckpointError, match=r"the checkpoint has keys the model lacks: output_layer\.weight"):
         load_checkpoint(root, tied.chunks)
-    assert load_checkpoint(root, tied.chunks, strict=False)[0] == 3  # the shared embedding is loaded
+    # `latest` names step 3, deleted above: the newest good one (2) loads, with the shared embedding
+    assert load_checkpoint(root, tied.chunks, strict=False)[0] == 2
     log0("errors: missing, empty, unknown step, incomplete, mismatched model")
+
+    if tiny_fs:  # a file system too small for a checkpoint: the save says so and leaves nothing behind
+        with pytest.raises(CheckpointError, match="no space left on device .ENOSPC.*partial files were removed"
+                           if rank == 0 else "step 9 .* failed"):
+            big = fresh(6)
+            save_checkpoint(tiny_fs, 9, big.chunks, big.opt, big.sched)
+        dist.barrier()
+        assert not [n for n in os.listdir(tiny_fs) if n.startswith(".tmp_iter")], os.listdir(tiny_fs)
+        log0("a full disk: ENOSPC in one line, no partial files left")
 
 
 def test_checkpoint_reshards_tp2_to_tp1_and_pp2(tmp_path):
@@ -390,18 +441,29 @@ def test_checkpoint_reshards_tp2_to_tp1_and_pp2(tmp_path):
 
 
 def test_resume_is_bit_identical_and_saves_are_atomic(tmp_path):
-    """Resume bit-identical, crash mid-save, stale leftovers, keep_last, errors (module docstring, 2)."""
-    run_gloo(_resume, 2, str(tmp_path / "ckpt"), timeout_s=400)
+    """Resume bit-identical, crash mid-save, stale leftovers, keep_last, damage, errors, a full disk
+    (a 256 KiB tmpfs, where one can be mounted) (module docstring, 2)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+                             capture_output=True).returncode == 0
+    try:
+        run_gloo(_resume, 2, str(tmp_path / "ckpt"), str(small) if mounted else "", timeout_s=400)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(small)], check=False)
 
 
 # --- the directory protocol, in process ------------------------------------------------------------
 
 def _fake_checkpoint(path):
     from entr_megatron.checkpoint.directory import COMPLETE_MARKERS
+    from entr_megatron.checkpoint.manifest import data_files, digest_files, write_manifest
 
     path.mkdir(parents=True, exist_ok=True)
     for name in COMPLETE_MARKERS:
         (path / name).write_text("x")
+    write_manifest(path, 0, digest_files(path, data_files(path)))
 
 
 def test_commit_replaces_a_step_and_interrupted_replacements_are_undone(tmp_path):
@@ -424,9 +486,15 @@ def test_commit_replaces_a_step_and_interrupted_replacements_are_undone(tmp_path
     _fake_checkpoint(prepare_tmp_dir(tmp_path, 3))
     commit(tmp_path, 3, keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "latest"]
-    _fake_checkpoint(prepare_tmp_dir(tmp_path, 1))  # a rollback: the higher steps are not deleted
+    _fake_checkpoint(prepare_tmp_dir(tmp_path, 1))  # a rollback: the higher steps are neither counted nor deleted
     commit(tmp_path, 1, keep_last=1)
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000003", "latest"] and latest_step(tmp_path) == 1
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
+    assert latest_step(tmp_path) == 1
+    _fake_checkpoint(prepare_tmp_dir(tmp_path, 0))
+    commit(tmp_path, 0, keep_last=2)
+    _fake_checkpoint(prepare_tmp_dir(tmp_path, 2))  # back past the damaged or abandoned 3: 0 goes, 1 stays
+    commit(tmp_path, 2, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
 
 
 def test_latest_and_incomplete_checkpoints_are_reported(tmp_path):
@@ -442,7 +510,8 @@ def test_latest_and_incomplete_checkpoints_are_reported(tmp_path):
     with pytest.raises(CheckpointError, match="latest: expected a step number, found 'oops'"):
         latest_step(tmp_path)
     (tmp_path / ".tmp_iter_0000005").mkdir()
-    with pytest.raises(CheckpointError, match="refusing to publish .*common.pt, .metadata, metadata.json missing"):
+    with pytest.raises(CheckpointError, match="refusing to publish .*common.pt, .metadata, metadata.json, "
+                                              "manifest.json missing"):
         commit(tmp_path, 5)
     (tmp_path / "latest").write_text("5\n")
     (tmp_path / "iter_0000005").mkdir()

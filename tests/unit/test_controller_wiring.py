@@ -80,9 +80,11 @@ def test_learner_role_is_rank_zeros_answer():
     assert learner.train("batch", 3) == ("train", "rank0")
     assert learner.save("/ckpt", 5, {"controller": {}}, 2) == ("save", "rank0")
     assert learner.load("/ckpt") == ("load", "rank0")
+    assert learner.load("/ckpt", 7, verify=False) == ("load", "rank0")
     assert learner.export_hf("/out") == ("export_hf", "rank0")
     assert group.calls == [("train", ("batch", 3), {}), ("save", ("/ckpt", 5, {"controller": {}}, 2), {}),
-                           ("load", ("/ckpt",), {}), ("export_hf", ("/out",), {})]
+                           ("load", ("/ckpt", None, True), {}), ("load", ("/ckpt", 7, False), {}),
+                           ("export_hf", ("/out",), {})]
 
 
 def test_pusher_role_feeds_each_engine_its_receiver_and_reports():

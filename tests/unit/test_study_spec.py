@@ -99,7 +99,29 @@ def test_a_cell_whose_config_changed_is_refused(tmp_path):
     assert _place(cell, out) == (cell_dir, True)
     [changed] = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}, "overrides": {"algorithm.entr_eps": 0.02}})).cells()
     assert changed.id == cell.id
-    with pytest.raises(SpecError, match="another config"):
+    default_eps = cell.config.algorithm.entr_eps
+    with pytest.raises(SpecError, match=rf"another config \(algorithm.entr_eps: {default_eps!r} -> 0.02\)"):
+        _place(changed, out)
+
+
+def test_a_cell_recorded_before_config_fields_were_added_is_kept(tmp_path):
+    out = tmp_path / "out"
+    [cell] = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}})).cells()
+    cell_dir, _ = _place(cell, out)
+    (cell_dir / "status.json").write_text(json.dumps({"state": "done"}))
+    record = json.loads((cell_dir / "cell.json").read_text())
+    # recorded when the config had no field rollout.sglang.host: a new field at its default does not count
+    fields = {k: v for k, v in record["config"].items() if k != "rollout.sglang.host"}
+    (cell_dir / "cell.json").write_text(json.dumps({**record, "config_hash": "older", "config": fields}))
+    upgraded = []
+    assert _place(cell, out, upgraded) == (cell_dir, True) and upgraded == [cell.id]
+    assert json.loads((cell_dir / "cell.json").read_text())["config_hash"] == cell.config_hash()
+    # a runner that kept only the hash: judged by the cell's raw config
+    (cell_dir / "cell.json").write_text(json.dumps({"id": cell.id, "axes": cell.axes, "config_hash": "older"}))
+    assert _place(cell, out) == (cell_dir, True)
+    (cell_dir / "cell.json").write_text(json.dumps({"id": cell.id, "axes": cell.axes, "config_hash": "older"}))
+    [changed] = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}, "overrides": {"algorithm.entr_eps": 0.02}})).cells()
+    with pytest.raises(SpecError, match="another config .the spec or its base changed"):
         _place(changed, out)
 
 

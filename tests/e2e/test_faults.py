@@ -1,0 +1,221 @@
+"""Faults injected on purpose into `entr-megatron train` runs (subprocesses, real ranks and engines).
+
+Each test asserts the outcome the job promises and that metrics.jsonl holds every step exactly
+once afterwards:
+
+    fault                                 outcome
+    two jobs on one run directory         the second exits 2 at once, naming the holder's pid
+    SIGTERM (preemption)                  the step finishes, a checkpoint is saved, exit 0, no process left
+    a flipped byte in the newest ckpt     named; resume from the one before; the damaged one never loads
+    deleted `latest`                      resume from the newest checkpoint, not from step 0
+    garbage `latest`, truncated or
+    deleted shard                         named by `checkpoint verify`; resume from the newest good one
+    every checkpoint damaged              exit 2 naming each, nothing overwritten; --restart-from-scratch
+                                          starts over with the old ones kept aside
+    full disk (a small tmpfs)             checked before start (exit 2, the numbers); a save that fails
+                                          says ENOSPC and leaves no partial files (test_learner_checkpoint)
+    read-only run directory               exit 2 naming it, before anything starts
+
+The tiny model trains from random weights (no warm-up: rewards need not vary for these checks).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from test_train import base_config, cli
+
+CKPT_EVERY = 2
+
+
+def config(tmp: Path, name: str, **controller) -> tuple[Path, Path]:
+    run_dir = tmp / name
+    cfg = base_config(run_dir, controller={"mode": "fully_async", "train_steps": 6, "max_policy_lag": 2,
+                                           "checkpoint_interval": CKPT_EVERY, **controller})
+    cfg["task"]["eval_size"] = 4
+    cfg["logging"] = {**cfg["logging"], "progress_bar": False, "tensorboard": False}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, run_dir
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_every_step_once(run_dir: Path, n: int) -> None:
+    assert steps_of(run_dir) == list(range(n)), steps_of(run_dir)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A run of 6 steps with checkpoints at steps 4 and 6 (keep_last_checkpoints 2)."""
+    tmp = tmp_path_factory.mktemp("faults")
+    cfg, run_dir = config(tmp, "base")
+    cli("train", "--config", str(cfg))
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+    assert_every_step_once(run_dir, 6)
+    return run_dir
+
+
+def copy_run(finished_run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the finished run whose config asks for 2 more steps."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    cfg, _ = config(tmp_path, "run", train_steps=8)
+    return cfg, run_dir
+
+
+def test_second_job_is_refused_and_sigterm_saves_exits_0_and_leaves_no_process(tmp_path):
+    cfg, run_dir = config(tmp_path, "long", train_steps=10_000, checkpoint_interval=0)
+    job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(steps_of(run_dir)) < 3:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        second = cli("train", "--config", str(cfg), check=False)
+        assert second.returncode == 2 and time.monotonic() - t0 < 60
+        assert f"is in use by another job: pid {job.pid} on" in second.stderr, second.stderr[-2000:]
+        family = psutil.Process(job.pid).children(recursive=True)
+        assert len(family) >= 2  # an engine and a learner rank at least
+        t0 = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["stopped"] is True and "SIGTERM: finishing this step" in err
+    stopped_at = int((run_dir / "checkpoints" / "latest").read_text())
+    assert stopped_at == len(steps_of(run_dir)) and took < 25 + 10  # within stop_grace_s, plus the shutdown
+    time.sleep(1)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    # Resume: every step once.
+    cli("train", "--config", str(cfg), "--max-steps", "2")
+    assert_every_step_once(run_dir, stopped_at + 2)
+
+
+def test_a_flipped_byte_is_named_and_the_run_resumes_from_the_checkpoint_before(finished_run, tmp_path):
+    cfg, run_dir = copy_run(finished_run, tmp_path)
+    flip_byte(run_dir / "checkpoints" / "iter_0000006" / "__0_0.distcp")
+    proc = cli("train", "--config", str(cfg))
+    assert "skipping " + str(run_dir / "checkpoints" / "iter_0000006") + ": __0_0.distcp: SHA-256 differs" in proc.stderr
+    assert "resumed from step 4" in proc.stderr
+    assert_every_step_once(run_dir, 8)  # steps 4 and 5 redone (their old lines replaced), then 6 and 7
+
+
+def test_a_deleted_latest_resumes_from_the_newest_checkpoint_not_from_zero(finished_run, tmp_path):
+    cfg, run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "checkpoints" / "latest").unlink()
+    proc = cli("train", "--config", str(cfg))
+    assert "latest: missing (deleted?)" in proc.stderr and "resumed from step 6" in proc.stderr
+    assert_every_step_once(run_dir, 8)
+
+
+def test_checkpoint_verify_names_each_damage(finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    ckpt = run_dir / "checkpoints"
+
+    def verify(*args: str) -> tuple[int, str]:
+        proc = cli("checkpoint", "verify", *args or (str(run_dir),), check=False)
+        return proc.returncode, proc.stdout
+
+    assert verify() == (0, f"{ckpt}/iter_0000004: ok ({_size(ckpt / 'iter_0000004')})\n"
+                           f"{ckpt}/iter_0000006: ok ({_size(ckpt / 'iter_0000006')})\nlatest: 6\n"
+                           "train resumes from step 6\n")
+    shard = next((ckpt / "iter_0000006").glob("__0_*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    code, out = verify()
+    assert code == 1 and f"    {shard.name}: " in out and "(truncated or rewritten)" in out
+    assert "train resumes from step 4" in out
+    code, out = verify(str(ckpt / "iter_0000006"), "--sizes-only")
+    assert code == 1 and "(truncated or rewritten)" in out and "latest" not in out
+    (ckpt / "latest").write_text("banana")
+    (ckpt / "iter_0000004" / "common.pt").unlink()
+    code, out = verify()
+    assert code == 1 and "common.pt: missing" in out and "latest: banana" in out
+    assert "train cannot resume: no usable checkpoint" in out
+
+
+def _size(path: Path) -> str:
+    m = json.loads((path / "manifest.json").read_text())
+    return f"{m['total_bytes'] / 2**20:.1f} MiB, {len(m['files'])} files"
+
+
+def test_every_checkpoint_damaged_is_refused_and_restart_from_scratch_keeps_them(finished_run, tmp_path):
+    cfg, run_dir = copy_run(finished_run, tmp_path)
+    for step in (4, 6):
+        flip_byte(run_dir / "checkpoints" / f"iter_{step:07d}" / "common.pt")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    proc = cli("train", "--config", str(cfg), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "no usable checkpoint" in proc.stderr and "iter_0000006: common.pt" in proc.stderr
+    assert "iter_0000004: common.pt" in proc.stderr and "--restart-from-scratch" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # nothing touched
+    assert_every_step_once(run_dir, 6)
+    proc = cli("train", "--config", str(cfg), "--restart-from-scratch")
+    aside = sorted(p.name for p in run_dir.iterdir() if ".discarded-" in p.name)
+    assert [a.split(".discarded-")[0] for a in aside] == ["checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in (run_dir / aside[0]).iterdir()) == before  # kept as they were
+    assert len((run_dir / aside[1]).read_text().splitlines()) == 6
+    assert "resumed from" not in proc.stderr
+    assert_every_step_once(run_dir, 8)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 600 KiB tmpfs (root and a mount-capable sandbox only)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_caught_before_start_and_a_failed_save_says_enospc(finished_run, tmp_path, tmpfs):
+    cfg, run_dir = copy_run(finished_run, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "checkpoints").symlink_to(tmpfs)
+    (run_dir / "metrics.jsonl").unlink()
+    proc = cli("train", "--config", str(cfg), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"not enough free space for a checkpoint in {run_dir / 'checkpoints'}" in proc.stderr
+    assert "MiB free" in proc.stderr and not (run_dir / "metrics.jsonl").exists()
+    assert "engine" not in proc.stderr  # refused before any process started
+    # (a save that runs out of room mid-way: tests/distributed/test_learner_checkpoint.py)
+
+
+def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, tmpfs):
+    cfg, _ = config(tmp_path, "ro")
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    cfg_data = yaml.safe_load(cfg.read_text())
+    cfg_data["logging"]["run_dir"] = str(tmpfs / "run")
+    cfg.write_text(yaml.safe_dump(cfg_data))
+    proc = cli("train", "--config", str(cfg), check=False)
+    assert proc.returncode == 2 and "Read-only file system" in proc.stderr, proc.stderr[-2000:]
+    assert str(tmpfs / "run") in proc.stderr
