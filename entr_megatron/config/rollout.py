@@ -169,10 +169,16 @@ class EmbeddedConfig:
     num_threads: int | None = None
     """torch intra-op threads of each engine process. None: torch's default. >= 1."""
 
+    health_timeout_s: float = 60.0
+    """Seconds an engine has to answer a health check (asked when it failed a call, or when no
+    sample came for rollout.poll_timeout_s); one that does not is killed (SIGKILL) and replaced
+    like a dead one (rollout.max_engine_restarts). Positive, finite."""
+
     def __post_init__(self) -> None:
         integer(self, "max_batch_size", low=1)
         integer(self, "max_prefill_tokens", low=1)
         integer(self, "num_threads", low=1, optional=True)
+        number(self, "health_timeout_s", low=0, high=math.inf, low_open=True, high_open=True)
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,20 @@ class RolloutConfig:
     'copy': everything is copied into host buffers first (one more copy of the stage's weights in
     memory and CPU time), and the learner never waits for the wire."""
 
+    max_engine_restarts: int = 3
+    """Embedded engines (launcher.kind 'local') that died or stopped answering and were replaced by
+    a new one during one `train` job (the learner's weights pushed to it, its groups generated
+    again); one more failure ends the job with the engine's last error. 0: none. >= 0."""
+
+    push_timeout_s: float = 600.0
+    """Seconds a weight push may take to reach every embedded engine; past it the engines are
+    health-checked and an unresponsive one replaced (max_engine_restarts). Positive, finite."""
+
+    poll_timeout_s: float = 120.0
+    """Seconds the controller waits without any finished sample before it health-checks the
+    embedded engines (rollout.embedded.health_timeout_s); engines that answer keep generating.
+    Positive, finite."""
+
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters, including the group size n."""
 
@@ -231,6 +251,9 @@ class RolloutConfig:
             choice(self, "kv_on_update", KvOnUpdate)
         integer(self, "weight_bucket_mib", low=1, optional=True)
         choice(self, "weight_snapshot", WeightSnapshot)
+        integer(self, "max_engine_restarts", low=0)
+        for name in ("push_timeout_s", "poll_timeout_s"):
+            number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
 
     @property
     def gpus_needed(self) -> int:

@@ -179,13 +179,20 @@ class EmbeddedEngine:
     def resume(self) -> None:
         self._call(Resume)
 
-    def health(self) -> EngineHealth:
+    def health(self, timeout_s: float | None = None) -> EngineHealth:
+        """The engine's state; not alive when it failed, exited or did not answer within
+        `timeout_s` (None: `rpc_timeout_s`)."""
         if self._error is not None or self._closed or not self._proc.is_alive():
             return EngineHealth(alive=False, weight_version=self._version, error=self._error)
         try:
-            return self._call(GetHealth)
+            return self._call(GetHealth, timeout_s)
         except EngineError as e:
             return EngineHealth(alive=False, weight_version=self._version, error=str(e))
+
+    def kill(self) -> None:
+        """SIGKILL the process (one that stopped answering); its callers then fail as if it died."""
+        if self._proc.is_alive():
+            self._proc.kill()
 
     # --- weights -------------------------------------------------------------------------
 
@@ -286,12 +293,13 @@ class EmbeddedEngine:
             self._pending[call_id] = pending
         return call_id, pending
 
-    def _call(self, message: type[Pause | Resume | GetHealth]) -> Any:
-        """Send `message(call_id)` and return the value the engine answers."""
+    def _call(self, message: type[Pause | Resume | GetHealth], timeout_s: float | None = None) -> Any:
+        """Send `message(call_id)` and return the value the engine answers within `timeout_s`
+        (None: `rpc_timeout_s`)."""
         self._check_alive()
         call_id, pending = self._new_call()
         self._cmd_q.put(message(call_id))
-        return self._wait(call_id, pending, self.config.rpc_timeout_s)
+        return self._wait(call_id, pending, self.config.rpc_timeout_s if timeout_s is None else timeout_s)
 
     def _wait(self, call_id: int, pending: _PendingCall, timeout: float) -> Any:
         if not pending.done.wait(timeout):

@@ -34,8 +34,13 @@ def test_config_module_does_not_import_the_algorithm_layer():
 
 
 def test_defaults_follow_entr_md():
+    import re
+    from pathlib import Path
+
+    table = (Path(__file__).parents[2] / "docs" / "ENTR.md").read_text()
+    tau, eps = re.search(r"^\| `entr` \|.*\| tau ([\d.]+), eps ([\d.]+) \|", table, re.M).groups()
     cfg = AlgorithmConfig()
-    assert (cfg.correction, cfg.tau, cfg.entr_eps) == ("entr", 0.5, 0.01)
+    assert (cfg.correction, cfg.tau, cfg.entr_eps) == ("entr", float(tau), float(eps)) == ("entr", 1.0, 0.01)
     assert (cfg.policy_loss, cfg.aggregation, cfg.entropy_source) == ("ppo_clip", "token-mean", "learner")
     assert cfg.loss_agg_mode is None and cfg.correction_mode == "published" and cfg.counts_rejected
     assert cfg.clip_range() == (0.2, 0.28)

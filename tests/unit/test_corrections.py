@@ -11,7 +11,7 @@ from entr_megatron.algorithm.entr import CHI2_1_MEDIAN
 from entr_megatron.config.algorithm import AlgorithmConfig
 
 F64 = torch.float64
-CFG = AlgorithmConfig()
+CFG = AlgorithmConfig(tau=0.5)  # the hand cases below are worked at tau = 0.5
 
 
 def _t(rows):
