@@ -6,8 +6,8 @@ once afterwards:
     fault                                 outcome
     two jobs on one run directory         the second exits 2 at once, naming the holder's pid
     SIGTERM (preemption)                  the step finishes, a checkpoint is saved, exit 0, no process left
-    a flipped byte in the newest ckpt     named; resume from the one before; the damaged one never loads
-    deleted `latest`                      resume from the newest checkpoint, not from step 0
+    a flipped byte in the newest ckpt,
+    and `latest` deleted                  both named; resume from the one before, not from step 0
     garbage `latest`, truncated or
     deleted shard                         named by `checkpoint verify`; resume from the newest good one
     every checkpoint damaged              exit 2 naming each, nothing overwritten; --restart-from-scratch
@@ -117,21 +117,15 @@ def test_second_job_is_refused_and_sigterm_saves_exits_0_and_leaves_no_process(t
     assert_every_step_once(run_dir, stopped_at + 2)
 
 
-def test_a_flipped_byte_is_named_and_the_run_resumes_from_the_checkpoint_before(finished_run, tmp_path):
+def test_a_flipped_byte_and_a_deleted_latest_are_named_and_the_run_resumes_from_the_good_one(finished_run, tmp_path):
     cfg, run_dir = copy_run(finished_run, tmp_path)
     flip_byte(run_dir / "checkpoints" / "iter_0000006" / "__0_0.distcp")
+    (run_dir / "checkpoints" / "latest").unlink()  # never a fresh start while checkpoints exist
     proc = cli("train", "--config", str(cfg))
+    assert "latest: missing (deleted?)" in proc.stderr
     assert "skipping " + str(run_dir / "checkpoints" / "iter_0000006") + ": __0_0.distcp: SHA-256 differs" in proc.stderr
     assert "resumed from step 4" in proc.stderr
     assert_every_step_once(run_dir, 8)  # steps 4 and 5 redone (their old lines replaced), then 6 and 7
-
-
-def test_a_deleted_latest_resumes_from_the_newest_checkpoint_not_from_zero(finished_run, tmp_path):
-    cfg, run_dir = copy_run(finished_run, tmp_path)
-    (run_dir / "checkpoints" / "latest").unlink()
-    proc = cli("train", "--config", str(cfg))
-    assert "latest: missing (deleted?)" in proc.stderr and "resumed from step 6" in proc.stderr
-    assert_every_step_once(run_dir, 8)
 
 
 def test_checkpoint_verify_names_each_damage(finished_run, tmp_path):

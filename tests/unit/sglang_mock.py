@@ -381,6 +381,17 @@ class MockSGLangServer:
         self.weight_version = new
 
 
+def engine_for(*servers: MockSGLangServer, **kw):
+    """An SGLangEngine over mock servers with short timeouts and backoff (tests)."""
+    from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
+
+    kw.setdefault("request_timeout_s", 5.0)
+    kw.setdefault("generate_timeout_s", 20.0)
+    kw.setdefault("weight_update_timeout_s", 10.0)
+    kw.setdefault("retry_backoff_s", 0.01)
+    return SGLangEngine(SGLangEngineConfig(urls=tuple(s.url for s in servers), **kw))
+
+
 def _error_response(message: str) -> dict:
     """The body of SGLang's RequestValidationError handler (HTTP 400)."""
     return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}

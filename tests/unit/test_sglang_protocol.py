@@ -28,8 +28,6 @@ from entr_megatron.rollout.sglang import (
     FlatBucket,
     RouterConfig,
     SGLangClient,
-    SGLangEngine,
-    SGLangEngineConfig,
     SGLangError,
     SGLangServerConfig,
     SGLangTimeout,
@@ -49,7 +47,7 @@ from entr_megatron.rollout.sglang import (
 from entr_megatron.weight_sync.transports import SGLangWeightUpdate
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
-from sglang_mock import SAMPLING_FIELDS, MockSGLangServer, mock_logprob, mock_sampling_logprob, mock_token
+from sglang_mock import SAMPLING_FIELDS, MockSGLangServer, engine_for, mock_logprob, mock_sampling_logprob, mock_token
 
 VOCAB = 1000
 MOCK_SCRIPT = pathlib.Path(sglang_mock.__file__)
@@ -59,13 +57,6 @@ MOCK_SCRIPT = pathlib.Path(sglang_mock.__file__)
 def server():
     with MockSGLangServer(vocab_size=VOCAB) as s:
         yield s
-
-
-def engine_for(*servers, **kw) -> SGLangEngine:
-    kw.setdefault("request_timeout_s", 5.0)
-    kw.setdefault("generate_timeout_s", 20.0)
-    kw.setdefault("weight_update_timeout_s", 10.0)
-    return SGLangEngine(SGLangEngineConfig(urls=tuple(s.url for s in servers), **kw))
 
 
 def wait_for(pred, timeout=5.0):

@@ -47,7 +47,7 @@ from entr_megatron.rollout.sglang.launcher import API_KEY_SHIM, REDACTED
 from entr_megatron.rollout.sglang.protocol import BadAnswer
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
-from sglang_mock import MockSGLangServer
+from sglang_mock import MockSGLangServer, engine_for
 
 VOCAB = 1000
 KEY = "entr-test-Key_0123456789abcdef"
@@ -60,13 +60,6 @@ NOT_RETRIED = "not retried (/generate is not idempotent)"
 def server():
     with MockSGLangServer(vocab_size=VOCAB) as s:
         yield s
-
-
-def engine_for(*servers, **kw) -> SGLangEngine:
-    kw.setdefault("request_timeout_s", 5.0)
-    kw.setdefault("generate_timeout_s", 20.0)
-    kw.setdefault("retry_backoff_s", 0.01)
-    return SGLangEngine(SGLangEngineConfig(urls=tuple(s.url for s in servers), **kw))
 
 
 def generate_error(engine: SGLangEngine, params: SamplingParams | None = None) -> SGLangError:
