@@ -14,6 +14,11 @@ balance) until all n of its samples came back from `poll`, aborted ones included
 Weights do not go through the set: the weight pusher (weight_sync layer) sends them to
 every engine itself, so `update_weights` raises. Not thread-safe: one controller thread
 drives it.
+
+An engine that fails (EngineError from submit, poll or abort) is marked `failed` and gets no
+more requests; `poll` still returns the other engines' samples and raises only when it has
+none to give. `replace(index, engine)` puts a new engine in its place: the requests that were
+live there are gone (`is_live` says which ids still are; the caller submits them again).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from entr_megatron.rollout.engine import (
+    EngineError,
     EngineHealth,
     GenerateRequest,
     GenerateResult,
@@ -33,12 +39,16 @@ from entr_megatron.rollout.engine import (
     WeightUpdateReport,
 )
 
-__all__ = ["POLL_SLICE_S", "EngineSet"]
+__all__ = ["POLL_SLICE_S", "EngineSet", "RestartsExhausted"]
 
 logger = logging.getLogger(__name__)
 
 POLL_SLICE_S = 0.02
 """Longest wait on one engine inside `EngineSet.poll` before the next engine gets its turn."""
+
+
+class RestartsExhausted(EngineError):
+    """An engine failed and `rollout.max_engine_restarts` replacements were already made."""
 
 
 @dataclass
@@ -63,6 +73,8 @@ class EngineSet:
         self._live: list[int] = [0] * len(self.engines)  # live samples per engine
         self._next_first = 0  # engine that waits first in the next poll (rotates)
         self._closed = False
+        self.failed: dict[int, str] = {}
+        """Engines that raised EngineError (index -> the error), until `replace`d."""
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -70,6 +82,22 @@ class EngineSet:
     def live_samples(self) -> list[int]:
         """Samples submitted to each engine and not yet returned by `poll`."""
         return list(self._live)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether the request runs on an engine of the set (not finished, not lost with a replaced engine)."""
+        return request_id in self._routes
+
+    def replace(self, index: int, engine: RolloutEngine) -> list[str]:
+        """Engine `index` is `engine` from now on (the caller shut the old one down); returns the
+        ids of the requests that were live on the old one (lost: none of their samples will come)."""
+        lost = list(self._outer[index].values())
+        for outer in lost:
+            del self._routes[outer]
+        self._outer[index] = {}
+        self._live[index] = 0
+        self.engines[index] = engine
+        self.failed.pop(index, None)
+        return lost
 
     # --- requests ------------------------------------------------------------------------
 
@@ -85,14 +113,17 @@ class EngineSet:
             outer_ids.append(r.request_id)
         planned = list(self._live)
         placement: list[list[int]] = [[] for _ in self.engines]  # per engine: positions in `requests`
+        usable = [i for i in range(len(self.engines)) if i not in self.failed]
+        if requests and not usable:
+            raise EngineError(f"every engine of the set failed: {self.failed}")
         for pos, r in enumerate(requests):
-            target = min(range(len(planned)), key=lambda i: (planned[i], i))
+            target = min(usable, key=lambda i: (planned[i], i))
             placement[target].append(pos)
             planned[target] += r.params.n
         for index, positions in enumerate(placement):
             if not positions:
                 continue
-            inner_ids = self.engines[index].submit([requests[p] for p in positions])
+            inner_ids = self._guard(index, self.engines[index].submit, [requests[p] for p in positions])
             if len(inner_ids) != len(positions):
                 raise RuntimeError(
                     f"engine {index} returned {len(inner_ids)} request ids for {len(positions)} requests"
@@ -114,6 +145,8 @@ class EngineSet:
         calls) until one answers or the timeout is spent; then the others are asked
         without waiting again, so a poll never favours one engine's results."""
         results = self._poll_all()
+        if not results:
+            self._raise_failed()
         if results or timeout == 0:
             return results
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
@@ -126,7 +159,9 @@ class EngineSet:
                 left = self.poll_slice_s if deadline is None else min(self.poll_slice_s, deadline - time.monotonic())
                 if left <= 0:
                     return []
-                found = self._translate(index, self.engines[index].poll(timeout=left))
+                found = self._poll_one(index, left)
+                if not found:
+                    self._raise_failed()  # nothing to give, and an engine is gone: say so now
                 if found:
                     others = [i for i in range(count) if i != index]
                     return found + self._poll_all(others)
@@ -135,8 +170,31 @@ class EngineSet:
         indices = range(len(self.engines)) if indices is None else indices
         out: list[GenerateResult] = []
         for index in indices:
-            out += self._translate(index, self.engines[index].poll(timeout=0.0))
+            out += self._poll_one(index, 0.0)
         return out
+
+    def _poll_one(self, index: int, timeout: float) -> list[GenerateResult]:
+        """Engine `index`'s samples; none from a failed one (its error is kept in `failed`)."""
+        if index in self.failed:
+            return []
+        try:
+            return self._translate(index, self.engines[index].poll(timeout=timeout))
+        except EngineError as e:
+            self.failed[index] = str(e)
+            return []
+
+    def _guard(self, index: int, call, *args):
+        """`call(*args)` on engine `index`; an EngineError marks the engine failed and is raised."""
+        try:
+            return call(*args)
+        except EngineError as e:
+            self.failed[index] = str(e)
+            raise
+
+    def _raise_failed(self) -> None:
+        if self.failed:
+            index, error = next(iter(self.failed.items()))
+            raise EngineError(f"engine {index} of the set failed:\n{error}")
 
     def _translate(self, index: int, results: list[GenerateResult]) -> list[GenerateResult]:
         """Give each result the id `submit` returned and count its sample as returned."""
@@ -168,8 +226,8 @@ class EngineSet:
             if route is not None:
                 per_engine[route.engine].append(route.inner_id)
         for index, inner_ids in enumerate(per_engine):
-            if inner_ids:
-                self.engines[index].abort(inner_ids)
+            if inner_ids and index not in self.failed:
+                self._guard(index, self.engines[index].abort, inner_ids)
 
     # --- engine state --------------------------------------------------------------------
 

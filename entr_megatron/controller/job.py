@@ -141,7 +141,7 @@ def _train(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps
         held_out = HeldOut(cfg, task, engine, paths)
         out["eval_before"] = held_out.before_rl(fresh=resume_step is None)
         controller = Controller(engine, learner, pusher, task, c, cfg.rollout,
-                                advantage_fn=cfg.algorithm.advantage_estimator)
+                                advantage_fn=cfg.algorithm.advantage_estimator, recovery=pusher.recovery)
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)
         if resume_step is not None:
             checkpoints.resume(controller, resume_step)

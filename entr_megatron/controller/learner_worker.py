@@ -165,6 +165,9 @@ class LearnerWorker:
         )
         from entr_megatron.weight_sync.sync import is_weight_sender
 
+        if self.sync is not None:  # rebuilt (an engine was replaced): leave the old group first
+            self.sync.close(wait_s=5.0)
+            self.sync = None
         sender = is_weight_sender(self.groups)
         if sglang is not None:
             from entr_megatron.rollout.sglang import SGLangEngine

@@ -27,12 +27,20 @@ trained on: it is aborted and handled like a stale group (regenerated or
 dropped). Groups that finish in time but wait too long in the buffer are
 evicted when the trainer takes. Checkpoints first drain in-flight requests
 (no new submissions) so the saved state resumes exactly.
+
+A failed engine (`recovery`, embedded engines: controller/wiring.py `EngineRecovery`): when
+an engine call fails, a push does not arrive within rollout.push_timeout_s, or no sample
+comes for rollout.poll_timeout_s, the engines are health-checked; dead or silent ones are
+replaced between two engine calls (a new process, the learner's version pushed to it, the
+weight groups rebuilt), and the groups that were in flight on them are submitted again as
+they were (same group id and seed, as on resume), so nothing is lost or trained twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +51,18 @@ from entr_megatron.algorithm.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
 from entr_megatron.config.controller import CONTROLLER_MODES, ControllerConfig
 from entr_megatron.config.rollout import RolloutConfig
 from entr_megatron.controller.buffer import Group, GroupRef, StalenessBuffer, lag_metrics
+from entr_megatron.controller.console import say
+from entr_megatron.controller.engines import RestartsExhausted
 from entr_megatron.controller.interfaces import Learner, PromptStream, PushHandle, WeightPusher
 from entr_megatron.controller.fixed_lag import LagPipeline
-from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams, generate
+from entr_megatron.rollout.engine import (
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    SamplingParams,
+    generate,
+)
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.seeding import mix_seed
 
@@ -93,15 +110,19 @@ class Controller:
 
     def __init__(self, engine: RolloutEngine, learner: Learner, pusher: WeightPusher, task: Any,
                  controller: ControllerConfig, rollout: RolloutConfig, advantage_fn: AdvantageFn | str = "grpo",
-                 hooks: ControllerHooks | None = None) -> None:
+                 hooks: ControllerHooks | None = None, recovery: Any = None) -> None:
         """`controller` and `rollout` are the run's validated config sections (the loop reads the
-        mode, bound and seed from the first, prompts per step, filtering and sampling from the second)."""
+        mode, bound and seed from the first, prompts per step, filtering and sampling from the second).
+        `recovery`: replaces failed engines (`EngineRecovery`; its engines are `engine`, an EngineSet);
+        None: an engine failure ends the run."""
         self.engine, self.learner, self.pusher, self.task = engine, learner, pusher, task
         self.opt, self.rollout = controller, rollout
         self.sampling = SamplingParams.from_config(rollout.sampling)
         """Its n is the group size; its seed is replaced per group."""
         self.advantage_fn = ADVANTAGE_ESTIMATORS[advantage_fn] if isinstance(advantage_fn, str) else advantage_fn
         self.hooks = hooks or ControllerHooks()
+        self.recovery = recovery
+        self._last_sample = time.monotonic()  # when a sample last came (rollout.poll_timeout_s)
         self.buffer = StalenessBuffer(controller.max_policy_lag, controller.stale_policy, rollout.dynamic_filtering)
         self.prompts = PromptStream(task, rollout.prompts_per_step, controller.seed)
         self.version = 0
@@ -128,7 +149,8 @@ class Controller:
         step_fn = {"sync": self._step_sync, "one_step_off": self._step_one_step_off,
                    "fully_async": self._step_fully_async, "fixed_lag": self._step_fixed_lag}[self.opt.mode]
         if self.engine.weight_version != self.version:  # fresh engines after a resume
-            self.pusher.push(self.version).wait()
+            self._pushed_version = self.engine.weight_version
+            self._push(wait=True)
         self._pushed_version = self.version
         self._submit_refs(self._resubmit)
         self._resubmit = []
@@ -141,6 +163,7 @@ class Controller:
             metrics = step_fn()
             metrics["timing/step_s"] = step_s = time.perf_counter() - t0
             metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / step_s if step_s > 0 else 0.0
+            metrics["engines/restarts"] = float(self.recovery.restarts if self.recovery is not None else 0)
             stop = hooks.should_stop is not None and hooks.should_stop()
             if hooks.on_eval and hooks.eval_interval and self.step % hooks.eval_interval == 0:
                 self.drain()
@@ -210,6 +233,7 @@ class Controller:
     def _collect(self, inflight_target: Callable[[], int]) -> tuple[list[Group], float]:
         """Submits (regenerations first) up to the target and receives until P fresh groups exist."""
         t0, self._discarded_this_step = time.perf_counter(), 0
+        self._last_sample = time.monotonic()  # silence is counted from here (training is no silence)
         while True:
             self.buffer.evict_stale(self.version)
             refs = self.buffer.pop_regenerations()
@@ -245,15 +269,33 @@ class Controller:
             prompt_ids, reference = self.prompts.get(ref.prompt_index)
             seed = mix_seed(self.opt.seed, ref.group_id, modulus=2**31)
             params = dataclasses.replace(self.sampling, seed=seed)
-            requests.append(GenerateRequest(prompt_ids, params, group_id=ref.group_id,
+            requests.append(GenerateRequest(prompt_ids, params, request_id=uuid.uuid4().hex, group_id=ref.group_id,
                                             metadata={"prompt_index": ref.prompt_index}))
             records.append(_InFlight(ref, reference, engine_version))
-        for rid, record in zip(self.engine.submit(requests), records):
-            self._inflight[rid] = record
+        for request, record in zip(requests, records):  # recorded first: a failed submit loses none
+            self._inflight[request.request_id] = record
+        try:
+            ids = self.engine.submit(requests)
+        except EngineError as e:
+            return self._recover(e)
+        for rid, request in zip(ids, requests):
+            if rid != request.request_id:  # an engine that numbers requests itself
+                self._inflight[rid] = self._inflight.pop(request.request_id)
 
     def _receive(self, timeout: float | None = POLL_TIMEOUT_S) -> None:
         """Polls once; completed groups get their rewards and enter the buffer."""
-        for result in self.engine.poll(timeout=timeout):
+        if self.recovery is not None and self.engine.failed:  # the others kept it from raising
+            return self._recover(None)
+        try:
+            results = self.engine.poll(timeout=timeout)
+        except EngineError as e:
+            return self._recover(e)
+        if results:
+            self._last_sample = time.monotonic()
+        elif self.recovery is not None and time.monotonic() - self._last_sample > self.rollout.poll_timeout_s:
+            self._recover(None)  # silent for poll_timeout_s: a health check tells hung from slow
+            self._last_sample = time.monotonic()
+        for result in results:
             rid = result.request_id
             if rid in self._ignored:
                 self._ignored[rid] -= 1
@@ -287,7 +329,10 @@ class Controller:
         self._ignored = {rid: k for rid, k in self._ignored.items() if k > 0}
         self.aborted += len(doomed)
         self._discarded_this_step += len(doomed)
-        self.engine.abort(doomed)
+        try:
+            self.engine.abort(doomed)
+        except EngineError as e:
+            self._recover(e)
 
     def _train(self, groups: list[Group]) -> dict:
         samples = [s for g in groups for s in g.samples]
@@ -309,21 +354,52 @@ class Controller:
 
     def _push(self, wait: bool) -> None:
         """Publishes the learner's version; at most one push in flight."""
-        if self._push_handle is not None:
-            self._push_handle.wait()
-            self._push_handle = None
-        if self._pushed_version == self.version:
+        try:
+            if self._push_handle is not None:
+                self._push_handle.wait()
+                self._push_handle = None
+            if self._pushed_version == self.version:
+                return
+            self._push_handle, self._pushed_version = self.pusher.push(self.version), self.version
+            if wait:
+                self._push_handle.wait()
+                self._push_handle = None
+        except EngineError as e:
+            self._recover(e)
+
+    def _recover(self, error: EngineError | None) -> None:
+        """Replaces the engines that failed (`recovery`), which then hold the learner's version,
+        and submits the groups lost with them again; raises `error` when none failed (or
+        without `recovery`), RestartsExhausted past rollout.max_engine_restarts."""
+        while self.recovery is not None:
+            failed = self.recovery.failed()
+            if not failed:
+                break
+            pending, self._push_handle = self._push_handle, None
+            try:
+                self.recovery.replace(failed, self.version, pending)
+            except RestartsExhausted:
+                raise
+            except EngineError as e:  # another one failed meanwhile: check them all again
+                error = e
+                continue
+            self._pushed_version = self.version
+            lost = [rid for rid in self._inflight if not self.engine.is_live(rid)]
+            self._ignored = {rid: k for rid, k in self._ignored.items() if self.engine.is_live(rid)}
+            refs = [self._inflight.pop(rid).ref for rid in lost]
+            say(f"step {self.step}: engine(s) {', '.join(str(i) for i, _ in failed)} replaced at weight version "
+                f"{self.version}; {len(refs)} group(s) in flight on them generated again")
+            self._submit_refs(refs)
             return
-        self._push_handle, self._pushed_version = self.pusher.push(self.version), self.version
-        if wait:
-            self._push_handle.wait()
-            self._push_handle = None
+        if error is not None:
+            raise error
 
     # ---- checkpoint / resume ---------------------------------------------------------------------
     def drain(self) -> None:
         """Waits for every in-flight group, submitting nothing new, then brings the engines to the
         learner's version: a checkpoint holds only the learner's current weights, so this is the
         engine state a resumed run can reproduce."""
+        self._last_sample = time.monotonic()
         while self._inflight or self._ignored:
             self._receive()
         self._push(wait=True)

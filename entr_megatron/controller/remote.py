@@ -15,6 +15,11 @@ The engine side starts first, so a learner with bounded snapshot memory never
 waits for receivers that have not joined. Engines that learner rank 0 updates
 itself (SGLang servers, through its SGLangTransport) have no side here: the
 pusher gets no engines, and `on_delivered` hears of each version they hold.
+
+`push_timeout_s` bounds `wait`. The engines' side is waited first: when an engine failed
+(or did not finish in time) the ranks are not asked, so a broken wire never fails a call
+on the learner ranks (their group stays usable); the push is then the caller's to
+`abandon` once the engine is dealt with (controller/wiring.py `EngineRecovery`).
 """
 
 from __future__ import annotations
@@ -24,10 +29,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from entr_megatron.rollout.engine import RolloutEngine, WeightReceiver, WeightUpdateReport
+from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
 from entr_megatron.types import TrainBatch
 
-__all__ = ["RemoteLearner", "RemotePush", "RemotePusher"]
+__all__ = ["EnginePushError", "RemoteLearner", "RemotePush", "RemotePusher"]
+
+ABANDON_TIMEOUT_S = 30.0
+"""`RemotePush.abandon`: how long each engine's side may take to give up a broken version."""
+
+
+class EnginePushError(EngineError):
+    """A version did not reach an engine (it failed, or did not answer within push_timeout_s)."""
 
 
 class _EngineUpdate(threading.Thread):
@@ -57,12 +69,22 @@ class RemotePush:
         if self.report is not None:
             return self.report
         t0 = time.perf_counter()
-        rank_reports = self.pusher.group.call("wait_push")
+        timeout = self.pusher.push_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         for u in self.updates:
-            u.join()
+            u.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if u.is_alive():
+                raise EnginePushError(f"weight version {self.version} did not reach every engine within "
+                                      f"{timeout:.0f} s (rollout.push_timeout_s)")
         errors = [u.error for u in self.updates if u.error is not None]
         if errors:
-            raise RuntimeError(f"weight version {self.version} did not reach every engine: {errors[0]}") from errors[0]
+            raise EnginePushError(f"weight version {self.version} did not reach every engine: {errors[0]}") \
+                from errors[0]
+        if deadline is None:
+            rank_reports = self.pusher.group.call("wait_push")
+        else:  # the engines hold the version: the senders are done or about to be
+            left = max(deadline - time.monotonic(), 1.0)
+            rank_reports = self.pusher.group.call_async("wait_push", left).result(left + 30)
         senders = [r for r in rank_reports if r.get("sender")]
         engine = [u.report for u in self.updates if u.report is not None]
         self.report = {
@@ -77,6 +99,12 @@ class RemotePush:
         if self.pusher.on_delivered is not None:
             self.pusher.on_delivered(self.version)
         return self.report
+
+    def abandon(self, timeout_s: float = ABANDON_TIMEOUT_S) -> None:
+        """Give up a version that broke (an engine died): wait a while for each engine's side to
+        end, ignore its outcome. The ranks' side is dropped with their weight groups."""
+        for u in self.updates:
+            u.join(timeout_s)
 
 
 class RemoteLearner:
@@ -113,11 +141,15 @@ class RemotePusher:
     `on_delivered(version)` runs once a waited push has reached every engine."""
 
     def __init__(self, group: Any, engines: Sequence[RolloutEngine] = (), receivers: Sequence[WeightReceiver] = (),
-                 on_delivered: Callable[[int], None] | None = None):
+                 on_delivered: Callable[[int], None] | None = None, push_timeout_s: float | None = None):
         if len(engines) != len(receivers):
             raise ValueError(f"one receiver per engine: {len(engines)} engines, {len(receivers)} receivers")
         self.group, self.engines, self.receivers = group, list(engines), list(receivers)
         self.on_delivered = on_delivered
+        self.push_timeout_s = push_timeout_s
+        """Longest `RemotePush.wait` (None: no limit)."""
+        self.recovery: Any = None
+        """The `EngineRecovery` of engines that can be replaced (controller/wiring.py), else None."""
         self.last_push_report: dict[str, float] = {}
         """The report of the last waited push (the step's weight_sync/* metrics)."""
 

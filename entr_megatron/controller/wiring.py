@@ -5,10 +5,15 @@
 
 | rollout.engine | engine (the controller generates with it)  | pusher (RemotePusher): how the weights get there          |
 |----------------|--------------------------------------------|-----------------------------------------------------------|
-| embedded       | the engines (an EngineSet when several)    | stage broadcast groups; a receiver thread per engine here |
+| embedded       | an EngineSet of them (Ray: when several)   | stage broadcast groups; a receiver thread per engine here |
 | sglang         | PushedVersionView over one SGLangEngine    | none here: rank 0's SGLangTransport updates the servers   |
 
 The learner (RemoteLearner) and the pusher are two roles of the same learner ranks (one worker group).
+
+Embedded engines on the local launcher can be replaced while the job runs: `pusher.recovery`
+(an `EngineRecovery`) finds the engines that died or stopped answering, starts new ones in
+their place, rebuilds the broadcast groups on a fresh port and pushes the learner's weights
+(the controller resubmits the groups that were lost: controller/loop.py `_recover`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
+from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions, sglang_engine
@@ -27,7 +33,8 @@ from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
 from entr_megatron.utils.spawn import free_port_range
 
-__all__ = ["CONNECTORS", "connect", "connect_embedded", "connect_sglang", "learner_group", "make_engines"]
+__all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "learner_group",
+           "make_engines"]
 
 Connection = tuple[RolloutEngine, RemoteLearner, RemotePusher]
 
@@ -41,17 +48,98 @@ def connect(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | N
 
 
 def connect_embedded(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> Connection:
-    """Embedded engines: each receives the buckets of every pipeline stage's broadcast group."""
-    from entr_megatron.weight_sync import receiver_for, stage_groups
-
+    """Embedded engines: each receives the buckets of every pipeline stage's broadcast group.
+    On the local launcher they sit in an `EngineSet` (even one) that `pusher.recovery` can mend."""
     engines = make_engines(cfg, model_dir, stack, log_dir)
     group, address, base_port = _start_learner(cfg, model_dir, stack)
+    pusher = RemotePusher(group, push_timeout_s=cfg.rollout.push_timeout_s)
+    _connect_weights(cfg, pusher, address, base_port, engines)
+    if cfg.launcher.kind != "local":
+        return _as_one_engine(engines), RemoteLearner(group), pusher
+    engine_set = EngineSet(engines)
+    pusher.recovery = EngineRecovery(cfg, model_dir, stack, engine_set, pusher, address)
+    return engine_set, RemoteLearner(group), pusher
+
+
+def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_port: int,
+                     engines: list[RolloutEngine]) -> None:
+    """The learner ranks' weight sync and the pusher's receivers: broadcast groups between the
+    learner's stage senders and `engines`, stage p on base_port + p."""
+    from entr_megatron.weight_sync import receiver_for, stage_groups
+
     wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
     wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype
-    group.call("connect_weight_sync", address, base_port, (1,) * len(engines), _bucket_bytes(cfg), wire_dtype,
-               snapshot=cfg.rollout.weight_snapshot)
-    receivers = [receiver_for(wgroups, i) for i in range(len(engines))]
-    return _as_one_engine(engines), RemoteLearner(group), RemotePusher(group, engines, receivers)
+    timeout = cfg.rollout.push_timeout_s  # also gloo's: a stopped member cannot hold the senders longer
+    pusher.group.call("connect_weight_sync", address, base_port, (1,) * len(engines), _bucket_bytes(cfg),
+                      wire_dtype, timeout_s=timeout, snapshot=cfg.rollout.weight_snapshot)
+    pusher.engines = list(engines)
+    pusher.receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
+
+
+class EngineRecovery:
+    """Replaces the embedded engines of an `EngineSet` that died or stopped answering.
+
+        failed = recovery.failed()                 # [(index, error)]: health-checked, the silent ones SIGKILLed
+        recovery.replace(failed, version, push)    # new engines at `version`, weight groups rebuilt
+
+    A new engine starts from the run's start model (the engine config of the one it replaces)
+    and gets the learner's weights as `version` over a new group of the engines below it; then
+    the groups of every engine are rebuilt once more on a fresh port (a member that died breaks a
+    gloo group for all of its members). At most `rollout.max_engine_restarts` replacements per job."""
+
+    def __init__(self, cfg: RunConfig, model_dir: Path, stack: ExitStack, engines: EngineSet, pusher: RemotePusher,
+                 address: str):
+        self.cfg, self.model_dir, self.stack = cfg, model_dir, stack
+        self.engines, self.pusher, self.address = engines, pusher, address
+        self.restarts = 0
+        """Engines replaced so far in this job."""
+
+    def failed(self) -> list[tuple[int, str]]:
+        """The engines that are dead or did not answer a health check within
+        `rollout.embedded.health_timeout_s` (those are SIGKILLed now), with their last error."""
+        out = []
+        for index, engine in enumerate(self.engines.engines):
+            health = engine.health(timeout_s=self.cfg.rollout.embedded.health_timeout_s)
+            if not health.alive:
+                engine.kill()
+                out.append((index, health.error or self.engines.failed.get(index) or "not alive"))
+        return out
+
+    def replace(self, failed: list[tuple[int, str]], version: int, pending_push=None) -> None:
+        """New engines in place of `failed`, all engines at the learner's `version` afterwards.
+        Raises RestartsExhausted past `rollout.max_engine_restarts`; EngineError when an engine
+        fails meanwhile."""
+        limit = self.cfg.rollout.max_engine_restarts
+        if self.restarts + len(failed) > limit:
+            index, error = failed[0]
+            raise RestartsExhausted(f"embedded engine {index} failed, and {self.restarts} engine(s) were already "
+                                    f"replaced in this job (rollout.max_engine_restarts={limit}); its last "
+                                    f"error:\n{error}")
+        if pending_push is not None:
+            pending_push.abandon()
+        for index, error in failed:
+            say(f"embedded engine {index} failed ({error.strip().splitlines()[-1] if error.strip() else error}): "
+                f"starting a new one (replacement {self.restarts + 1} of at most {limit})")
+            self.engines.engines[index].shutdown()
+            self.engines.replace(index, self._new_engine(index))
+            self.restarts += 1
+        everyone = list(self.engines.engines)
+        behind = [e for e in everyone if e.weight_version < version]
+        if behind:
+            self._rebuild(behind)
+            self.pusher.push(version).wait()
+        if len(behind) < len(everyone):
+            self._rebuild(everyone)
+
+    def _rebuild(self, engines: list[RolloutEngine]) -> None:
+        _connect_weights(self.cfg, self.pusher, self.address, free_port_range(self.cfg.parallel.pp), engines)
+
+    def _new_engine(self, index: int) -> RolloutEngine:
+        from entr_megatron.rollout.embedded import EmbeddedEngine
+
+        engine = EmbeddedEngine(_embedded_config(self.cfg, self.model_dir, index))
+        self.stack.callback(engine.shutdown)
+        return engine
 
 
 def connect_sglang(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> Connection:
@@ -107,7 +195,7 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
     r = cfg.rollout
     if r.engine == "sglang":
         return [sglang_engine(cfg, model_dir, stack, log_dir)]
-    from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from entr_megatron.rollout.embedded import EmbeddedEngine
 
     on_ray = cfg.launcher.kind == "ray"
     if on_ray:
@@ -115,12 +203,18 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
         from entr_megatron.controller.ray_engine import RayEngine
     engines = []
     for i in range(r.num_engines):
-        config = EmbeddedEngineConfig.from_config(r, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
-                                                  seed=cfg.controller.seed + i)
+        config = _embedded_config(cfg, model_dir, i)
         engine = RayEngine(config, num_cpus=r.embedded.num_threads or 1) if on_ray else EmbeddedEngine(config)
         stack.callback(engine.shutdown)
         engines.append(engine)
     return engines
+
+
+def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
+    from entr_megatron.rollout.embedded import EmbeddedEngineConfig
+
+    return EmbeddedEngineConfig.from_config(cfg.rollout, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
+                                            seed=cfg.controller.seed + index)
 
 
 def _ray_init(cfg: RunConfig) -> None:
@@ -135,6 +229,4 @@ def _ray_init(cfg: RunConfig) -> None:
 def _as_one_engine(engines: list[RolloutEngine]) -> RolloutEngine:
     if len(engines) == 1:
         return engines[0]
-    from entr_megatron.controller.engines import EngineSet
-
     return EngineSet(engines)

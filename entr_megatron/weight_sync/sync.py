@@ -41,6 +41,7 @@ Only the broadcasts, on the stage's own group, run in the background.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -53,6 +54,8 @@ from entr_megatron.utils.buckets import dtype_from_name
 from entr_megatron.weight_sync.buckets import plan_buckets
 from entr_megatron.weight_sync.snapshot import BufferPool, SnapshotBucket, SnapshotStream, TransferBroken
 from entr_megatron.weight_sync.transports import Transport
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SNAPSHOT_MODES", "PushHandle", "PushReport", "WeightSync", "WeightSyncConfig", "is_weight_sender"]
 
@@ -349,10 +352,12 @@ class WeightSync:
         handle.report.transfer_s = time.perf_counter() - t0
         handle._finish(error)
 
-    def close(self) -> None:
-        """Wait for the push in flight, leave the group, free the snapshot buffers."""
-        if self._last is not None:
-            self._last._done.wait()
+    def close(self, wait_s: float | None = None) -> None:
+        """Wait for the push in flight (at most `wait_s`; None: until it ends), leave the group,
+        free the snapshot buffers."""
+        if self._last is not None and not self._last._done.wait(wait_s):
+            logger.warning("closing the weight sync with a push still in flight after %.0f s (a dead engine?)",
+                           wait_s)
         if self.transport is not None:
             self.transport.close()
         self.pool.clear()

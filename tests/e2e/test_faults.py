@@ -15,6 +15,8 @@ once afterwards:
     full disk (a small tmpfs)             checked before start (exit 2, the numbers); a save that fails
                                           says ENOSPC and leaves no partial files (test_learner_checkpoint)
     read-only run directory               exit 2 naming it, before anything starts
+    kill -9 of the engine process         a new engine takes its place (the learner's weights, the lost
+                                          groups again), the job goes on to its last step, exit 0
 
 The tiny model trains from random weights (no warm-up: rewards need not vary for these checks).
 """
@@ -213,3 +215,30 @@ def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, t
     proc = cli("train", "--config", str(cfg), check=False)
     assert proc.returncode == 2 and "Read-only file system" in proc.stderr, proc.stderr[-2000:]
     assert str(tmpfs / "run") in proc.stderr
+
+
+def test_a_killed_engine_is_replaced_and_training_goes_on(tmp_path):
+    steps, kill_after = 12, 4
+    cfg, run_dir = config(tmp_path, "killed", train_steps=steps, checkpoint_interval=0)
+    job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(steps_of(run_dir)) < kill_after:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+            time.sleep(0.2)
+        engines = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "entr-engine"]
+        assert len(engines) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
+        engines[0].kill()  # SIGKILL
+        out, err = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-4000:]
+    assert "embedded engine 0 failed (the engine process exited (exit code -9))" in err, err[-4000:]
+    assert_every_step_once(run_dir, steps)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    restarts = [row["engines/restarts"] for row in rows]
+    assert restarts[:kill_after] == [0] * kill_after and restarts[-3:] == [1, 1, 1], restarts
+    assert restarts == sorted(restarts)
+    assert not engines[0].is_running() or engines[0].status() == psutil.STATUS_ZOMBIE

@@ -1,0 +1,223 @@
+"""A failed engine replaced mid-run: the controller over an EngineSet of fake engines and a fake
+recovery (the real one starts processes: tests/e2e/test_faults.py), and the restart budget of the
+real `EngineRecovery`."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import pytest
+
+from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
+from entr_megatron.config.loader import load_config
+from entr_megatron.controller.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.loop import Controller
+from entr_megatron.controller.wiring import EngineRecovery
+from entr_megatron.rollout.engine import EngineError, EngineHealth, GenerateResult
+
+P, N = 2, 2
+
+
+class Engine:
+    """Finishes one request per poll, tokens at its weight version; `die()` makes it fail like a
+    killed process, `hang()` like a stopped one (it answers nothing)."""
+
+    def __init__(self, version=0):
+        self.version, self.live, self.error, self.hung, self.killed = version, {}, None, False, False
+
+    @property
+    def weight_version(self):
+        return self.version
+
+    def die(self):
+        self.error = "the engine process exited (exit code -9)"
+
+    def hang(self):
+        self.hung = True
+
+    def submit(self, requests):
+        if self.error:
+            raise EngineError(self.error)
+        for r in requests:
+            self.live[r.request_id] = r
+        return [r.request_id for r in requests]
+
+    def poll(self, timeout=0.0):
+        if self.error:
+            raise EngineError(self.error)
+        if self.hung or not self.live:
+            return []
+        rid, r = next(iter(self.live.items()))
+        del self.live[rid]
+        return [GenerateResult(rid, i, list(r.prompt_ids), [1 + i], [-1.0], [self.version], "stop",
+                               group_id=r.group_id, metadata=dict(r.metadata)) for i in range(r.params.n)]
+
+    def abort(self, ids):
+        pass
+
+    def health(self, timeout_s=None):
+        alive = self.error is None and not self.hung
+        return EngineHealth(alive=alive, weight_version=self.version, error=None if alive else self.error or "hung")
+
+    def kill(self):
+        self.killed = True
+        self.error = self.error or "killed"
+
+    def shutdown(self):
+        pass
+
+
+class Recovery:
+    """`EngineRecovery`'s contract, without processes: a new `Engine` at the learner's version."""
+
+    def __init__(self, engines, limit=3):
+        self.engines, self.limit, self.restarts, self.replaced = engines, limit, 0, []
+
+    def failed(self):
+        out = []
+        for i, e in enumerate(self.engines.engines):
+            h = e.health()
+            if not h.alive:
+                e.kill()
+                out.append((i, h.error))
+        return out
+
+    def replace(self, failed, version, pending_push=None):
+        if self.restarts + len(failed) > self.limit:
+            raise RestartsExhausted(f"{self.restarts} replaced; {failed[0][1]}")
+        for i, _ in failed:
+            self.engines.replace(i, Engine(version))
+            self.restarts += 1
+            self.replaced.append(version)
+
+
+class Pusher:
+    def __init__(self, engines):
+        self.engines, self.pushed = engines, []
+
+    def push(self, version):
+        self.pushed.append(version)
+        for e in self.engines.engines:
+            e.version = max(e.version, version)
+
+        class Handle:
+            def wait(self):
+                return {}
+
+        return Handle()
+
+
+class Learner:
+    def __init__(self, on_train=None):
+        self.batches, self.on_train = [], on_train
+
+    def train(self, batch, version):
+        self.batches.append(batch)
+        if self.on_train is not None:
+            self.on_train(len(self.batches))
+        return {}
+
+
+class Task:
+    name = "fake"
+
+    def prompts(self, split, n, seed):
+        return [([1 + j % 50, 2, 3], j) for j in range(n)]
+
+    def reward(self, sample, reference):
+        return float(sample.response_ids[0] % 2)
+
+
+def make(mode="fully_async", engines=2, limit=3, on_train=None, **rollout):
+    engine = EngineSet([Engine() for _ in range(engines)])
+    recovery = Recovery(engine, limit)
+    learner = Learner(on_train)
+    rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=8), **rollout)
+    controller = ControllerConfig(mode=mode, max_policy_lag=2)
+    return Controller(engine, learner, Pusher(engine), Task(), controller, rollout, "grpo",
+                      recovery=recovery), engine, learner, recovery
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_a_dead_engine_is_replaced_and_training_goes_on(mode):
+    ctrl, engine, learner, recovery = make(mode, on_train=lambda n: n == 3 and engine.engines[1].die())
+    history = ctrl.run(8)
+    assert [m["step"] for m in history] == list(range(8))
+    restarts = [m["engines/restarts"] for m in history]
+    assert restarts[:2] == [0, 0] and restarts[-1] == 1 and restarts == sorted(restarts)
+    assert recovery.replaced == [3] and recovery.restarts == 1  # at the learner's version then
+    assert all(b.num_seqs == P * N for b in learner.batches)
+    assert engine.engines[1].version == engine.engines[0].version and not engine.failed  # it follows the pushes
+
+
+def test_no_group_is_trained_twice_and_none_is_lost():
+    ctrl, engine, learner, recovery = make(on_train=lambda n: n in (2, 5) and engine.engines[n % 2].die())
+    trained = []
+    train = ctrl._train
+    ctrl._train = lambda groups: trained.extend(g.prompt_index for g in groups) or train(groups)
+    ctrl.run(8)
+    assert recovery.restarts == 2 and ctrl.buffer.dropped == 0
+    assert len(trained) == len(set(trained)) == 8 * P
+    state = ctrl.state_dict()
+    held = [r["prompt_index"] for r in state["inflight"]] + [g["prompt_index"] for g in state["buffer"]["groups"]] \
+        + [r["prompt_index"] for r in state["buffer"]["regenerate"]]
+    assert sorted(trained + held) == list(range(ctrl.prompts.next_index))
+
+
+def test_a_silent_engine_is_killed_and_replaced_after_poll_timeout():
+    ctrl, engine, learner, recovery = make("sync", engines=1, poll_timeout_s=0.05,
+                                           on_train=lambda n: n == 2 and engine.engines[0].hang())
+    hung = engine.engines[0]
+    history = ctrl.run(4)
+    assert [m["engines/restarts"] for m in history] == [0, 0, 1, 1]
+    assert hung.killed and recovery.replaced == [2]
+
+
+def test_past_the_budget_the_error_names_the_count_and_the_last_error():
+    ctrl, engine, _, _ = make("sync", engines=1, limit=1, on_train=lambda n: n in (1, 3) and engine.engines[0].die())
+    with pytest.raises(RestartsExhausted, match=r"1 replaced; the engine process exited \(exit code -9\)"):
+        ctrl.run(6)
+    assert ctrl.step == 3
+
+
+def test_engine_recovery_refuses_past_max_engine_restarts():
+    cfg = load_config(None, ["rollout.max_engine_restarts=2"])
+    engines = EngineSet([Engine()])
+    recovery = EngineRecovery(cfg, None, ExitStack(), engines, pusher=None, address="127.0.0.1")
+    recovery.restarts = 2
+    engines.engines[0].die()
+    failed = recovery.failed()
+    assert failed == [(0, "the engine process exited (exit code -9)")] and engines.engines[0].killed
+    with pytest.raises(RestartsExhausted) as e:
+        recovery.replace(failed, version=5)
+    assert "embedded engine 0 failed, and 2 engine(s) were already replaced in this job " \
+           "(rollout.max_engine_restarts=2)" in str(e.value)
+    assert "exit code -9" in str(e.value)
+
+
+@pytest.mark.parametrize("field,value", [("rollout.max_engine_restarts", -1), ("rollout.push_timeout_s", 0),
+                                         ("rollout.poll_timeout_s", ".inf"), ("rollout.embedded.health_timeout_s", -5)])
+def test_the_new_fields_are_validated(field, value):
+    with pytest.raises(ValueError, match=field.rsplit(".", 1)[-1]):
+        load_config(None, [f"{field}={value}"])
+
+
+def test_engine_set_keeps_the_live_engines_results_and_replace_names_the_lost_requests():
+    from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+
+    engines = EngineSet([Engine(), Engine()])
+    ids = engines.submit([GenerateRequest([1, 2], SamplingParams(n=N), request_id=f"q{i}") for i in range(4)])
+    assert engines.live_samples() == [2 * N, 2 * N]
+    engines.engines[1].die()
+    got = engines.poll(timeout=0.1)  # engine 0's samples; engine 1's failure is kept, not raised yet
+    assert {r.request_id for r in got} == {"q0"} and 1 in engines.failed
+    engines.submit([GenerateRequest([1, 2], SamplingParams(n=N), request_id="q9")])  # not on the failed one
+    assert engines.live_samples()[0] == 2 * N
+    lost = engines.replace(1, Engine(3))
+    assert sorted(lost) == ["q1", "q3"] and not engines.failed and engines.live_samples() == [2 * N, 0]
+    assert engines.is_live("q2") and not engines.is_live("q1") and ids == ["q0", "q1", "q2", "q3"]
+    engines.engines[0].die()
+    engines.engines[1].die()
+    with pytest.raises(EngineError, match="exit code -9"):
+        while True:
+            engines.poll(timeout=0.1)
