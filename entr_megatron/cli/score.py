@@ -32,6 +32,15 @@ statistics, the fraction ENTR would mask at --tau) is printed at the end.
 The command starts tp*pp local ranks itself (gloo on CPU, NCCL when CUDA is
 present), loads the model sharded over them, and runs Megatron's forward-only
 pipeline schedule. The output file appears atomically when everything is done.
+
+Under mpirun the MPI ranks are the ranks instead (mpi4py: the `cluster` extra):
+
+    mpirun -np 2 entr-megatron score --model HF_DIR --tp 2 --input rollouts.jsonl --output scored.jsonl
+
+-np must be tp*pp. Every rank reads --model and --input (a shared file system across
+nodes); MPI rank 0 writes --output and prints. Rank 0's MASTER_ADDR / MASTER_PORT
+(default: its host name's address and a free port) are broadcast over MPI for the
+torch.distributed rendezvous.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mas
 from entr_megatron.checkpoint import directory as checkpoint_dir
 from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
+from entr_megatron.parallel.groups import LaunchInfo, launched_by_mpirun, resolve_launch_env
 from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
 from entr_megatron.utils.spawn import enter_rank, free_port, torchrun_env
 
@@ -177,15 +187,25 @@ def write_output(in_path, out_path, lines, logprobs, entropy, tau) -> str | None
 
 
 def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> None:
-    """One spawned rank: join the process group, build and load the model, score, rank 0 saves."""
+    """One spawned rank: join the loopback process group, score, rank 0 saves the results."""
     enter_rank(torchrun_env(rank, world, "127.0.0.1", port), threads)
+    results = _score_in_world(job, torch.load(job.sequences_path))
+    if results is not None:
+        torch.save(results, job.results_path)
+
+
+def _score_in_world(job: _Job, data: dict, info: LaunchInfo | None = None) -> dict | None:
+    """This process as one rank (of our spawn, or of mpirun: `info`): join the process group, build
+    and load the model, score `data` ({"input_ids", "lengths"}); rank 0 returns the flat
+    {"logprobs", "entropy"} of all sequences, the other ranks None."""
     # Megatron is imported in the ranks only: the parent validates and writes without it.
     from entr_megatron.learner.build import build_learner_model_from_hf
     from entr_megatron.learner.scoring import score_sequences
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import destroy, init_distributed_from_env, initialize_model_parallel
 
-    init_distributed_from_env()
+    rank = init_distributed_from_env(info=info).rank
+    results = None
     try:
         enable_cpu_compat()  # a no-op with CUDA
         groups = initialize_model_parallel(job.tp, job.pp)
@@ -199,7 +219,6 @@ def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> Non
                                                        config_overrides={"perform_initialization": False})
             # cleanup=False: a training run may be saving into this root right now.
             load_checkpoint(job.model_dir, chunks, step=job.step, cleanup=False)
-        data = torch.load(job.sequences_path)
         sequences = torch.split(data["input_ids"], data["lengths"].tolist())
         started, last = time.monotonic(), [0.0]
         tokens = sum(data["lengths"].tolist())
@@ -211,15 +230,15 @@ def _rank_main(rank: int, world: int, port: int, threads: int, job: _Job) -> Non
                 print(f"  scored {done}/{total} sequences ({done / total:.0%}, "
                       f"~{tokens * done / total / (now - started):.0f} tokens/s)", file=sys.stderr, flush=True)
 
-        results = score_sequences(chunks, spec, groups, sequences, temperature=job.temperature,
-                                  batch_tokens=job.batch_tokens, progress=progress)
+        scored = score_sequences(chunks, spec, groups, sequences, temperature=job.temperature,
+                                 batch_tokens=job.batch_tokens, progress=progress)
         if rank == 0:
-            torch.save({"logprobs": torch.cat([lp for lp, _ in results]),
-                        "entropy": torch.cat([ent for _, ent in results])}, job.results_path)
+            results = {"logprobs": torch.cat([lp for lp, _ in scored]), "entropy": torch.cat([ent for _, ent in scored])}
         destroy()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    return results
 
 
 def _launch(world: int, job: _Job) -> None:
@@ -299,6 +318,14 @@ def _resolve_model(path: str, step: int | None) -> tuple[dict | None, int | None
 def _run(args) -> None:
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
+    world = args.tp * args.pp
+    # Under mpirun this process is one of the ranks (an MPI broadcast of rank 0's address, so every
+    # rank gets here); otherwise it spawns them.
+    mpi = resolve_launch_env() if launched_by_mpirun() else None
+    if mpi is not None and mpi.world_size != world:
+        raise ValueError(f"mpirun started {mpi.world_size} rank(s) but --tp {args.tp} x --pp {args.pp} needs "
+                         f"{world}: run mpirun -np {world}")
+    lead = mpi is None or mpi.rank == 0
     if args.batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
     if not args.temperature > 0:
@@ -306,7 +333,7 @@ def _run(args) -> None:
     if not args.tau > 0:
         raise ValueError(f"--tau must be > 0, got {args.tau}")
     out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+    if lead and (not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK)):
         raise ValueError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
     model_config, step, what = _resolve_model(args.model, args.step)
     spec = models.model_spec(model_config if model_config is not None else read_hf_config(args.model))
@@ -317,19 +344,28 @@ def _run(args) -> None:
     lines = read_input(args.input, spec.vocab_size, spec.max_position_embeddings)
     if not lines:
         raise ValueError(f"{args.input}: no input lines")
-    world = args.tp * args.pp
     n_tokens = sum(len(line.input_ids) for line in lines)
-    print(f"scoring {len(lines)} sequences ({n_tokens} tokens) with {spec.model_type} from {what} "
-          f"on {world} rank(s): tp={args.tp} pp={args.pp}", file=sys.stderr, flush=True)
+    if lead:
+        print(f"scoring {len(lines)} sequences ({n_tokens} tokens) with {spec.model_type} from {what} "
+              f"on {world} {'MPI ' if mpi else ''}rank(s): tp={args.tp} pp={args.pp}", file=sys.stderr, flush=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="entr-score-") as tmp:
-        job = _Job(args.model, model_config, step, args.tp, args.pp, os.path.join(tmp, "sequences.pt"), os.path.join(tmp, "results.pt"),
-                   args.temperature, args.batch_tokens)
-        torch.save({"input_ids": torch.tensor([t for line in lines for t in line.input_ids], dtype=torch.long),
-                    "lengths": torch.tensor([len(line.input_ids) for line in lines], dtype=torch.long)},
-                   job.sequences_path)
-        _launch(world, job)
-        results = torch.load(job.results_path)
+    data = {"input_ids": torch.tensor([t for line in lines for t in line.input_ids], dtype=torch.long),
+            "lengths": torch.tensor([len(line.input_ids) for line in lines], dtype=torch.long)}
+    if mpi is not None:
+        # The intra-op threads our own spawn gives each rank: the same numbers either way.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // mpi.local_world_size))
+        # No file paths: this process is a rank, the sequences and results stay in memory.
+        job = _Job(args.model, model_config, step, args.tp, args.pp, "", "", args.temperature, args.batch_tokens)
+        results = _score_in_world(job, data, mpi)
+        if not lead:
+            return
+    else:
+        with tempfile.TemporaryDirectory(prefix="entr-score-") as tmp:
+            job = _Job(args.model, model_config, step, args.tp, args.pp, os.path.join(tmp, "sequences.pt"),
+                       os.path.join(tmp, "results.pt"), args.temperature, args.batch_tokens)
+            torch.save(data, job.sequences_path)
+            _launch(world, job)
+            results = torch.load(job.results_path)
     sizes = [len(line.input_ids) - 1 for line in lines]
     logprobs = torch.split(results["logprobs"], sizes)
     entropy = torch.split(results["entropy"], sizes)

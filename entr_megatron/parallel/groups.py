@@ -6,8 +6,11 @@ That keeps layouts explicit and lets tests build, tear down and rebuild many
 layouts in one launch (``initialize_model_parallel`` ... ``destroy``).
 
 Launch bootstrap (``init_distributed_from_env``) understands torchrun's
-environment and ``mpirun`` (Open MPI / MPICH / Intel MPI through mpi4py); Ray
-workers set the torchrun variables themselves before calling it.
+environment and ``mpirun`` (Open MPI / MPICH / Intel MPI through mpi4py: the
+``cluster`` extra installs MPICH's wheel, whose ``mpirun`` lands next to the
+interpreter); Ray workers set the torchrun variables themselves before calling it.
+Under mpirun, MPI only hands out ranks and rank 0's address: the process group is
+gloo / NCCL over TCP, as under torchrun.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from entr_megatron.utils.spawn import enter_rank, torchrun_env
+
 __all__ = [
     "LaunchInfo",
     "ParallelGroups",
     "destroy",
     "init_distributed_from_env",
     "initialize_model_parallel",
+    "launched_by_mpirun",
     "resolve_launch_env",
 ]
 
@@ -207,11 +213,21 @@ class LaunchInfo:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun" or "mpirun"
+    # Ranks on this node (LOCAL_WORLD_SIZE, or the MPI's local size); 1 when the launcher does not say.
+    local_world_size: int = 1
 
 
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _MPI_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+_MPI_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_mpirun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a rank that mpirun started (``OMPI_COMM_WORLD_RANK`` or ``PMI_RANK``
+    set) and not one that torchrun or our own spawning set up (``RANK`` set: those win)."""
+    environ = os.environ if environ is None else environ
+    return "RANK" not in environ and any(v in environ for v in _MPI_RANK_VARS)
 
 
 def _free_port() -> int:
@@ -236,7 +252,7 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None, mpi_comm=None) 
     all ranks over MPI. ``mpi_comm`` replaces ``mpi4py.MPI.COMM_WORLD`` (tests).
     """
     environ = os.environ if environ is None else environ
-    if "RANK" not in environ and any(v in environ for v in _MPI_RANK_VARS):
+    if launched_by_mpirun(environ):
         if mpi_comm is None:
             try:
                 from mpi4py import MPI  # lazy: only mpirun launches need it
@@ -255,7 +271,8 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None, mpi_comm=None) 
         addr, port = mpi_comm.bcast(mine, root=0)
         local = next((environ[v] for v in _MPI_LOCAL_RANK_VARS if v in environ), None)
         local_rank = int(local) if local is not None else int(environ.get("LOCAL_RANK", 0))
-        return LaunchInfo(rank, world, local_rank, addr, port, "mpirun")
+        local_size = next((int(environ[v]) for v in _MPI_LOCAL_SIZE_VARS if v in environ), 1)
+        return LaunchInfo(rank, world, local_rank, addr, port, "mpirun", local_size)
     missing = [v for v in _TORCHRUN_VARS if v not in environ]
     if missing:
         raise ValueError(
@@ -266,25 +283,37 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None, mpi_comm=None) 
     if not 0 <= rank < world:
         raise ValueError(f"RANK must be in [0, WORLD_SIZE={world}), got {rank}")
     local_rank = _int_env(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0
-    return LaunchInfo(rank, world, local_rank, environ["MASTER_ADDR"], _int_env(environ, "MASTER_PORT"), "torchrun")
+    local_size = _int_env(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ else 1
+    return LaunchInfo(rank, world, local_rank, environ["MASTER_ADDR"], _int_env(environ, "MASTER_PORT"), "torchrun",
+                      local_size)
 
 
-def init_distributed_from_env(timeout_minutes: float = 30.0) -> LaunchInfo:
-    """Initialize ``torch.distributed`` from the launcher's environment (see ``resolve_launch_env``).
+def init_distributed_from_env(timeout_minutes: float = 30.0, info: LaunchInfo | None = None) -> LaunchInfo:
+    """Initialize ``torch.distributed`` from the launcher's environment (see ``resolve_launch_env``;
+    ``info``: coordinates already resolved, e.g. by an mpirun rank that needed its rank earlier, since
+    under mpirun resolving is a collective broadcast).
 
     Backend: NCCL when CUDA is available (the device is set to ``LOCAL_RANK``),
     gloo otherwise. Returns the launch coordinates; a no-op apart from reading
     them when ``torch.distributed`` is already initialized.
+
+    Under mpirun the rank becomes a torchrun-style rank (``utils.spawn.enter_rank``): the torchrun
+    variables are exported, rank 0 serves the rendezvous store on ``MASTER_ADDR`` only, and with
+    ``MASTER_ADDR=127.0.0.1`` gloo stays on loopback.
     """
-    info = resolve_launch_env()
+    info = resolve_launch_env() if info is None else info
     if dist.is_initialized():
         return info
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     # Megatron and our own code read these, whichever launcher set them.
-    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
-                      MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port))
+    if info.launcher == "mpirun":
+        enter_rank(torchrun_env(info.rank, info.world_size, info.master_addr, info.master_port,
+                                local_rank=info.local_rank, local_world_size=info.local_world_size))
+    else:  # torchrun's agent (or whoever set RANK) owns the store and the interfaces
+        os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+                          MASTER_ADDR=info.master_addr, MASTER_PORT=str(info.master_port))
     dist.init_process_group(
         backend,
         init_method=f"tcp://{info.master_addr}:{info.master_port}",
