@@ -54,16 +54,22 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _refused(command: str, job, *args, **kwargs):
     """`job(*args, **kwargs)`; a run directory another job holds, that is not writable or has no
     room for a checkpoint, or whose checkpoints are all unusable, is one message and exit 2
-    (nothing started); a failed save (e.g. a full disk) one message and exit 1."""
+    (nothing started); a failed save (e.g. a full disk) or an engine that failed once too often
+    one message and exit 1."""
     from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
+    from entr_megatron.controller.engines import RestartsExhausted
     from entr_megatron.controller.run_hooks import DiskSpaceError
     from entr_megatron.utils.run_lock import RunLockedError
 
     try:
         return job(*args, **kwargs)
-    except (RunLockedError, CheckpointSaveError, DiskSpaceError) as e:
+    except (RunLockedError, DiskSpaceError) as e:
         print(f"entr-megatron {command}: {e}", file=sys.stderr)
-        sys.exit(2 if not isinstance(e, CheckpointSaveError) else 1)
+        sys.exit(2)
+    except (CheckpointSaveError, RestartsExhausted) as e:  # mid-run: the last checkpoint resumes
+        print(f"entr-megatron {command}: {e}\nRun the same command to resume from the last checkpoint.",
+              file=sys.stderr)
+        sys.exit(1)
     except CheckpointError as e:
         hint = ("\nNothing was loaded or overwritten. To start over anyway (checkpoints and metrics kept aside), "
                 "rerun with --restart-from-scratch" if command == "train" else "")
