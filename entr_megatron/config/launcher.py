@@ -53,6 +53,11 @@ class LauncherConfig:
     cpu_threads_per_rank: int | None = None
     """torch intra-op threads of each learner rank. None: torch's default. >= 1."""
 
+    max_restarts: int = 0
+    """torchrun's --max-restarts: when a learner rank fails (raises or dies), stop every rank and
+    the engines and start them again from the last checkpoint, up to this many times per job;
+    then the error ends the job. metrics.jsonl keeps one line per step. >= 0."""
+
     def __post_init__(self) -> None:
         choice(self, "kind", LauncherKind)
         choice(self, "device", Device)
@@ -64,6 +69,7 @@ class LauncherConfig:
         string(self, "master_addr")
         integer(self, "master_port", low=0, high=65535)
         integer(self, "cpu_threads_per_rank", low=1, optional=True)
+        integer(self, "max_restarts", low=0)
         if self.ray_address is not None and self.kind != "ray":
             raise bad(self, "ray_address", self.ray_address, "is only used with launcher.kind='ray'; use null")
         if self.device == "cuda" and self.gpus_per_node < self.nproc_per_node:

@@ -36,6 +36,7 @@ from entr_megatron.controller.run_hooks import RunCheckpoints, check_disk, resum
 from entr_megatron.controller.sft import warm_up
 from entr_megatron.controller.sglang_setup import check_launch
 from entr_megatron.controller.wiring import connect, make_engines
+from entr_megatron.controller.workers import WorkerError
 from entr_megatron.utils.run_lock import RunLock
 
 __all__ = ["RunPaths", "build_task", "check_inputs", "check_launch", "check_model_layout", "evaluate",
@@ -122,16 +123,36 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         if removed:
             say(f"removed the leftovers of an interrupted checkpoint save: {', '.join(removed)}")
         write_config(cfg, paths)
-        return _train(cfg, paths, tokenizer, task, max_steps, restart_from_scratch)
+        return _train_restarting(cfg, paths, tokenizer, task, max_steps, restart_from_scratch)
+
+
+def _train_restarting(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
+                      restart_from_scratch: bool) -> dict:
+    """`_train`, started again from the last checkpoint when a learner rank fails, up to
+    launcher.max_restarts times (torchrun's meaning): every rank and engine is stopped first."""
+    budget, plan = cfg.launcher.max_restarts, {}
+    for attempt in range(budget + 1):
+        try:
+            out = _train(cfg, paths, tokenizer, task, max_steps, restart_from_scratch and attempt == 0, plan)
+            return {**out, "learner_restarts": attempt}
+        except WorkerError as e:
+            if attempt == budget:
+                raise
+            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            say(f"a learner rank failed ({first}); restarting every rank and engine from the last checkpoint "
+                f"(launcher.max_restarts: {attempt + 1} of {budget})")
+    raise AssertionError("unreachable")
 
 
 def _train(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
-           restart_from_scratch: bool) -> dict:
+           restart_from_scratch: bool, plan: dict) -> dict:
+    """One start of RL; `plan` keeps the step this job stops at across restarts."""
     start_dir = _start_model(cfg, paths, tokenizer, task)
     resume_step = resume_point(paths, restart_from_scratch)
     check_disk(paths, start_dir, cfg.controller.keep_last_checkpoints)
     c, done = cfg.controller, resume_step or 0
-    remaining = c.train_steps - done if max_steps is None else min(c.train_steps - done, max_steps)
+    until = plan.setdefault("until", c.train_steps if max_steps is None else min(c.train_steps, done + max_steps))
+    remaining = until - done
     out: dict[str, Any] = {"start_step": done}
     with ExitStack() as stack:
         engine, learner, pusher = connect(cfg, start_dir, stack, paths.root / "sglang")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from entr_megatron.utils.spawn import die_with_parent, enter_rank, free_port, torchrun_env
+from entr_megatron.utils.spawn import die_with_parent, enter_rank, free_port, name_process, torchrun_env
 
 __all__ = ["ProcessWorkerGroup", "RayWorkerGroup", "WorkerError"]
 
@@ -38,6 +38,7 @@ class WorkerError(RuntimeError):
 def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: tuple, conn) -> None:
     """A local rank: build the worker, then run calls until told to stop."""
     die_with_parent()  # the driver killed outright takes its ranks with it
+    name_process(f"entr-rank{rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     enter_rank(env, threads)
     worker = None

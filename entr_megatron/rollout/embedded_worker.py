@@ -53,7 +53,7 @@ from entr_megatron.rollout.embedded_protocol import (
 from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpdateReport
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
 from entr_megatron.rollout.weights import WeightStage
-from entr_megatron.utils.spawn import die_with_parent
+from entr_megatron.utils.spawn import die_with_parent, name_process
 
 __all__ = ["run_worker"]
 
@@ -245,22 +245,13 @@ PROCESS_NAME = "entr-engine"
 so that an operator (or a fault test) tells it from the learner ranks."""
 
 
-def _name_process(name: str) -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass  # not Linux: the process keeps its interpreter's name
-
-
 def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: Any) -> None:
     """Entry point of the engine process (spawned by `EmbeddedEngine`)."""
     # Ctrl-C in a terminal reaches the whole process group: the owner decides (e.g. the
     # training job drains, checkpoints, then shuts the engine down); it dies with its owner,
     # also when the owner is killed outright.
     die_with_parent()
-    _name_process(PROCESS_NAME)
+    name_process(PROCESS_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if config.num_threads is not None:

@@ -242,3 +242,29 @@ def test_a_killed_engine_is_replaced_and_training_goes_on(tmp_path):
     assert restarts[:kill_after] == [0] * kill_after and restarts[-3:] == [1, 1, 1], restarts
     assert restarts == sorted(restarts)
     assert not engines[0].is_running() or engines[0].status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_killed_learner_rank_restarts_the_job_from_its_last_checkpoint(tmp_path):
+    steps, kill_after = 8, 3  # checkpoints every 2 steps: the restart resumes from step 2 (or 4)
+    cfg, run_dir = config(tmp_path, "rank", train_steps=steps)
+    data = yaml.safe_load(cfg.read_text())
+    data["launcher"]["max_restarts"] = 1
+    cfg.write_text(yaml.safe_dump(data))
+    job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(steps_of(run_dir)) < kill_after:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+            time.sleep(0.2)
+        ranks = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "entr-rank0"]
+        assert len(ranks) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
+        ranks[0].kill()  # SIGKILL
+        out, err = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-4000:]
+    assert "a learner rank failed" in err and "(launcher.max_restarts: 1 of 1)" in err, err[-4000:]
+    assert json.loads(out.strip().splitlines()[-1])["learner_restarts"] == 1
+    assert_every_step_once(run_dir, steps)
