@@ -15,8 +15,10 @@ once afterwards:
     full disk (a small tmpfs)             checked before start (exit 2, the numbers); a save that fails
                                           says ENOSPC and leaves no partial files (test_learner_checkpoint)
     read-only run directory               exit 2 naming it, before anything starts
-    kill -9 of the engine process         a new engine takes its place (the learner's weights, the lost
-                                          groups again), the job goes on to its last step, exit 0
+    kill -9, then SIGSTOP of the engine   each replaced by a new engine (the learner's weights, the lost
+                                          groups again; engines/restarts 1, then 2), exit 0
+    kill -9 of learner rank 0             with launcher.max_restarts 1: all restarted from the last
+                                          checkpoint, exit 0
 
 The tiny model trains from random weights (no warm-up: rewards need not vary for these checks).
 """
@@ -217,19 +219,35 @@ def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, t
     assert str(tmpfs / "run") in proc.stderr
 
 
-def test_a_killed_engine_is_replaced_and_training_goes_on(tmp_path):
-    steps, kill_after = 12, 4
+def _engine_of(job: subprocess.Popen) -> psutil.Process:
+    engines = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "entr-engine"]
+    assert len(engines) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
+    return engines[0]
+
+
+def test_a_killed_and_a_stalled_engine_are_replaced_and_training_goes_on(tmp_path):
+    steps, kill_after, stop_after = 12, 4, 8
     cfg, run_dir = config(tmp_path, "killed", train_steps=steps, checkpoint_interval=0)
+    data = yaml.safe_load(cfg.read_text())  # a SIGSTOPped engine: silent for 5 s, no health answer in 3 s
+    data["rollout"] = {**data["rollout"], "poll_timeout_s": 5.0, "push_timeout_s": 20.0,
+                       "embedded": {**data["rollout"]["embedded"], "health_timeout_s": 3.0}}
+    cfg.write_text(yaml.safe_dump(data))
     job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists() or len(steps_of(run_dir)) < kill_after:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        killed = stopped = None
+        while job.poll() is None and stopped is None:
+            done = len(steps_of(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+            assert time.monotonic() < deadline, job.communicate()[1][-3000:]
+            if killed is None and done >= kill_after:
+                killed = _engine_of(job)
+                killed.kill()  # SIGKILL
+            elif killed is not None and done >= stop_after:
+                stopped = _engine_of(job)
+                assert stopped.pid != killed.pid
+                stopped.suspend()  # SIGSTOP: alive, silent
             time.sleep(0.2)
-        engines = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "entr-engine"]
-        assert len(engines) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
-        engines[0].kill()  # SIGKILL
         out, err = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
@@ -239,9 +257,9 @@ def test_a_killed_engine_is_replaced_and_training_goes_on(tmp_path):
     assert_every_step_once(run_dir, steps)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     restarts = [row["engines/restarts"] for row in rows]
-    assert restarts[:kill_after] == [0] * kill_after and restarts[-3:] == [1, 1, 1], restarts
-    assert restarts == sorted(restarts)
-    assert not engines[0].is_running() or engines[0].status() == psutil.STATUS_ZOMBIE
+    assert restarts[:kill_after] == [0] * kill_after and restarts[-1] == 2 and restarts == sorted(restarts), restarts
+    for p in (killed, stopped):
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_killed_learner_rank_restarts_the_job_from_its_last_checkpoint(tmp_path):
