@@ -207,8 +207,11 @@ def layout_conflicts(
     expert_tp: heads, key/value heads (whole QKV groups per TP rank, see the module docstring) and
     the dense MLP by tp; layers by pp and by pp * vpp; experts by ep and their MLP by expert_tp.
     Empty: Megatron can build the model on this layout."""
-    checks = [("tp", tp, "num_attention_heads", spec.num_attention_heads),
-              ("tp", tp, "num_key_value_heads", spec.num_query_groups)]
+    checks = [("tp", tp, "num_attention_heads", spec.num_attention_heads)]
+    if spec.num_query_groups % tp and tp % spec.num_query_groups:
+        # more TP ranks than key/value heads works when they divide evenly (tested at TP=4 with
+        # 2 kv heads: tests/e2e/test_on_policy_consistency.py)
+        checks.append(("tp", tp, "num_key_value_heads", spec.num_query_groups))
     if not spec.is_moe:  # every layer of a supported MoE model is MoE: the dense width is unused
         checks.append(("tp", tp, "intermediate_size", spec.ffn_hidden_size))
     checks.append(("pp", pp, "num_hidden_layers", spec.num_layers))
