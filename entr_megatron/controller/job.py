@@ -130,18 +130,18 @@ def _train_restarting(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any
                       restart_from_scratch: bool) -> dict:
     """`_train`, started again from the last checkpoint when a learner rank fails, up to
     launcher.max_restarts times (torchrun's meaning): every rank and engine is stopped first."""
-    budget, plan = cfg.launcher.max_restarts, {}
-    for attempt in range(budget + 1):
+    budget, plan, attempt = cfg.launcher.max_restarts, {}, 0
+    while True:
         try:
             out = _train(cfg, paths, tokenizer, task, max_steps, restart_from_scratch and attempt == 0, plan)
             return {**out, "learner_restarts": attempt}
         except WorkerError as e:
             if attempt == budget:
                 raise
+            attempt += 1
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             say(f"a learner rank failed ({first}); restarting every rank and engine from the last checkpoint "
-                f"(launcher.max_restarts: {attempt + 1} of {budget})")
-    raise AssertionError("unreachable")
+                f"(launcher.max_restarts: {attempt} of {budget})")
 
 
 def _train(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
