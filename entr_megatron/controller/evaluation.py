@@ -17,15 +17,24 @@ from entr_megatron.controller.run_dir import RunPaths, read_eval, save_eval
 from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
 from entr_megatron.utils.seeding import mix_seed
 
-__all__ = ["HeldOut", "evaluate"]
+__all__ = ["EVAL_TIMEOUT_S", "HeldOut", "evaluate"]
+
+EVAL_TIMEOUT_S = 3600.0
+"""The longest one evaluation pass (greedy or sampled) may take, however busy the engines are."""
 
 
 def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig, seed: int = 0,
-             samples_per_problem: int = 4) -> dict[str, float]:
+             samples_per_problem: int = 4, idle_timeout_s: float | None = None,
+             timeout_s: float = EVAL_TIMEOUT_S) -> dict[str, float]:
     """Held-out accuracy on `n` problems of the test split: greedy (`eval/accuracy`), and the
     mean over `samples_per_problem` samples drawn as in training (`sampling`: the config's
     temperature, top-p, top-k), i.e. the accuracy of the policy RL optimises
-    (`eval/sampled_accuracy`). A sample is correct when its reward is 1."""
+    (`eval/sampled_accuracy`). A sample is correct when its reward is 1.
+
+    `idle_timeout_s` (a run's rollout.poll_timeout_s): silence that long gets the engines
+    health-checked, and a dead or stopped one ends the evaluation with EngineError (engines are
+    replaced during RL steps, not during an evaluation: the job stops, and its rerun resumes from
+    the last checkpoint)."""
     pairs = task.prompts("test", n, seed=seed)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens, n=1)
     sampled = SamplingParams.from_config(sampling, n=samples_per_problem)
@@ -33,7 +42,7 @@ def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig,
     for name, params in (("accuracy", greedy), ("sampled_accuracy", sampled)):
         requests = [GenerateRequest(ids, dataclasses.replace(params, seed=mix_seed(seed, i)))
                     for i, (ids, _) in enumerate(pairs)]
-        results = generate(engine, requests, timeout_s=3600)
+        results = generate(engine, requests, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s)
         refs = [ref for _, ref in pairs for _ in range(params.n)]
         rewards = [float(task.reward(r.to_sample(), ref)) for r, ref in zip(results, refs)]
         out[f"eval/{name}"] = sum(r == 1.0 for r in rewards) / len(rewards)
@@ -48,9 +57,10 @@ class HeldOut:
         self.enabled = cfg.task.eval_size > 0
         self.task, self.engine, self.paths = task, engine, paths
         self.n, self.sampling, self.seed = cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed
+        self.idle_timeout_s = cfg.rollout.poll_timeout_s
 
     def _evaluate(self) -> dict[str, float]:
-        return evaluate(self.engine, self.task, self.n, self.sampling, self.seed)
+        return evaluate(self.engine, self.task, self.n, self.sampling, self.seed, idle_timeout_s=self.idle_timeout_s)
 
     def before_rl(self, fresh: bool) -> dict | None:
         """eval.json's "before_rl", measured now when the run is `fresh` (not resumed) and has none."""

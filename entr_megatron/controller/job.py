@@ -49,10 +49,10 @@ LEARNER_COMMANDS: Sequence[str] = ("train", "sft")
 def check_inputs(cfg: RunConfig, command: str = "train") -> None:
     """What the job `command` ("train", "sft" or "eval") reads, checked before anything is started
     or written: a task `train` can drive for task.name, the chosen task's data files and (train,
-    sft) sft.data_files readable; for train and sft the model against the learner layout
+    sft) sft.data_files readable, or a task that generates SFT examples when there are none; for train and sft the model against the learner layout
     (`check_model_layout`); for train where SGLang servers may be launched (`check_launch`).
     Raises ValueError naming the field (the CLI prints it and exits 2)."""
-    from entr_megatron.rollout.tasks import TASK_BUILDERS, check_task_files
+    from entr_megatron.rollout.tasks import TASK_BUILDERS, TASKS, check_task_files
 
     if cfg.task.name not in TASK_BUILDERS:
         raise FieldError("task", "name", cfg.task.name, f"allowed: {', '.join(TASK_BUILDERS)} (the tasks train drives)")
@@ -64,6 +64,9 @@ def check_inputs(cfg: RunConfig, command: str = "train") -> None:
     if command in LEARNER_COMMANDS:
         if cfg.sft is not None:
             readable_files(cfg.sft, "data_files")
+            if not cfg.sft.data_files and not hasattr(TASKS[cfg.task.name], "sft_examples"):
+                raise FieldError("sft", "data_files", [], f"task {cfg.task.name!r} generates no SFT examples: list "
+                                 "JSONL files of {\"prompt\", \"response\"} records, or remove the sft section")
         check_model_layout(cfg)
     if command == "train":
         check_launch(cfg)

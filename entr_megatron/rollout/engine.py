@@ -279,9 +279,14 @@ class RolloutEngine(Protocol):
 
 
 def generate(
-    engine: RolloutEngine, requests: Sequence[GenerateRequest], timeout_s: float = 600.0
+    engine: RolloutEngine, requests: Sequence[GenerateRequest], timeout_s: float = 600.0,
+    idle_timeout_s: float | None = None,
 ) -> list[GenerateResult]:
     """Submit and wait for every sample; results in request order, then sample index.
+
+    `timeout_s` bounds the whole wait. With `idle_timeout_s`, every time no sample has come for
+    that long the engine is health-checked: a dead or stopped engine (alive=False) raises
+    EngineError with its error; one that answers keeps generating (slow, not hung).
 
     For an engine with nothing else in flight: results of other requests polled
     meanwhile are dropped.
@@ -290,13 +295,23 @@ def generate(
     expected = sum(r.params.n for r in requests)
     done: dict[tuple[str, int], GenerateResult] = {}
     deadline = time.monotonic() + timeout_s
+    last_sample = time.monotonic()
     wanted = set(ids)
     while len(done) < expected:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"{expected - len(done)} of {expected} samples not finished after {timeout_s:.0f} s")
-        for r in engine.poll(timeout=min(left, 1.0)):
+        results = engine.poll(timeout=min(left, 1.0, idle_timeout_s or 1.0))
+        for r in results:
             if r.request_id in wanted:
                 done[(r.request_id, r.sample_index)] = r
+        if results:
+            last_sample = time.monotonic()
+        elif idle_timeout_s is not None and time.monotonic() - last_sample > idle_timeout_s:
+            health = engine.health()
+            if not health.alive:
+                raise EngineError(f"no sample for {idle_timeout_s:.0f} s ({len(done)} of {expected} done) and the "
+                                  f"engine does not answer: {health.error or 'not alive'}")
+            last_sample = time.monotonic()  # alive: slow, not hung
     order = {rid: i for i, rid in enumerate(ids)}
     return sorted(done.values(), key=lambda r: (order[r.request_id], r.sample_index))

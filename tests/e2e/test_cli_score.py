@@ -116,7 +116,7 @@ def test_unknown_model_dir_or_unsplittable_layout_is_refused(hf_model, tmp_path,
     inp.write_text('{"input_ids": [1, 2, 3]}\n')
     err = score_in_process(capsys, "--model", str(tmp_path), "--input", str(inp), "--output", out)
     assert "neither an HF model directory" in err and "learner checkpoint root" in err, err
-    err = score_in_process(capsys, "--model", path, "--tp", "4", "--input", str(inp), "--output", out)
-    assert "--tp 4 does not divide the model's num_key_value_heads=2" in err, err
+    err = score_in_process(capsys, "--model", path, "--tp", "3", "--input", str(inp), "--output", out)
+    assert "--tp 3 does not divide the model's num_attention_heads=4" in err, err
     err = score_in_process(capsys, "--model", path, "--input", str(tmp_path / "missing.jsonl"), "--output", out)
     assert "cannot read" in err and "missing.jsonl" in err, err

@@ -275,7 +275,10 @@ def test_a_killed_learner_rank_restarts_the_job_from_its_last_checkpoint(tmp_pat
         while not (run_dir / "metrics.jsonl").exists() or len(steps_of(run_dir)) < kill_after:
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
             time.sleep(0.2)
-        ranks = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "entr-rank0"]
+        # rank 0 itself, not the writer processes Megatron's async checkpoint save forks from it
+        # (they inherit its name while a save is under way)
+        ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
+                 if p.name() == "entr-rank0" and p.parent().name() != "entr-rank0"]
         assert len(ranks) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
         ranks[0].kill()  # SIGKILL
         out, err = job.communicate(timeout=600)

@@ -347,3 +347,18 @@ def test_a_failed_score_rank_shows_its_own_error(monkeypatch):
     monkeypatch.setattr(score, "_rank_main", _failing_rank)  # what the spawned rank runs
     msg = _message(score._launch, 1, None, error=RuntimeError)
     assert msg.startswith("rank 0 failed:") and "ValueError: rank 0 cannot load its shard" in msg, msg
+
+
+def test_a_warm_up_without_examples_is_refused_before_anything_starts(tmp_path, capsys):
+    from entr_megatron.rollout.tasks import build_char_tokenizer, save_char_tokenizer
+
+    save_char_tokenizer(build_char_tokenizer(), str(tmp_path / "tok"))
+    good = tmp_path / "train.jsonl"
+    good.write_text("".join(json.dumps({"problem": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    run = tmp_path / "run"
+    for command in ("train", "sft"):  # the demo has an sft section; the math task generates no SFT data
+        code, err = _cli(capsys, command, "--config", str(DEMO), "--run-dir", str(run), *_math(tmp_path, good),
+                         "task.eval_size=0")
+        assert code == 2, err
+        assert "sft.data_files=[] is not valid; task 'math' generates no SFT examples" in err, err
+    assert not run.exists()

@@ -252,3 +252,21 @@ def test_shutdown_reaches_every_engine_once():
         engines.shutdown()
     engines.shutdown()
     assert [f.shutdowns for f in fakes] == [1, 1]
+
+
+def test_generate_health_checks_a_silent_engine_and_fails_a_dead_one():
+    from entr_megatron.rollout.engine import EngineError, generate
+
+    slow = FakeEngine()
+    checks = []
+    slow.health = lambda real=slow.health: checks.append(1) or real()
+    slow.finish_at(time.monotonic() + 0.35)  # silent past the idle timeout, but alive: it is waited for
+    results = generate(slow, [_req(2)], timeout_s=10, idle_timeout_s=0.1)
+    assert [r.sample_index for r in results] == [0, 1] and checks
+    dead = FakeEngine()
+    dead.finish_at(time.monotonic() + 0.3)  # would finish, but it no longer answers a health check
+    dead.alive = False
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"no sample for 0 s \(0 of 3 done\) and the engine does not answer: died"):
+        generate(dead, [_req(3)], timeout_s=10, idle_timeout_s=0.05)
+    assert time.monotonic() - t0 < 2
