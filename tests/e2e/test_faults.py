@@ -225,67 +225,57 @@ def _engine_of(job: subprocess.Popen) -> psutil.Process:
     return engines[0]
 
 
-def test_a_killed_and_a_stalled_engine_are_replaced_and_training_goes_on(tmp_path):
-    steps, kill_after, stop_after = 12, 4, 8
-    cfg, run_dir = config(tmp_path, "killed", train_steps=steps, checkpoint_interval=0)
+def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_job(tmp_path):
+    """One job, three faults: kill -9 of the engine, SIGSTOP of its replacement (both replaced, the
+    job goes on), then kill -9 of learner rank 0 (launcher.max_restarts 1: every process started
+    again from the last checkpoint)."""
+    steps, kill_after, stop_after = 14, 3, 6
+    cfg, run_dir = config(tmp_path, "faults", train_steps=steps)  # checkpoints every CKPT_EVERY steps
     data = yaml.safe_load(cfg.read_text())  # a SIGSTOPped engine: silent for 5 s, no health answer in 3 s
     data["rollout"] = {**data["rollout"], "poll_timeout_s": 5.0, "push_timeout_s": 20.0,
                        "embedded": {**data["rollout"]["embedded"], "health_timeout_s": 3.0}}
-    cfg.write_text(yaml.safe_dump(data))
-    job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        killed = stopped = None
-        while job.poll() is None and stopped is None:
-            done = len(steps_of(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
-            assert time.monotonic() < deadline, job.communicate()[1][-3000:]
-            if killed is None and done >= kill_after:
-                killed = _engine_of(job)
-                killed.kill()  # SIGKILL
-            elif killed is not None and done >= stop_after:
-                stopped = _engine_of(job)
-                assert stopped.pid != killed.pid
-                stopped.suspend()  # SIGSTOP: alive, silent
-            time.sleep(0.2)
-        out, err = job.communicate(timeout=600)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, err[-4000:]
-    assert "embedded engine 0 failed (the engine process exited (exit code -9))" in err, err[-4000:]
-    assert_every_step_once(run_dir, steps)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    restarts = [row["engines/restarts"] for row in rows]
-    assert restarts[:kill_after] == [0] * kill_after and restarts[-1] == 2 and restarts == sorted(restarts), restarts
-    for p in (killed, stopped):
-        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-
-
-def test_a_killed_learner_rank_restarts_the_job_from_its_last_checkpoint(tmp_path):
-    steps, kill_after = 8, 3  # checkpoints every 2 steps: the restart resumes from step 2 (or 4)
-    cfg, run_dir = config(tmp_path, "rank", train_steps=steps)
-    data = yaml.safe_load(cfg.read_text())
     data["launcher"]["max_restarts"] = 1
     cfg.write_text(yaml.safe_dump(data))
     job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists() or len(steps_of(run_dir)) < kill_after:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        deadline = time.monotonic() + 400
+        killed = stopped = replaced_at = None
+        while job.poll() is None:
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+                if (run_dir / "metrics.jsonl").exists() else []
+            assert time.monotonic() < deadline, job.communicate()[1][-3000:]
+            if killed is None and len(rows) >= kill_after:
+                killed = _engine_of(job)
+                killed.kill()  # SIGKILL
+            elif stopped is None and killed is not None and len(rows) >= stop_after:
+                stopped = _engine_of(job)
+                assert stopped.pid != killed.pid
+                stopped.suspend()  # SIGSTOP: alive, silent
+            elif stopped is not None and replaced_at is None and rows and rows[-1]["engines/restarts"] == 2:
+                replaced_at = len(rows)
+            elif replaced_at is not None and (run_dir / "checkpoints" / "latest").exists() \
+                    and int((run_dir / "checkpoints" / "latest").read_text()) > replaced_at:
+                # the checkpoint the restart resumes from holds steps trained after both replacements
+                ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
+                         if p.name() == "entr-rank0" and p.parent().name() != "entr-rank0"]
+                # (not the writer processes Megatron's async save forks from rank 0, under its name)
+                assert len(ranks) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
+                ranks[0].kill()  # SIGKILL
+                break
             time.sleep(0.2)
-        # rank 0 itself, not the writer processes Megatron's async checkpoint save forks from it
-        # (they inherit its name while a save is under way)
-        ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
-                 if p.name() == "entr-rank0" and p.parent().name() != "entr-rank0"]
-        assert len(ranks) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
-        ranks[0].kill()  # SIGKILL
         out, err = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, err[-4000:]
+    assert replaced_at is not None, "the job ended before the rank was killed"
+    assert "embedded engine 0 failed (the engine process exited (exit code -9))" in err, err[-4000:]
     assert "a learner rank failed" in err and "(launcher.max_restarts: 1 of 1)" in err, err[-4000:]
     assert json.loads(out.strip().splitlines()[-1])["learner_restarts"] == 1
     assert_every_step_once(run_dir, steps)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    restarts = [row["engines/restarts"] for row in rows[:replaced_at]]  # the first start's steps
+    assert restarts[:kill_after] == [0] * kill_after and restarts[-1] == 2 and restarts == sorted(restarts), restarts
+    for p in (killed, stopped):
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE

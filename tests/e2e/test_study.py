@@ -59,7 +59,7 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
     cells = out / "cells"
 
     # 1. run until one cell is done and the next has a checkpoint, then kill the whole study
-    proc = study("run", str(tmp_path / "spec.yaml"), "--out", str(out))
+    proc = study("run", str(tmp_path / "spec.yaml"), "--out", str(out), "--jobs", "2")  # two cells at a time
     deadline, victim = time.time() + 600, None
     while time.time() < deadline and victim is None:
         assert proc.poll() is None, proc.communicate()
@@ -77,7 +77,7 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
     first_done = {d.name: status(d)["attempts"] for d in cells.iterdir() if status(d).get("state") == "done"}
 
     # 2. rerun: finished cells skipped, the killed one resumed, every cell done, no step twice
-    proc = study("run", str(tmp_path / "spec.yaml"), "--out", str(out))
+    proc = study("run", str(tmp_path / "spec.yaml"), "--out", str(out), "--jobs", "2")
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr[-4000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
