@@ -183,8 +183,9 @@ def learner_group(cfg: RunConfig, model_dir: Path, phase: str):
         threads = max(threads or 1, (os.cpu_count() or 1) // world)  # no engine runs beside the warm-up
     if launcher.kind == "ray":
         gpus = 1.0 if launcher.device == "cuda" else 0.0
+        key = cfg.rollout.sglang.api_key_env if cfg.rollout.engine == "sglang" else None  # rank 0 updates the servers
         return RayWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads, gpus_per_rank=gpus,
-                              ray_address=launcher.ray_address)
+                              ray_address=launcher.ray_address, env_from_driver=(key,) if key else ())
     return ProcessWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads,
                               master_addr=launcher.master_addr)
 

@@ -16,6 +16,7 @@ others). When a rank fails, the call raises at once with that rank's traceback
 from __future__ import annotations
 
 import multiprocessing.connection
+import os
 import signal
 import time
 import traceback
@@ -210,12 +211,15 @@ class RayWorkerGroup:
     """Ranks as Ray actors in one placement group (one bundle per rank, packed onto few nodes).
 
     `ray_address`: an existing cluster ("auto", "ray://host:10001") or None to start a local one.
-    Rank 0's node address and a free port there become MASTER_ADDR / MASTER_PORT.
+    Rank 0's node address and a free port there become MASTER_ADDR / MASTER_PORT. `env_from_driver`:
+    names of environment variables copied from this process into every rank's environment (actors
+    on other nodes inherit nothing from it), e.g. rollout.sglang.api_key_env. They travel as an
+    argument of the rank's start call, not in Ray's runtime_env (which the Ray dashboard shows).
     """
 
     def __init__(self, world_size: int, factory: Callable, args: tuple = (), *, threads_per_rank: int | None = None,
                  gpus_per_rank: float = 0.0, ray_address: str | None = None, startup_timeout_s: float = 900.0,
-                 name: str = "learner", placement_strategy: str = "PACK"):
+                 name: str = "learner", placement_strategy: str = "PACK", env_from_driver: Sequence[str] = ()):
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -248,6 +252,7 @@ class RayWorkerGroup:
             lr = local_rank.get(ip, 0)
             local_rank[ip] = lr + 1
             env = torchrun_env(rank, world_size, master, port, local_rank=lr, local_world_size=ips.count(ip))
+            env.update({k: os.environ[k] for k in env_from_driver if k in os.environ})
             refs.append(actor.start.remote(env, threads_per_rank, factory, args))
         self._busy = False
         try:

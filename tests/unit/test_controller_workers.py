@@ -1,5 +1,7 @@
-"""ProcessWorkerGroup: one call on every rank, torchrun variables, failures named by rank."""
+"""ProcessWorkerGroup: one call on every rank, torchrun variables, failures named by rank; RayWorkerGroup:
+the driver's variables a rank is given."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,3 +48,27 @@ def test_a_dead_rank_is_reported_without_waiting_for_its_peers(group):
 def test_construction_failure_names_the_rank():
     with pytest.raises(WorkerError, match=r"(?s)rank \d failed in startup.*cannot build x"):
         ProcessWorkerGroup(2, make_broken, ("x",), startup_timeout_s=120)
+
+
+def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeypatch):
+    """Ray actors inherit the environment of the cluster, not of the driver (here: a variable set
+    after the local cluster started stands for one only the driver's shell has)."""
+    ray = pytest.importorskip("ray")
+    from entr_megatron.controller.workers import RayWorkerGroup
+
+    here = str(Path(__file__).parent)  # the cluster's workers import workers_fixture from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        monkeypatch.setenv("ENTR_TEST_API_KEY", "s3cret")
+        monkeypatch.setenv("ENTR_TEST_OTHER", "not passed")
+        group = RayWorkerGroup(1, make_echo, ("t",),
+                               env_from_driver=("ENTR_TEST_API_KEY", "ENTR_TEST_UNSET"))
+        try:
+            names = ["ENTR_TEST_API_KEY", "ENTR_TEST_OTHER", "ENTR_TEST_UNSET"]
+            assert group.call("getenv", names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
+                                                   "ENTR_TEST_UNSET": None}]
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()

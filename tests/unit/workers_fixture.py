@@ -11,6 +11,9 @@ class EchoWorker:
     def whoami(self):
         return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
+    def getenv(self, names):
+        return {name: os.environ.get(name) for name in names}
+
     def add(self, x, y=0):
         return self.tag, self.rank, x + y + self.rank
 
