@@ -8,7 +8,7 @@ import sys
 import threading
 
 from entr_megatron import __version__
-from entr_megatron.cli import checkpoint, demo, generate, plan, score, study, train
+from entr_megatron.cli import checkpoint, convert, demo, generate, plan, score, study, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_parser(sub)
     plan.add_parser(sub)
     checkpoint.add_parser(sub)
+    convert.add_parser(sub)
     return parser
 
 

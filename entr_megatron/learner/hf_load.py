@@ -2,8 +2,8 @@
 
 Each rank reads only the tensors behind its own parameters (its pipeline stage's
 layers, its EP rank's experts; TP ranks read the same tensors and keep their
-slice), lazily through `safetensors.safe_open`, one parameter at a time, so peak
-extra memory is one full (TP-unsharded) parameter. Names and layouts come from
+slice), lazily (headers through `safetensors.safe_open`, data by plain reads: no memory map
+kept), one parameter at a time, so peak extra memory is one full (TP-unsharded) parameter. Names and layouts come from
 `models` (`to_hf` names the HF tensors of a Megatron parameter; QKV
 interleaving and the gated-MLP merge are `models.interleave_qkv` /
 `models.merge_gated`); sharding is `models.shard`.
@@ -17,9 +17,10 @@ raising while the others wait in a collective.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ INDEX_FILE = "model.safetensors.index.json"
 # Non-parameter buffers some older checkpoints carry; never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _PREVIEW = 8
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _preview(names) -> str:
@@ -104,6 +108,7 @@ class HfCheckpoint(contextlib.AbstractContextManager):
                 + (f" (found {_preview(others)}; only safetensors checkpoints are supported)" if others else "")
             )
         self._handles: dict[str, object] = {}
+        self._offsets: dict[str, tuple[int, dict]] = {}  # file -> (data start, header)
 
     def keys(self) -> list[str]:
         """Every tensor name in the checkpoint."""
@@ -127,8 +132,28 @@ class HfCheckpoint(contextlib.AbstractContextManager):
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor, read from disk."""
-        return self._handle(name).get_tensor(name)
+        """The tensor, read from disk into memory of its own (no memory map is kept: pages of
+        the files read so far would stay resident, as much again as the checkpoint)."""
+        self._handle(name)  # the file exists and its header parses
+        path = os.path.join(self.dir, self._file_of[name])
+        if path not in self._offsets:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            self._offsets[path] = (8 + n, header)
+        start, header = self._offsets[path]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:  # a dtype we do not read by hand: safetensors' own reader
+            return self._handle(name).get_tensor(name)
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(start + begin)
+            if f.readinto(memoryview(data.numpy())) != end - begin:
+                raise ValueError(f"{path}: truncated while reading {name}")
+        return data.view(dtype).reshape(entry["shape"])
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -145,8 +170,14 @@ def _hf_parts(megatron_name: str, spec: models.ModelSpec) -> list[tuple[str, tup
     return [(name, tuple(t.shape)) for name, t in models.to_hf(megatron_name, meta, spec)]
 
 
-def check_hf_checkpoint(ckpt: HfCheckpoint, spec: models.ModelSpec) -> None:
-    """Raise ValueError naming missing / unexpected keys and shape mismatches (headers only)."""
+def check_hf_checkpoint(
+    ckpt: HfCheckpoint, spec: models.ModelSpec, allow_unmapped: Sequence[str] = ()
+) -> list[str]:
+    """Raise ValueError naming missing / unexpected keys and shape mismatches (headers only).
+
+    allow_unmapped: fnmatch patterns of tensor names that may be in the checkpoint without a
+    learner parameter (an escape hatch: they are not loaded). Returns those skipped, sorted.
+    """
     keys = {k for k in ckpt.keys() if not k.endswith(_IGNORED_SUFFIXES)}
     expected = set(models.hf_names(spec, "checkpoint"))
     if spec.tie_word_embeddings and "lm_head.weight" in keys - expected:
@@ -157,6 +188,8 @@ def check_hf_checkpoint(ckpt: HfCheckpoint, spec: models.ModelSpec) -> None:
             "expected the checkpoint layout that save_pretrained writes (one tensor per expert)"
         )
     missing, unexpected = expected - keys, keys - expected
+    skipped = sorted(k for k in unexpected if any(fnmatch.fnmatchcase(k, p) for p in allow_unmapped))
+    unexpected -= set(skipped)
     if missing or unexpected:
         parts = [f"missing {len(missing)}: {_preview(missing)}"] if missing else []
         parts += [f"unexpected {len(unexpected)}: {_preview(unexpected)}"] if unexpected else []
@@ -170,6 +203,7 @@ def check_hf_checkpoint(ckpt: HfCheckpoint, spec: models.ModelSpec) -> None:
     if wrong:
         more = f" (and {len(wrong) - _PREVIEW} more)" if len(wrong) > _PREVIEW else ""
         raise ValueError(f"{ckpt.dir}: shape mismatches: " + "; ".join(wrong[:_PREVIEW]) + more)
+    return skipped
 
 
 # --- local <-> global Megatron names ----------------------------------------------------
@@ -241,15 +275,25 @@ def _check_inverse(megatron_name: str, full: torch.Tensor, parts: list[torch.Ten
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks, spec: models.ModelSpec, groups, hf_dir: str | os.PathLike) -> None:
+def load_hf_weights(
+    model_chunks,
+    spec: models.ModelSpec,
+    groups,
+    hf_dir: str | os.PathLike,
+    *,
+    allow_unmapped: Sequence[str] = (),
+    progress: Callable[[str, torch.Tensor], None] | None = None,
+) -> list[str]:
     """Copy an HF checkpoint's weights into this rank's chunks (every parameter is written).
 
     Raises ValueError (before reading any tensor) for missing / unexpected keys
     and shape mismatches, and for a chunk parameter with no HF source.
     HF tensors are cast to each parameter's dtype. No collective is used.
+    allow_unmapped: see `check_hf_checkpoint`; returns the tensors it skipped.
+    progress: called as progress(hf_name, tensor) after each HF tensor is read.
     """
     with HfCheckpoint(hf_dir) as ckpt:
-        check_hf_checkpoint(ckpt, spec)
+        skipped = check_hf_checkpoint(ckpt, spec, allow_unmapped)
         checked_arity: set[int] = set()
         for chunk in model_chunks:
             for name, local, param in global_param_names(chunk, spec, groups):
@@ -258,6 +302,9 @@ def load_hf_weights(model_chunks, spec: models.ModelSpec, groups, hf_dir: str | 
                 except ValueError as e:
                     raise ValueError(f"learner parameter {local} ({name}) has no HF source: {e}") from None
                 parts = [ckpt.get(hf_name) for hf_name, _ in hf]
+                if progress is not None:
+                    for (hf_name, _), part in zip(hf, parts):
+                        progress(hf_name, part)
                 full = _fuse(name, parts, spec)
                 if len(parts) not in checked_arity:
                     _check_inverse(name, full, parts, spec)
@@ -272,3 +319,4 @@ def load_hf_weights(model_chunks, spec: models.ModelSpec, groups, hf_dir: str | 
                         f"the learner parameter has {list(param.shape)}"
                     )
                 param.copy_(local_tensor)
+    return skipped

@@ -1,0 +1,280 @@
+"""`entr-megatron convert`: HF <-> dist checkpoint for the five families, resharded, verified, strict.
+
+One 1-rank gloo launch converts a tiny random HF model of every family to a dist checkpoint and
+back with the ranks' own functions (no CLI around them): the HF tensors come back bit for bit.
+The CLI then converts a qwen3_moe both ways (verify on: its log-probs under the learner loaded
+at TP=2 x EP=2 match transformers'), `score` reads a converted llama at PP=2 (HF's log-probs
+within 1e-4), and `convert verify` fails on an HF source whose square q_proj was transposed. The
+refusals (truncated / corrupt file, a shard missing from the index, an unknown model_type, a
+dropped tensor, a config mismatch, an existing output) are checked in-process before any rank.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from entr_megatron.utils.spawn import run_gloo
+from helpers import hf_scores
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+ATOL = 1e-4
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            initializer_range=0.3, max_position_embeddings=256)
+
+
+def hf_configs():
+    """Tied embeddings (llama), qkv bias and an odd vocabulary (qwen2), q/k norms (qwen3, qwen3_moe), experts."""
+    return {
+        "llama": transformers.LlamaConfig(**TINY, vocab_size=128, intermediate_size=96, tie_word_embeddings=True),
+        "qwen2": transformers.Qwen2Config(**TINY, vocab_size=251, intermediate_size=96),
+        "qwen3": transformers.Qwen3Config(**TINY, vocab_size=128, intermediate_size=96, head_dim=16),
+        "qwen3_moe": transformers.Qwen3MoeConfig(**TINY, vocab_size=128, intermediate_size=96,
+                                                 moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                                 head_dim=16, norm_topk_prob=False),
+        "mixtral": transformers.MixtralConfig(**TINY, vocab_size=128, intermediate_size=32, num_local_experts=4,
+                                              num_experts_per_tok=2),
+    }
+
+
+def _tensors(hf_dir) -> dict[str, torch.Tensor]:
+    from entr_megatron.learner.hf_load import HfCheckpoint
+
+    with HfCheckpoint(hf_dir) as ckpt:
+        return {k: ckpt.get(k) for k in ckpt.keys()}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """model_type -> HF directory of a random model (1-D weights perturbed; qwen3 sharded)."""
+    root = tmp_path_factory.mktemp("convert_hf")
+    out = {}
+    for model_type, cfg in hf_configs().items():
+        torch.manual_seed(sum(map(ord, model_type)))
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(0.2 * torch.randn_like(p))
+        out[model_type] = root / model_type
+        model.save_pretrained(out[model_type], max_shard_size="100KB" if model_type == "qwen3" else "1GB")
+    return out
+
+
+def _round_trips(rank, world, cases):
+    from entr_megatron.cli.convert_ranks import RankJob, _rank
+    from entr_megatron.learner.hf_load import read_hf_config
+
+    for hf_dir, ckpt, back, results in cases:
+        config = read_hf_config(hf_dir)
+        _rank(rank, world, RankJob("hf-to-megatron", config, ckpt, hf_dir=hf_dir, results_dir=results))
+        _rank(rank, world, RankJob("megatron-to-hf", config, ckpt, out_dir=back, max_shard_bytes=200_000,
+                                   results_dir=results))
+
+
+@pytest.fixture(scope="module")
+def converted(hf_models, tmp_path_factory):
+    """model_type -> (checkpoint root, HF directory converted back from it)."""
+    from entr_megatron.checkpoint.hf_files import merge_shards
+
+    base = tmp_path_factory.mktemp("converted")
+    cases, out = [], {}
+    for model_type, hf_dir in hf_models.items():
+        ckpt, back, results = base / model_type / "ckpt", base / model_type / "back", base / model_type / "results"
+        for d in (back, results):
+            d.mkdir(parents=True)
+        cases.append((str(hf_dir), str(ckpt), str(back), str(results)))
+        out[model_type] = (ckpt, back)
+    run_gloo(_round_trips, 1, cases, timeout_s=400)
+    for _, back in out.values():
+        merge_shards(back, ["stage000"])
+    return out
+
+
+def _cli(capsys, *args):
+    """Run the command in this process (it spawns its own ranks): (exit message or None, stdout + stderr)."""
+    from entr_megatron.cli.main import main
+
+    try:
+        main(["convert", *args])
+        code = None
+    except SystemExit as e:
+        code = str(e.code)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_round_trip_is_bit_identical_for_five_families(hf_models, converted):
+    for model_type, hf_dir in hf_models.items():
+        ckpt, back = converted[model_type]
+        assert (ckpt / "latest").read_text().strip() == "0" and (ckpt / "model_config.json").is_file()
+        want, got = _tensors(hf_dir), _tensors(back)
+        assert sorted(got) == sorted(want), model_type
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), f"{model_type} {name}"
+        assert (back / "model.safetensors.index.json").is_file(), model_type  # 200 kB shards
+
+
+def test_cli_qwen3_moe_both_ways_verified_at_tp2_ep2(hf_models, tmp_path, capsys):
+    hf_dir, ckpt, back = hf_models["qwen3_moe"], tmp_path / "ckpt", tmp_path / "back"
+    code, out = _cli(capsys, "hf-to-megatron", "--hf", str(hf_dir), "--out", str(ckpt))
+    assert code is None, out
+    assert "verify ok: max |delta log-prob|" in out and "mean KL" in out, out
+    record = json.loads((ckpt / "conversion.json").read_text())
+    assert record["model_type"] == "qwen3_moe" and record["dtype"] == "fp32"
+    assert record["tensors"] == len(_tensors(hf_dir))
+    assert record["verify"]["max_abs_delta_logprob"] <= ATOL
+    assert set(record["source_sha256"]) == {"model.safetensors", "config.json"}
+    # Resharded TP=1 -> TP=2 x EP=2 (2 ranks: the experts split over the TP ranks); verify compares the
+    # learner's log-probs with transformers' of the written directory, which equals the source.
+    code, out = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--tp", "2", "--ep", "2",
+                     "--max-shard-size", "100KB")
+    assert code is None, out
+    assert "on 2 rank(s): tp=2 pp=1 ep=2" in out and "verify ok" in out, out
+    want, got = _tensors(hf_dir), _tensors(back)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "conversion.json"} <= {
+        p.name for p in back.iterdir()}
+    assert json.loads((back / "conversion.json").read_text())["verify"]["max_abs_delta_logprob"] <= ATOL
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    code, out = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back))
+    assert code is not None and "exists and is not empty (pass --overwrite" in code, code
+
+
+def test_converted_checkpoint_scores_like_hf_at_pp2(hf_models, converted, tmp_path, capsys):
+    from entr_megatron.cli.main import main
+
+    ckpt, _ = converted["llama"]
+    g = torch.Generator().manual_seed(5)
+    lines = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (11, 7)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in lines))
+    main(["score", "--model", str(ckpt), "--pp", "2", "--input", str(inp), "--output", str(out),
+          "--batch-tokens", "16"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["llama"]).eval()
+    for ids, row in zip(lines, map(json.loads, out.read_text().splitlines())):
+        ref_lp, _ = hf_scores(model, ids)
+        torch.testing.assert_close(torch.tensor(row["logprobs"], dtype=torch.float64), ref_lp, rtol=0, atol=ATOL)
+
+
+def test_transposed_square_matrix_fails_verification(hf_models, converted, tmp_path, capsys):
+    src, (ckpt, _) = hf_models["llama"], converted["llama"]
+    tampered = tmp_path / "tampered"
+    shutil.copytree(src, tampered)
+    tensors = _tensors(src)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert tensors[name].shape == (64, 64)  # square: the shapes cannot tell
+    tensors[name] = tensors[name].t().contiguous()
+    safetensors_torch.save_file(tensors, str(tampered / "model.safetensors"), metadata={"format": "pt"})
+    code, out = _cli(capsys, "verify", "--hf", str(tampered), "--ckpt", str(ckpt))
+    assert code is not None and "verify FAILED" in code and "max |delta log-prob|" in code, (code, out)
+    delta = float(code.split("max |delta log-prob| ")[1].split(",")[0])
+    assert delta > 100 * ATOL, code
+
+
+# --- refusals, before any rank starts ---------------------------------------------------------
+
+
+def _copy(src, dst) -> Path:
+    shutil.copytree(src, dst)
+    return Path(dst)
+
+
+def _hf_to_megatron(capsys, hf_dir, out, *extra):
+    code, text = _cli(capsys, "hf-to-megatron", "--hf", str(hf_dir), "--out", str(out), *extra)
+    assert code is not None, text
+    assert not Path(out).exists(), f"{out} was left behind"
+    return code
+
+
+def test_damaged_sources_are_refused_naming_the_file(hf_models, tmp_path, capsys):
+    bad = _copy(hf_models["llama"], tmp_path / "truncated")
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:-1000])
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert "model.safetensors: truncated" in code and f"{len(data) - 1000} bytes" in code, code
+
+    bad = _copy(hf_models["llama"], tmp_path / "corrupt")
+    (bad / "model.safetensors").write_bytes(data[:8] + b"#" * 16 + data[24:])
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert "model.safetensors: corrupt safetensors header" in code, code
+
+    bad = _copy(hf_models["qwen3"], tmp_path / "missing_shard")
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (bad / shard).unlink()
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert f"to {shard}, which does not exist" in code, code
+
+
+def test_model_errors_name_what_is_wrong(hf_models, tmp_path, capsys):
+    bad = _copy(hf_models["llama"], tmp_path / "unknown")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert "model_type='gpt2' is not supported; supported: ['llama', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe']" in code
+
+    bad = _copy(hf_models["qwen2"], tmp_path / "dropped")
+    tensors = _tensors(bad)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    safetensors_torch.save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert "missing 1: model.layers.1.mlp.up_proj.weight" in code, code
+
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(96, 64)
+    tensors["model.layers.0.extra.weight"] = torch.zeros(2)
+    safetensors_torch.save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert "unexpected 1: model.layers.0.extra.weight" in code, code
+
+    bad = _copy(hf_models["llama"], tmp_path / "untied")  # tied config, a different lm_head stored
+    tensors = _tensors(bad)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    safetensors_torch.save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert "ties the embeddings" in code and "lm_head.weight differs from model.embed_tokens.weight" in code, code
+
+
+def test_unmapped_tensors_are_skipped_only_when_allowed(hf_models):
+    from entr_megatron import models
+    from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
+
+    spec = models.model_spec(json.loads((hf_models["qwen2"] / "config.json").read_text()))
+    with HfCheckpoint(hf_models["qwen2"]) as ckpt:
+        ckpt._file_of["model.layers.0.extra.weight"] = "model.safetensors"  # headers only: never read
+        with pytest.raises(ValueError, match=r"unexpected 1: model\.layers\.0\.extra\.weight"):
+            check_hf_checkpoint(ckpt, spec)
+        assert check_hf_checkpoint(ckpt, spec, ["model.layers.*.extra.*"]) == ["model.layers.0.extra.weight"]
+
+
+def test_checkpoint_of_another_model_is_refused(hf_models, converted, tmp_path, capsys):
+    ckpt, _ = converted["llama"]
+    code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "o"),
+                   "--hf-config", str(hf_models["qwen2"]))
+    assert code is not None and "model_type is 'llama' in the checkpoint's model_config.json, 'qwen2'" in code, code
+    config = json.loads((hf_models["llama"] / "config.json").read_text())
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps(config | {"intermediate_size": 128}))
+    code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "o"),
+                   "--hf-config", str(other))
+    assert code is not None and "intermediate_size is 96 in the checkpoint's model_config.json, 128" in code, code
+    assert not (tmp_path / "o").exists()
+
+
+def test_damaged_checkpoint_is_refused_before_the_ranks(converted, tmp_path, capsys):
+    ckpt = Path(shutil.copytree(converted["llama"][0], tmp_path / "ckpt"))
+    shard = next((ckpt / "iter_0000000").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "o"))
+    assert code is not None and f"{shard.name}: SHA-256 differs from the manifest (damaged)" in code, code
+    code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--step", "3", "--out", str(tmp_path / "o"))
+    assert code is not None and "no checkpoint for step 3" in code, code
+    assert not (tmp_path / "o").exists()
