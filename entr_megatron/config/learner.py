@@ -115,7 +115,13 @@ class LearnerConfig:
 
     logprob_chunk_size: int | None = None
     """Tokens per chunk of the vocab-parallel log-prob/entropy op (bounds its fp32 temporaries).
-    None: about 2 MiB buffers. >= 1."""
+    None: about 2 MiB buffers (fused: 512 x 4096 tiles; given, the tiles hold this many tokens). >= 1."""
+
+    fused_output: bool = True
+    """Fuse the output layer into the log-prob/entropy op: the model returns hidden states and
+    the loss multiplies them by the output weight one [tokens, vocab] tile at a time, so the
+    [tokens, V/tp] logits are never written or kept for backward (learner/fused_output.py).
+    Exact (the same math; rounding differs at the level of fp32 accumulation order)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer, clipping and LR schedule."""
@@ -130,6 +136,7 @@ class LearnerConfig:
         integer(self, "epochs", low=1)
         if self.logprob_chunk_size is not None:
             integer(self, "logprob_chunk_size", low=1)
+        boolean(self, "fused_output")
 
     @property
     def steps_per_batch(self) -> int:

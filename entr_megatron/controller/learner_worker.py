@@ -97,6 +97,10 @@ class LearnerWorker:
             spec.model_dir, self.groups, dtype=_torch_dtype(run.model.dtype), vp_size=p.vpp,
             config_overrides=overrides,
         )
+        if run.learner.fused_output:
+            from entr_megatron.learner.fused_output import enable_fused_output
+
+            enable_fused_output(self.chunks)  # the last stage returns hidden states; the loss multiplies them
         if spec.phase == "sft":
             self.learner_cfg, self.algo_cfg = sft_learner_config(run), SFT_ALGORITHM
         else:

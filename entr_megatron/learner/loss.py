@@ -64,30 +64,38 @@ from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import MicroBatch
 from entr_megatron.learner.loss_report import LossReport
+from entr_megatron.parallel.fused_output import vocab_parallel_linear_logprobs_entropy
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 __all__ = ["make_logprob_loss_func", "make_policy_loss_func", "packed_logprobs_entropy"]
 
 
-def packed_logprobs_entropy(logits_bsv: Tensor, mb: MicroBatch, tp_group, learner_cfg: LearnerConfig,
+def packed_logprobs_entropy(output_bsx: Tensor, mb: MicroBatch, tp_group, learner_cfg: LearnerConfig,
                             vocab_size: int | None = None, collision: bool = False,
-                            temperature: float = 1.0) -> tuple[Tensor, ...]:
+                            temperature: float = 1.0, output_weight: Tensor | None = None) -> tuple[Tensor, ...]:
     """Per-position ``[T]`` log-prob of the next token and entropy from the vocab-sharded logits
     (and, with ``collision``, 1 - sum p^2, in the same pass).
 
-    ``logits_bsv`` is what ``GPTModel.forward`` returns without labels: ``[b=1, s=T, V/tp]``
-    (it transposes the output layer's ``[s, b, V/tp]``). Every TP rank holds its contiguous
+    ``output_bsx`` is what ``GPTModel.forward`` returns without labels: the logits ``[b=1, s=T, V/tp]``
+    (it transposes the output layer's ``[s, b, V/tp]``), or with ``output_weight`` (the fused output
+    layer, `learner.fused_output`) the hidden states ``[1, T, h]`` and this rank's ``[V/tp, h]``
+    output weight, multiplied tile by tile inside the op. Every TP rank holds its contiguous
     vocabulary shard; nothing is gathered. ``vocab_size``: the true vocabulary; Megatron's
     padding columns beyond it stay out of the softmax. ``temperature``: the rollouts' sampling
     temperature T, the distribution is softmax(z / T). Entropy is returned detached: no loss
     here differentiates it, so its backward is skipped.
     """
-    if logits_bsv.dim() != 3 or logits_bsv.shape[:2] != (1, mb.length):
-        raise ValueError(f"expected logits [1, {mb.length}, V/tp] (b, s, vocab shard), got {tuple(logits_bsv.shape)}")
-    out = vocab_parallel_logprobs_entropy(
-        logits_bsv[0], mb.targets[0].to(logits_bsv.device), tp_group, temperature,
-        learner_cfg.logprob_chunk_size, vocab_size, return_collision=collision,
-    )
+    width = "h" if output_weight is not None else "V/tp"
+    if output_bsx.dim() != 3 or output_bsx.shape[:2] != (1, mb.length):
+        raise ValueError(f"expected model output [1, {mb.length}, {width}] (b, s, ...), got {tuple(output_bsx.shape)}")
+    targets = mb.targets[0].to(output_bsx.device)
+    if output_weight is None:
+        out = vocab_parallel_logprobs_entropy(output_bsx[0], targets, tp_group, temperature,
+                                              learner_cfg.logprob_chunk_size, vocab_size, return_collision=collision)
+    else:  # Float16Module hands the last stage's output back in fp32: the layer's own dtype again (lossless)
+        out = vocab_parallel_linear_logprobs_entropy(
+            output_bsx[0].to(output_weight.dtype), output_weight, targets, tp_group, temperature, vocab_size,
+            chunk_tokens=learner_cfg.logprob_chunk_size, return_collision=collision)
     return (out[0], out[1].detach(), *out[2:])
 
 
@@ -124,7 +132,8 @@ def _entropy_for_algorithm(mb: MicroBatch, learner_entropy_BT: Tensor, cfg: Algo
 def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *,
                           vocab_size: int | None = None, temperature: float = 1.0,
                           old_logprobs_T: Tensor | None = None) -> Callable[[Tensor], tuple[Tensor, Tensor, dict]]:
-    """Megatron ``loss_func`` of one micro-batch: ``logits [1, T, V/tp] -> (numerator, count, report)``.
+    """Megatron ``loss_func`` of one micro-batch: ``logits [1, T, V/tp] -> (numerator, count, report)``
+    (or hidden states and ``output_weight``: `packed_logprobs_entropy`).
 
     Args:
         mb: the micro-batch the logits belong to.
@@ -144,15 +153,15 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
                          "constant divisor (a run sets it to rollout.sampling.max_new_tokens)")
     wants_collision = algo_cfg.correction == "entr_calibrated"
 
-    def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
-        device = logits_bsv.device
+    def loss_func(output_bsx: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, Tensor, dict]:
+        device = output_bsx.device
         count_dtype = torch.int  # Megatron's total_num_tokens is torch.int
         if mb.num_seqs == 0:
             # Padding-only micro-batch: contributes nothing, but backward must still reach the model.
-            zero = logits_bsv.sum() * 0.0
+            zero = output_bsx.sum() * 0.0
             return zero, torch.zeros([], dtype=count_dtype, device=device), LossReport()
-        out = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision,
-                                      temperature=temperature)
+        out = packed_logprobs_entropy(output_bsx, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision,
+                                      temperature=temperature, output_weight=output_weight)
         logprobs_T, entropy_T = out[0], out[1]
         mask_BT = mb.response_mask_BT.to(device)
         lp_BT = mb.to_padded(logprobs_T)
@@ -184,11 +193,11 @@ def make_logprob_loss_func(mb: MicroBatch, index: int, tp_group, learner_cfg: Le
     packed layout; the scalar loss is 0 (nothing is backpropagated in forward-only mode).
     """
 
-    def loss_func(logits_bsv: Tensor) -> tuple[Tensor, Tensor, dict]:
-        logprobs_T, entropy_T = packed_logprobs_entropy(logits_bsv, mb, tp_group, learner_cfg, vocab_size,
-                                                        temperature=temperature)
-        zero = torch.zeros([], dtype=logits_bsv.dtype, device=logits_bsv.device)
-        count = torch.zeros([], dtype=torch.int, device=logits_bsv.device)
+    def loss_func(output_bsx: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, Tensor, dict]:
+        logprobs_T, entropy_T = packed_logprobs_entropy(output_bsx, mb, tp_group, learner_cfg, vocab_size,
+                                                        temperature=temperature, output_weight=output_weight)
+        zero = torch.zeros([], dtype=output_bsx.dtype, device=output_bsx.device)
+        count = torch.zeros([], dtype=torch.int, device=output_bsx.device)
         return zero, count, {"index": index, "logprobs": logprobs_T.detach(), "entropy": entropy_T}
 
     return loss_func

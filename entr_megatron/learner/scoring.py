@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from entr_megatron import models
+from entr_megatron.learner.fused_output import fused_output_weight
 from entr_megatron.learner.hf_load import unwrap_chunk
+from entr_megatron.parallel.fused_output import vocab_parallel_linear_logprobs_entropy
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "MicroBatch", "pack_sequences", "score_sequences"]
@@ -144,9 +146,15 @@ def score_sequences(
         ids, targets, positions, packed = next(data_iterator)
         output = model(ids, positions, None, packed_seq_params=packed)
 
-        def loss_func(logits):
-            lp, ent = vocab_parallel_logprobs_entropy(logits, targets, groups.tp, temperature,
-                                                      vocab_size=spec.vocab_size)
+        weight = fused_output_weight(model)
+
+        def loss_func(output):
+            if weight is None:  # logits [1, T, V/tp]
+                lp, ent = vocab_parallel_logprobs_entropy(output, targets, groups.tp, temperature,
+                                                          vocab_size=spec.vocab_size)
+            else:  # the fused output layer's hidden states [1, T, h] (learner.fused_output)
+                lp, ent = vocab_parallel_linear_logprobs_entropy(output.to(weight.dtype), weight, targets, groups.tp,
+                                                                 temperature, vocab_size=spec.vocab_size)
             return lp.new_zeros(()), {"lp": lp[0].float().cpu(), "ent": ent[0].float().cpu()}
 
         return output, loss_func

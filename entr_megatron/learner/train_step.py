@@ -41,6 +41,7 @@ from entr_megatron.learner.batching import (
     padded_length,
     plan_microbatches,
 )
+from entr_megatron.learner.fused_output import fused_output_weight
 from entr_megatron.learner.loss import make_logprob_loss_func, make_policy_loss_func
 from entr_megatron.learner.loss_report import LossReport
 from entr_megatron.learner.optimizer import check_training_config, optimizer_step
@@ -119,7 +120,9 @@ def _run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forw
         tokens, positions, packed = _on_device(mb, device)
         # attention_mask=None: causality and sequence boundaries come from the thd packing.
         output = model(tokens, positions, None, packed_seq_params=packed)
-        return output, make_loss(index, mb)
+        loss, weight = make_loss(index, mb), fused_output_weight(model)
+        # the fused output layer returned hidden states: the loss multiplies them by its weight
+        return output, (loss if weight is None else partial(loss, output_weight=weight))
 
     # One iterator per model chunk: each virtual stage walks the micro-batches on its own.
     iterators = [iter(list(enumerate(micro))) for _ in model_chunks]

@@ -208,7 +208,8 @@ def compare_weights_and_grads(ddp_chunks, ref, groups, cfg, where, grads=True):
 EXACT_METRICS = ("mismatch/", "mask/fraction", "is/ess", "entropy_bin/", "entr/mask_fraction", "entr/score_mean")
 
 
-def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4, learner_cfg=None):
+def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4, learner_cfg=None, fused=False):
+    from entr_megatron.learner.fused_output import enable_fused_output, is_fused
     from entr_megatron.learner.model import build_model_chunks
     from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
     from entr_megatron.parallel.groups import initialize_model_parallel
@@ -217,6 +218,9 @@ def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layer
     cfg = model_config(tp, pp, ep, vpp, sp, moe, num_layers)
     chunks = build_model_chunks(cfg, VOCAB, MAX_SEQ, groups)
     load_reference(chunks, ref, groups, cfg)
+    if fused:  # learner.fused_output: hidden states out, the output layer's matmul inside the op
+        enable_fused_output(chunks)
+        assert is_fused(chunks[-1]) == (groups.pp_rank == groups.pp_size - 1)  # the last stage's last chunk
     ddp = wrap_model_chunks(chunks, groups, learner_cfg)
     optimizer, scheduler = build_optimizer(ddp, learner_cfg)
     return groups, cfg, ddp, optimizer, scheduler
@@ -224,13 +228,14 @@ def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layer
 
 def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4,
                temperature=TEMPERATURE,
-               check_logprobs=False):
+               check_logprobs=False, fused=False):
     from entr_megatron.learner.batching import split_for_data_parallel
     from entr_megatron.learner.train_step import compute_logprobs, train_step
 
     t0 = time.perf_counter()
-    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp, pp, vpp, ep, sp, moe, num_layers, learner_cfg)
-    where = (f"tp={tp} pp={pp} vpp={vpp} ep={ep} dp={groups.dp_size} sp={sp} moe={moe} "
+    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp, pp, vpp, ep, sp, moe, num_layers, learner_cfg,
+                                                          fused)
+    where = (f"tp={tp} pp={pp} vpp={vpp} ep={ep} dp={groups.dp_size} sp={sp} moe={moe} fused={fused} "
              f"{algo_cfg.loss_agg_mode} {algo_cfg.correction} H={algo_cfg.entropy_source} "
              f"budget={learner_cfg.max_tokens_per_microbatch} distopt={learner_cfg.optim.use_distributed_optimizer}")
     shares = split_for_data_parallel(batch, groups.dp_size)
@@ -427,6 +432,8 @@ def _two_ranks(rank, world):
     run_layout(dense, batch, algo, small, tp=2, sp=True, check_logprobs=True)
     run_layout(dense, batch, algo, small, pp=2, check_logprobs=True)
     run_layout(dense, batch, algo, small, pp=2, vpp=2)
+    run_layout(dense, batch, algo, small, tp=2, sp=True, check_logprobs=True, fused=True)
+    run_layout(dense, batch, algo, small, pp=2, vpp=2, check_logprobs=True, fused=True)
     # DP=2; the micro-batch count must not change the loss: one per rank, then several.
     one = run_layout(dense, batch, algo, learner_config(max_tokens=10_000))
     many = run_layout(dense, batch, algo, learner_config(max_tokens=10))  # 3 on one rank, 2 + padding on the other
@@ -471,6 +478,8 @@ def _four_ranks(rank, world):
     dense = reference(batch, algo, small)
     run_layout(dense, batch, algo, small, tp=2, pp=2)
     run_layout(dense, batch, algo, learner_config(max_tokens=12), tp=2, sp=True)  # TP=2 x DP=2
+    run_layout(dense, batch, algo, small, tp=2, pp=2, fused=True)
+    run_layout(dense, batch, algo, learner_config(max_tokens=12), tp=2, sp=True, fused=True)
 
 
 def test_train_step_layouts_on_two_ranks_match_single_rank_reference():

@@ -1,0 +1,306 @@
+"""vocab_parallel_linear_logprobs_entropy on 1, 2 and 4 gloo ranks against float64 single-rank math
+and against the unfused path (output matmul + vocab_parallel_logprobs_entropy)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from common import close
+
+from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
+from entr_megatron.utils.spawn import run_gloo
+
+VOCAB = 96  # divisible by 1, 2, 4
+HIDDEN = 24
+TEMPERATURES = (1.0, 0.6)  # taken in turn over the cases below
+# (chunk_tokens, chunk_vocab): the defaults (one tile), and tiles with ragged last
+# chunks along both axes (21 tokens; shards of 96, 48, 24 columns, some padded).
+TILES = ((None, None), (4, 5), (5, 7))
+# 13: the last shard is partly padding; 30 at 4 ranks: the last shard is all padding.
+VOCAB_SIZES = (None, VOCAB - 13, VOCAB - 30)
+FP32 = dict(atol=1e-5, rtol=0)
+"""Values (log-probs, entropies, collisions: O(1)) to 1e-5; gradients (O(10)) are held to
+1e-5 of their largest entry (``common.close``): fp32 rounding of sums over the vocabulary."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiles of a few elements: on a loaded machine OpenMP's barriers, not the math, would
+    dominate every tiny GEMM (spawned ranks get one thread each already)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def reference_f64(hidden, weight, targets, g_lp, g_h, temperature, vocab_size=None):
+    """float64 full-vocabulary math: (lp, H, collision, d loss/d hidden, d loss/d weight)."""
+    real = vocab_size or weight.shape[0]
+    x = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logp = torch.log_softmax((x @ w[:real].t()) / temperature, dim=-1)
+    lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    coll = 1 - logp.exp().square().sum(-1)
+    (lp * g_lp.double() + ent * g_h.double()).sum().backward()
+    return lp.detach(), ent.detach(), coll.detach(), x.grad, w.grad
+
+
+def make_case(seed, dtype=torch.float32, shape=(3, 7), vocab_size=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, HIDDEN, generator=g).to(dtype)
+    # Logits of std ~4: peaked and flat rows both occur, every tile's max-shift matters.
+    weight = (torch.randn(VOCAB, HIDDEN, generator=g) * 4 / HIDDEN**0.5).to(dtype)
+    real = vocab_size or VOCAB
+    targets = torch.randint(0, real, shape, generator=g)
+    # Shard and tile boundaries are where off-by-one errors live.
+    edges = torch.tensor([0, VOCAB - 1, VOCAB // 2 - 1, VOCAB // 2, VOCAB // 4 - 1, VOCAB // 4, 4, 5, 7])
+    targets.view(-1)[: edges.numel()] = edges % real
+    return hidden, weight, targets, torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def shard_of(weight, rank, world):
+    shard = weight.shape[0] // world
+    return weight[rank * shard:(rank + 1) * shard].clone().requires_grad_()
+
+
+def summed_over_ranks(t, group):
+    """The caller's all-reduce of the partial hidden gradient (Megatron's ColumnParallelLinear backward)."""
+    t = t.clone()
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def unfused(hidden, weight_shard, targets, group, **kw):
+    """The path the fused op replaces: materialise this rank's logits, then the sharded op."""
+    return vocab_parallel_logprobs_entropy(hidden @ weight_shard.t(), targets, group=group, **kw)
+
+
+def check_matches_float64_and_unfused(rank, world, group):
+    shard = VOCAB // world
+    for i, ((ct, cv), real) in enumerate(itertools.product(TILES, VOCAB_SIZES)):
+        temp = TEMPERATURES[i % len(TEMPERATURES)]
+        hidden, weight, targets, g_lp, g_h = make_case(i, vocab_size=real)
+        ref_lp, ref_h, ref_g, ref_dx, ref_dw = reference_f64(hidden, weight, targets, g_lp, g_h, temp, real)
+        x, w = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
+        lp, ent, coll = vocab_parallel_linear_logprobs_entropy(
+            x, w, targets, group=group, temperature=temp, vocab_size=real, chunk_tokens=ct, chunk_vocab=cv,
+            return_collision=True,
+        )
+        where = f"rank {rank}/{world} T={temp} tile={ct}x{cv} vocab_size={real}"
+        assert lp.dtype == ent.dtype == coll.dtype == torch.float32 and lp.shape == targets.shape, where
+        assert not coll.requires_grad, where
+        (lp * g_lp + ent * g_h).sum().backward()
+        for got, want in ((lp, ref_lp), (ent, ref_h), (coll, ref_g)):
+            torch.testing.assert_close(got.double(), want, **FP32, msg=where)
+        close(w.grad, ref_dw[rank * shard:(rank + 1) * shard], f"grad weight {where}")
+        close(summed_over_ranks(x.grad, group), ref_dx, f"summed grad hidden {where}")
+
+        x0, w0 = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
+        lp0, ent0 = unfused(x0, w0, targets, group, temperature=temp, vocab_size=real)
+        (lp0 * g_lp + ent0 * g_h).sum().backward()
+        for got, want in ((lp, lp0), (ent, ent0)):
+            torch.testing.assert_close(got, want, **FP32, msg=f"vs unfused: {where}")
+        close(x.grad, x0.grad, f"grad hidden vs unfused: {where}")
+        close(w.grad, w0.grad, f"grad weight vs unfused: {where}")
+
+
+def check_only_one_output_used(rank, world, group):
+    shard = VOCAB // world
+    hidden, weight, targets, g_lp, g_h = make_case(99)
+    zero = torch.zeros_like(g_lp)
+    for use_lp in (True, False):
+        x, w = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
+        lp, ent = vocab_parallel_linear_logprobs_entropy(x, w, targets, group=group, chunk_tokens=4, chunk_vocab=5)
+        # The unused output gets no gradient at all (None in backward).
+        ((lp * g_lp).sum() if use_lp else (ent * g_h).sum()).backward()
+        *_, ref_dx, ref_dw = reference_f64(hidden, weight, targets, g_lp if use_lp else zero, zero if use_lp else g_h, 1.0)
+        where = f"rank {rank}/{world} {'logprob' if use_lp else 'entropy'} only"
+        close(w.grad, ref_dw[rank * shard:(rank + 1) * shard], f"grad weight {where}")
+        close(summed_over_ranks(x.grad, group), ref_dx, f"summed grad hidden {where}")
+
+
+def check_bf16(rank, world, group):
+    """bf16 inputs: logits rounded to bf16 as the unfused bf16 output layer's are."""
+    shard = VOCAB // world
+    for i, ((ct, cv), real) in enumerate(itertools.product(TILES[1:], (None, VOCAB - 30))):
+        temp = TEMPERATURES[(i + 1) % len(TEMPERATURES)]
+        hidden, weight, targets, g_lp, g_h = make_case(300 + i, torch.bfloat16, vocab_size=real)
+        ref_lp, ref_h, _, ref_dx, ref_dw = reference_f64(hidden, weight, targets, g_lp, g_h, temp, real)
+        x, w = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
+        lp, ent = vocab_parallel_linear_logprobs_entropy(
+            x, w, targets, group=group, temperature=temp, vocab_size=real, chunk_tokens=ct, chunk_vocab=cv
+        )
+        (lp * g_lp + ent * g_h).sum().backward()
+        where = f"bf16 rank {rank}/{world} T={temp} tile={ct}x{cv} vocab_size={real}"
+        assert x.grad.dtype == w.grad.dtype == torch.bfloat16, where
+        # Logits of |z| ~ 10 rounded to bf16's 8 mantissa bits (~0.03 each), as in the unfused
+        # path: a few percent on values and gradients against exact math.
+        torch.testing.assert_close(lp.double(), ref_lp, atol=0.15, rtol=0, msg=where)
+        torch.testing.assert_close(ent.double(), ref_h, atol=0.1, rtol=0, msg=where)
+        close(w.grad, ref_dw[rank * shard:(rank + 1) * shard], f"grad weight {where}", tol=0.05)
+        close(summed_over_ranks(x.grad.float(), group), ref_dx, f"summed grad hidden {where}", tol=0.05)
+
+        x0, w0 = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
+        lp0, ent0 = unfused(x0, w0, targets, group, temperature=temp, vocab_size=real)
+        (lp0 * g_lp + ent0 * g_h).sum().backward()
+        # The same bf16 logits up to the GEMMs' blocking; gradients rounded to bf16 once
+        # (fused: fp32 sums over tiles) or by the bf16 GEMM: an ulp of the largest entry.
+        torch.testing.assert_close(lp, lp0, atol=0.02, rtol=0, msg=f"vs unfused: {where}")
+        torch.testing.assert_close(ent, ent0, atol=0.02, rtol=0, msg=f"vs unfused: {where}")
+        close(w.grad, w0.grad, f"grad weight vs unfused: {where}", tol=0.02)
+        close(x.grad, x0.grad, f"grad hidden vs unfused: {where}", tol=0.02)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's reduce_from_tensor_model_parallel_region: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        if group is not None:
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's copy_to_tensor_model_parallel_region: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return summed_over_ranks(grad, ctx.group), None
+
+
+def check_tied_weights(rank, world, group):
+    """One shared [V/tp, h] parameter as vocab-parallel embedding and output layer: both gradients add up."""
+    shard = VOCAB // world
+    hidden, weight, targets, g_lp, g_h = make_case(500)
+    ids = torch.randint(0, VOCAB, targets.shape, generator=torch.Generator().manual_seed(5))
+    mix = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(6)) / HIDDEN**0.5
+
+    w = shard_of(weight, rank, world)
+    a = mix.clone().requires_grad_()
+    local = ids - rank * shard
+    owned = (local >= 0) & (local < shard)
+    emb = _ReduceFromTP.apply(w[torch.where(owned, local, 0)] * owned.unsqueeze(-1), group)
+    x = _CopyToTP.apply(torch.tanh(emb @ a) * 2, group)
+    lp, ent = vocab_parallel_linear_logprobs_entropy(x, w, targets, group=group, temperature=0.8, chunk_tokens=4, chunk_vocab=5)
+    (lp * g_lp + ent * g_h).sum().backward()
+
+    w_ref, a_ref = weight.double().requires_grad_(), mix.double().requires_grad_()
+    x_ref = torch.tanh(w_ref[ids] @ a_ref) * 2
+    logp = torch.log_softmax(x_ref @ w_ref.t() / 0.8, dim=-1)
+    lp_ref = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent_ref = -(logp.exp() * logp).sum(-1)
+    (lp_ref * g_lp.double() + ent_ref * g_h.double()).sum().backward()
+    where = f"tied rank {rank}/{world}"
+    torch.testing.assert_close(lp.double(), lp_ref.detach(), **FP32, msg=where)
+    close(w.grad, w_ref.grad[rank * shard:(rank + 1) * shard], f"grad of the shared weight {where}")
+    close(a.grad, a_ref.grad, f"grad of the layer below {where}")
+
+
+def _ranks_main(rank, world):
+    group = dist.group.WORLD
+    check_matches_float64_and_unfused(rank, world, group)
+    check_only_one_output_used(rank, world, group)
+    check_bf16(rank, world, group)
+    check_tied_weights(rank, world, group)
+
+
+def test_single_rank_matches_float64_and_unfused():
+    check_matches_float64_and_unfused(0, 1, None)
+    check_only_one_output_used(0, 1, None)
+
+
+def test_single_rank_bf16():
+    check_bf16(0, 1, None)
+
+
+def test_single_rank_tied_weights():
+    check_tied_weights(0, 1, None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_float64(world):
+    run_gloo(_ranks_main, world, timeout_s=300)
+
+
+def test_collision_does_not_change_the_rest():
+    hidden, weight, targets, g_lp, g_h = make_case(7, vocab_size=VOCAB - 13)
+    results = []
+    for collision in (False, True):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent, *_ = vocab_parallel_linear_logprobs_entropy(
+            x, w, targets, temperature=1.7, vocab_size=VOCAB - 13, chunk_tokens=5, chunk_vocab=7, return_collision=collision
+        )
+        (lp * g_lp + ent * g_h).sum().backward()
+        results.append((lp, ent, x.grad, w.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_no_gradient_needed_for_frozen_inputs():
+    hidden, weight, targets, g_lp, g_h = make_case(8)
+    x = hidden.clone().requires_grad_()
+    lp, ent = vocab_parallel_linear_logprobs_entropy(x, weight, targets, chunk_tokens=4, chunk_vocab=5)
+    (lp * g_lp + ent * g_h).sum().backward()
+    *_, ref_dx, _ = reference_f64(hidden, weight, targets, g_lp, g_h, 1.0)
+    close(x.grad, ref_dx, "grad hidden with a frozen weight")
+
+
+def test_backward_saves_no_vocab_sized_tensors():
+    """Only the caller's hidden and weight and [N]-sized vectors may be kept for backward."""
+    n, h, vocab = 64, 16, 512
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = torch.randn(vocab, h, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        vocab_parallel_linear_logprobs_entropy(hidden, weight, torch.randint(0, vocab, (n,)), chunk_tokens=8, chunk_vocab=64)
+    inputs = {hidden.data_ptr(), weight.data_ptr()}
+    assert {t.data_ptr() for t in saved} >= inputs
+    assert sum(t.numel() for t in saved if t.data_ptr() not in inputs) <= 3 * n
+
+
+def _call(**kwargs):
+    args = dict(hidden=torch.randn(2, 4), weight=torch.randn(8, 4), targets=torch.tensor([1, 2]))
+    args.update(kwargs)
+    return vocab_parallel_linear_logprobs_entropy(**args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(chunk_tokens=0), "chunk_tokens must be a positive int"),
+        (dict(chunk_vocab=-3), "chunk_vocab must be a positive int"),
+        (dict(chunk_vocab=2.5), "chunk_vocab must be a positive int"),
+        (dict(vocab_size=9), r"vocab_size must be in \(0, 8\]"),
+        (dict(weight=torch.randn(8, 5)), r"weight must be the \[V/tp, h\] vocab shard with h = hidden.shape\[-1\] = 4"),
+        (dict(weight=torch.randn(8)), r"weight must be the \[V/tp, h\]"),
+        (dict(weight=torch.randn(8, 4, dtype=torch.float64)), "weight must have hidden's dtype"),
+        (dict(hidden=torch.ones(2, 4, dtype=torch.long)), "hidden must be a floating point"),
+        (dict(targets=torch.tensor([1])), "targets shape"),
+        (dict(targets=torch.tensor([1, 8])), r"targets must be token ids in \[0, 8\)"),
+        (dict(targets=torch.tensor([-1, 0])), r"targets must be token ids in \[0, 8\)"),
+        (dict(targets=torch.tensor([1, 6]), vocab_size=6), r"targets must be token ids in \[0, 6\)"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**kwargs)

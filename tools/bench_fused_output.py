@@ -1,0 +1,242 @@
+"""Benchmark: output layer + per-token log-prob and entropy, forward+backward, on gloo ranks.
+
+Each rank holds the full hidden states ``[N, h]`` and its ``[V/tp, h]`` shard of the
+output layer; every method returns per-token log-probs and entropies and gradients
+to both inputs (the hidden gradient is each rank's partial sum, left un-reduced by
+all methods alike):
+
+  (a) gather    hidden @ W_r^T, all-gather the full logits, log_softmax + entropy
+  (b) unfused   hidden @ W_r^T, then entr_megatron's vocab_parallel_logprobs_entropy
+  (c) fused     entr_megatron's vocab_parallel_linear_logprobs_entropy (no logits)
+  (c') liger / cce  on CUDA only, if importable: Liger's fused linear cross-entropy and
+                Cut Cross-Entropy, log-prob only, on this rank's shard alone (a local
+                softmax: a speed/memory reference, not the same result)
+
+Printed as ratios against (b) measured in the same run. Memory: the peak increase
+over the call, per rank, maximum over ranks; on CPU the resident set's high-water
+mark (Linux VmHWM, reset through /proc/self/clear_refs, large allocations forced to
+mmap so freed memory leaves it, as tools/bench_vocab_parallel.py), on CUDA
+max_memory_allocated. "act" is that increase less the input gradients every method
+must return (grad hidden + grad W, which a trainer keeps in its grad buffers anyway).
+Time: per repeat the slowest rank; median and range over repeats, the methods
+interleaved within each repeat so that load drifts hit them alike.
+
+    python tools/bench_fused_output.py                     # 4096 tokens x h 2048 x V 65536, TP=2
+    python tools/bench_fused_output.py --small             # a quick run
+    python tools/bench_fused_output.py --tokens 2048 --hidden 1024 --vocab 32768 --tp 1 2 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import os
+import statistics
+import sys
+import time
+
+# Freed memory must leave the resident set for peak-RSS deltas to mean anything
+# (the spawned ranks inherit this before their allocator starts).
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+
+import torch
+import torch.distributed as dist
+
+from bench_vocab_parallel import gather_then_softmax, peak_rss, reset_peak  # tools/ is sys.path[0]
+from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
+from entr_megatron.utils.spawn import run_gloo
+
+BASELINE = "unfused"
+
+
+# ---- the methods: (hidden, weight shard, targets, group, tile) -> (logprobs, entropy or None) ----
+
+
+def gather_full_logits(x, w, targets, group, tile):
+    return gather_then_softmax(x @ w.t(), targets, group)
+
+
+def unfused(x, w, targets, group, tile):
+    return vocab_parallel_logprobs_entropy(x @ w.t(), targets, group=group)
+
+
+def fused(x, w, targets, group, tile):
+    return vocab_parallel_linear_logprobs_entropy(x, w, targets, group=group, chunk_tokens=tile[0], chunk_vocab=tile[1])
+
+
+def liger(x, w, targets, group, tile):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    local = (targets - dist.get_rank(group) * w.shape[0]).clamp(0, w.shape[0] - 1)
+    return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, x, local), None
+
+
+def cce(x, w, targets, group, tile):
+    from cut_cross_entropy import linear_cross_entropy
+
+    local = (targets - dist.get_rank(group) * w.shape[0]).clamp(0, w.shape[0] - 1)
+    return -linear_cross_entropy(x, w, local, reduction="none"), None
+
+
+METHODS = {"gather": gather_full_logits, "unfused": unfused, "fused": fused}
+OPTIONAL = {"liger": ("liger_kernel", liger), "cce": ("cut_cross_entropy", cce)}
+
+
+def available_optional(device) -> dict:
+    """(c'): importable on CUDA, else the reason they are left out."""
+    found, missing = {}, {}
+    for name, (module, fn) in OPTIONAL.items():
+        if device.type != "cuda":
+            missing[name] = "CUDA only"
+            continue
+        try:
+            __import__(module)
+            found[name] = fn
+        except ImportError:
+            missing[name] = "not installed"
+    return found, missing
+
+
+# ---- one measurement -----------------------------------------------------------
+
+
+class Meter:
+    """Peak memory increase over a call: resident set on CPU, allocator on CUDA."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def start(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        return reset_peak()
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return peak_rss()
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def run_once(fn, hidden, weight, targets, g_lp, g_h, group, tile):
+    x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    lp, ent = fn(x, w, targets, group, tile)
+    loss = (lp * g_lp).sum() if ent is None else (lp * g_lp + ent * g_h).sum()
+    loss.backward()
+    assert x.grad is not None and w.grad is not None
+
+
+def _max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(rank, world, n_tokens, hidden_size, vocab, dtype_name, repeats, tile, device_name, chosen, results_path):
+    device = torch.device(device_name if device_name == "cpu" else f"cuda:{rank % torch.cuda.device_count()}")
+    group = dist.group.WORLD
+    dtype = getattr(torch, dtype_name)
+    shard = vocab // world
+    gen = torch.Generator().manual_seed(1234)
+    hidden = torch.randn(n_tokens, hidden_size, generator=gen).to(device, dtype)
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 2 / hidden_size**0.5)[rank * shard:(rank + 1) * shard]
+    weight = weight.to(device, dtype).contiguous()
+    targets = torch.randint(0, vocab, (n_tokens,), generator=gen).to(device)
+    g_lp, g_h = torch.randn(n_tokens, generator=gen).to(device), torch.randn(n_tokens, generator=gen).to(device)
+    grads_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    optional, missing = available_optional(device)
+    missing = {name: why for name, why in missing.items() if name in chosen}
+    methods = {name: fn for name, fn in {**METHODS, **optional}.items() if name in chosen}
+    meter = Meter(device)
+
+    mem, times = {}, {name: [] for name in methods}
+    for name, fn in methods.items():  # first round: warm-up and memory
+        gc.collect()
+        dist.barrier()
+        base = meter.start()
+        run_once(fn, hidden, weight, targets, g_lp, g_h, group, tile)
+        mem[name] = _max_over_ranks(meter.peak() - base, device)
+        if rank == 0:
+            print(f"  warm-up {name}: peak +{mem[name] / 2**20:.0f} MiB", flush=True)
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            gc.collect()
+            dist.barrier()
+            meter.sync()
+            t0 = time.perf_counter()
+            run_once(fn, hidden, weight, targets, g_lp, g_h, group, tile)
+            meter.sync()
+            times[name].append(_max_over_ranks(time.perf_counter() - t0, device))
+        if rank == 0:
+            print("  repeat: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
+    if rank == 0:
+        with open(results_path, "a") as f:
+            for name in methods:
+                f.write(repr((world, name, mem[name], grads_bytes, times[name])) + "\n")
+            for name, why in missing.items():
+                f.write(repr((world, name, None, None, why)) + "\n")
+
+
+def print_table(rows, header):
+    print()
+    print(header)
+    print("| TP | method | peak mem increase | mem / (b) | act (less grads) | act / (b) | time median [min, max] | time / (b) |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = {r[0]: r for r in rows if r[1] == BASELINE}
+    for world, name, mem, grads, times in rows:
+        if mem is None:
+            print(f"| {world} | {name} | {times} | | | | | |")
+            continue
+        b_world, _, b_mem, b_grads, b_times = base[world]
+        act, b_act = mem - grads, b_mem - b_grads
+        t, bt = statistics.median(times), statistics.median(b_times)
+        print(f"| {world} | {name} | {mem / 2**20:.0f} MiB | {mem / b_mem:.3f}x | {act / 2**20:.0f} MiB | "
+              f"{act / b_act:.3f}x | {t:.2f} s [{min(times):.2f}, {max(times):.2f}] | {t / bt:.3f}x |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[2], help="tensor-parallel sizes (one launch each)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=65536)
+    ap.add_argument("--small", action="store_true", help="1024 tokens x h 512 x V 16384: a quick run")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="fused: tokens per tile (default: the op's)")
+    ap.add_argument("--chunk-vocab", type=int, default=None, help="fused: columns per tile (default: the op's)")
+    ap.add_argument("--methods", nargs="+", default=[*METHODS, *OPTIONAL], choices=[*METHODS, *OPTIONAL],
+                    help=f"which to run ({BASELINE!r}, the baseline, always runs)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    args = ap.parse_args(argv)
+    if args.small:
+        args.tokens, args.hidden, args.vocab = 1024, 512, 16384
+    bad = [tp for tp in args.tp if tp < 1 or args.vocab % tp]
+    if bad:
+        ap.error(f"--vocab {args.vocab} is not divisible by --tp {bad}")
+    chosen = sorted(set(args.methods) | {BASELINE}, key=[*METHODS, *OPTIONAL].index)
+    results = f"/tmp/bench_fused_output.{os.getpid()}.txt"
+    open(results, "w").close()
+    header = (f"{args.tokens} tokens x h {args.hidden} x V {args.vocab}, {args.dtype} on {args.device}, "
+              f"torch {torch.__version__}, {os.cpu_count()} cores, repeats {args.repeats}, "
+              f"fused tile {args.chunk_tokens or 'default'} x {args.chunk_vocab or 'default'}")
+    print(header, flush=True)
+    for tp in args.tp:
+        print(f"TP={tp}: {tp} gloo rank(s), {max(1, (os.cpu_count() or 1) // tp)} thread(s) each", flush=True)
+        run_gloo(worker, tp, args.tokens, args.hidden, args.vocab, args.dtype, args.repeats,
+                 (args.chunk_tokens, args.chunk_vocab), args.device, chosen, results, timeout_s=7200)
+    with open(results) as f:
+        rows = [ast.literal_eval(line) for line in f if line.strip()]
+    os.unlink(results)
+    print_table(rows, header)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
