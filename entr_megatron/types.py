@@ -34,15 +34,48 @@ class Sample:
     loss_mask: list[bool] | None = None
     """Per response token; False for tokens the policy did not generate (tool outputs). Default all True."""
     finish_reason: str = "length"
+    routed_experts: torch.Tensor | None = None
+    """MoE routing replay: integer ``[P + R - 1, moe_layers, k]``, the experts the engine's router
+    chose for each token fed to it (the prompt, then every response token but the last), by token
+    position (not target position). None for dense models or when not recorded."""
 
     def __post_init__(self):
         n = len(self.response_ids)
+        fed = len(self.prompt_ids) + n - 1
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != fed):
+            raise ValueError(f"Sample.routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                             f"[{fed}, moe_layers, k] (prompt + response - 1 tokens)")
         for name in ("behaviour_logprobs", "versions", "rollout_entropy", "loss_mask"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"Sample.{name} has {len(value)} entries, expected one per response token ({n})")
         if not self.prompt_ids:
             raise ValueError("Sample.prompt_ids is empty: a response needs at least one prompt token")
+
+
+ENGINE_ROUTES = "routed_experts_T"
+"""``TrainBatch.extras`` key of the engine's MoE routes: int16 ``[T, moe_layers, k]`` by TOKEN
+position (the experts token j was sent to when fed), -1 where none was recorded (each sequence's
+last token, samples without routes); set by ``TrainBatch.from_samples`` when samples carry
+``routed_experts`` (learner/routing_replay.py replays them)."""
+NO_ROUTE = -1
+
+
+def _pack_routes(samples: list[Sample]) -> torch.Tensor | None:
+    """The samples' routes in the batch's token layout (``ENGINE_ROUTES``), or None when none has any."""
+    shapes = {tuple(s.routed_experts.shape[1:]) for s in samples if s.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"samples carry routes of different [moe_layers, k] shapes: {sorted(shapes)}")
+    (layers, k), = shapes
+    rows = []
+    for s in samples:
+        fed = len(s.prompt_ids) + len(s.response_ids) - 1
+        rows.append(s.routed_experts.to(torch.int16) if s.routed_experts is not None
+                    else torch.full((fed, layers, k), NO_ROUTE, dtype=torch.int16))
+        rows.append(torch.full((1, layers, k), NO_ROUTE, dtype=torch.int16))  # the last token is never fed
+    return torch.cat(rows)
 
 
 @dataclass
@@ -96,7 +129,9 @@ class TrainBatch:
                 ent += pad + list(s.rollout_entropy) + [0]
         cu = torch.zeros(len(samples) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(lens, dtype=torch.long).cumsum(0)
+        routes = _pack_routes(samples)
         return cls(
+            extras={ENGINE_ROUTES: routes} if routes is not None else {},
             tokens_T=torch.tensor(tokens, dtype=torch.long),
             cu_seqlens=cu,
             loss_mask_T=torch.tensor(mask, dtype=torch.bool),

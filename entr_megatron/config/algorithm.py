@@ -31,6 +31,8 @@ CorrectionMode = Literal["published", "mask_only"]
 CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 CapMode = Literal["drop", "clamp"]
 CAP_MODES: tuple[str, ...] = get_args(CapMode)
+RoutingReplay = Literal["off", "r2", "r3"]
+ROUTING_REPLAY_MODES: tuple[str, ...] = get_args(RoutingReplay)
 
 # The aggregation each loss's paper uses, when loss_agg_mode is unset. GSPO averages per
 # sequence (1/G sum_i 1/|y_i| sum_t, arXiv:2507.18071 eq. 5); CISPO (arXiv:2506.13585 eq. 4)
@@ -178,6 +180,14 @@ class AlgorithmConfig:
     """Which entropy ENTR divides by: 'learner' (H(pi_theta), same forward pass) or
     'rollout' (H(mu) returned by the engine, as in the paper)."""
 
+    routing_replay: RoutingReplay = "off"
+    """MoE routing replay (docs/ENTR.md, "Routing replay"): one of ROUTING_REPLAY_MODES. 'off': the
+    learner routes every forward itself. 'r3': the learner replays the experts the engine chose for
+    each token (needs an MoE model and routes recorded by the engine: the embedded engine records
+    them when this is 'r3' or rollout.record_routes is on). 'r2': the training forward replays the
+    learner's own routing recorded when the batch's old policy was scored (compute_logprobs). The
+    gate probabilities of the replayed experts stay differentiable in both."""
+
     def __post_init__(self) -> None:
         choice(self, "advantage_estimator", AdvantageEstimator)
         choice(self, "correction", Correction)
@@ -187,6 +197,9 @@ class AlgorithmConfig:
         choice(self, "entropy_source", EntropySource)
         choice(self, "correction_mode", CorrectionMode)
         choice(self, "decoupled_cap_mode", CapMode)
+        if self.routing_replay is False:  # YAML 1.1 (PyYAML) reads an unquoted off as false
+            object.__setattr__(self, "routing_replay", "off")
+        choice(self, "routing_replay", RoutingReplay)
         if self.correction_mode == "mask_only" and self.correction == "tis":
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",

@@ -232,6 +232,11 @@ class RolloutConfig:
     embedded engines (rollout.embedded.health_timeout_s); engines that answer keep generating.
     Positive, finite."""
 
+    record_routes: bool = False
+    """Return, with each sample, the experts every MoE layer routed each token to (the embedded
+    engine only; free for dense models). The controller also turns it on for
+    algorithm.routing_replay 'r3'."""
+
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters, including the group size n."""
 
@@ -254,6 +259,10 @@ class RolloutConfig:
         integer(self, "max_engine_restarts", low=0)
         for name in ("push_timeout_s", "poll_timeout_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
+        boolean(self, "record_routes")
+        if self.record_routes and self.engine != "embedded":
+            raise bad(self, "record_routes", self.record_routes, "only the embedded engine records routes so far",
+                      when=f"engine={self.engine!r}")
 
     @property
     def gpus_needed(self) -> int:

@@ -96,6 +96,7 @@ class LearnerWorker:
         self.chunks, self.model_spec = build_learner_model_from_hf(
             spec.model_dir, self.groups, dtype=_torch_dtype(run.model.dtype), vp_size=p.vpp,
             config_overrides=overrides,
+            routing_replay=run.algorithm.routing_replay if spec.phase != "sft" else "off",
         )
         if run.learner.fused_output:
             from entr_megatron.learner.fused_output import enable_fused_output

@@ -215,7 +215,9 @@ def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
     from entr_megatron.rollout.embedded import EmbeddedEngineConfig
 
     return EmbeddedEngineConfig.from_config(cfg.rollout, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
-                                            seed=cfg.controller.seed + index)
+                                            seed=cfg.controller.seed + index,
+                                            record_routes=cfg.rollout.record_routes
+                                            or cfg.algorithm.routing_replay == "r3")  # R3 replays them
 
 
 def _ray_init(cfg: RunConfig) -> None:

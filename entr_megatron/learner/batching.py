@@ -25,9 +25,12 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-from entr_megatron.types import TrainBatch
+from entr_megatron.types import ENGINE_ROUTES, TrainBatch
 
 __all__ = [
+    "ENGINE_ROUTES",
+    "OLD_POLICY_ROUTES",
+    "TOKEN_EXTRAS",
     "BatchCounts",
     "MicroBatch",
     "batch_counts",
@@ -39,6 +42,13 @@ __all__ = [
     "select_sequences",
     "split_for_data_parallel",
 ]
+
+
+OLD_POLICY_ROUTES = "old_policy_routes_T"
+"""``TrainBatch.extras`` key of the learner's own routes recorded when the old policy was scored
+(routing replay 'r2'), same layout; each rank fills its own layers and tokens only."""
+TOKEN_EXTRAS = (ENGINE_ROUTES, OLD_POLICY_ROUTES)
+"""Per-token ``extras`` (first dimension ``T``) that follow the sequences they belong to."""
 
 
 # --- counts -------------------------------------------------------------------------------
@@ -86,7 +96,8 @@ def batch_counts(batch: TrainBatch) -> BatchCounts:
 # --- data-parallel split ----------------------------------------------------------------------
 
 def select_sequences(batch: TrainBatch, indices: list[int] | Tensor) -> TrainBatch:
-    """A batch of ``batch``'s sequences ``indices``, in that order (``extras`` are not carried)."""
+    """A batch of ``batch``'s sequences ``indices``, in that order (of ``extras``, only the
+    per-token ``TOKEN_EXTRAS`` are carried)."""
     idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
     lens = batch.seq_lens[idx]
     positions = torch.cat(
@@ -106,6 +117,7 @@ def select_sequences(batch: TrainBatch, indices: list[int] | Tensor) -> TrainBat
         advantages_B=batch.advantages_B[idx],
         versions_T=take(batch.versions_T),
         rollout_entropy_T=take(batch.rollout_entropy_T),
+        extras={k: v[positions] for k, v in batch.extras.items() if k in TOKEN_EXTRAS},
     )
 
 

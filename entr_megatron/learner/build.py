@@ -28,6 +28,7 @@ import torch
 from entr_megatron import models
 from entr_megatron.learner.hf_load import load_hf_weights, read_hf_config
 from entr_megatron.learner.model import build_model_chunks
+from entr_megatron.learner.routing_replay import install as install_routing_replay
 from entr_megatron.learner.spec import te_available
 
 __all__ = [
@@ -62,6 +63,7 @@ def learner_transformer_config(
     dtype: torch.dtype = torch.float32,
     perform_initialization: bool = True,
     overrides: Mapping[str, Any] | None = None,
+    routing_replay: str = "off",
 ):
     """Megatron `TransformerConfig` for `spec` laid out on `groups`.
 
@@ -71,6 +73,8 @@ def learner_transformer_config(
     expert-TP > 1; allgather is correct everywhere), alltoall on GPU; no load
     balancing loss (a training choice: pass it in `overrides`). `overrides`
     replaces any field last (e.g. `calculate_per_token_loss`, recompute settings).
+    `routing_replay` ('off', 'r2', 'r3': `AlgorithmConfig.routing_replay`) other than 'off'
+    turns on `moe_enable_routing_replay` (refused for a dense model).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -96,7 +100,11 @@ def learner_transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,  # SequentialMLP: the naming `spec` is built with
+            moe_enable_routing_replay=routing_replay != "off",
         )
+    elif routing_replay != "off":
+        raise ValueError(f"algorithm.routing_replay={routing_replay!r} needs an MoE model; "
+                         f"{spec.model_type} is dense (use 'off')")
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
@@ -110,6 +118,7 @@ def build_learner_model_from_hf(
     use_te: bool | None = None,
     vp_size: int | None = None,
     config_overrides: Mapping[str, Any] | None = None,
+    routing_replay: str = "off",
 ):
     """This rank's GPTModel chunks for an HF model, and the model's `ModelSpec`.
 
@@ -125,6 +134,8 @@ def build_learner_model_from_hf(
         vp_size: virtual pipeline chunks per stage; must equal `groups.vpp_size`
             (the groups decide; this only guards against a mismatch).
         config_overrides: `TransformerConfig` fields set last (see `learner_transformer_config`).
+        routing_replay: `AlgorithmConfig.routing_replay`; 'r2'/'r3' install megatron's router
+            replay on every MoE layer (`routing_replay.install`).
 
     Returns:
         `(model_chunks, spec)`: one chunk per virtual stage (Megatron's order) and
@@ -142,7 +153,8 @@ def build_learner_model_from_hf(
         use_te = te_available()
     spec = models.model_spec(hf_config, te_fused_norms=use_te, grouped_experts=False)
     config = learner_transformer_config(
-        spec, groups, dtype=dtype, perform_initialization=not load_weights, overrides=config_overrides
+        spec, groups, dtype=dtype, perform_initialization=not load_weights, overrides=config_overrides,
+        routing_replay=routing_replay,
     )
     gpt = models.gpt_model_kwargs(spec)
     chunks = build_model_chunks(
@@ -160,4 +172,6 @@ def build_learner_model_from_hf(
     )
     if load_weights:
         load_hf_weights(chunks, spec, groups, hf_dir_or_config)
+    if routing_replay != "off":
+        install_routing_replay(chunks, routing_replay)
     return chunks, spec

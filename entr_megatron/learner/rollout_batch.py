@@ -12,7 +12,8 @@ old_log_prob, AReaL's proximal policy). For the first mini-batch of the first ep
 is the current policy itself, taken detached in the training pass (exact, no extra
 forward); the other shares are scored once up front by ``compute_logprobs``, before any
 weight moves. Only corrections that anchor on pi_old (``AlgorithmConfig.uses_old_logprobs``)
-pay for those forwards.
+and MoE routing replay 'r2' (which records pi_old's routes in those forwards and replays them
+in the shares' training forwards) pay for them.
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, g
         )
     shares = [m if dp == 1 else split_for_data_parallel(m, dp)[groups.dp_rank] for m in minis]
     old: list[Tensor | None] = [None] * len(shares)
-    if algo_cfg.uses_old_logprobs and learner_cfg.steps_per_batch > 1:
+    # Routing replay 'r2' records pi_old's routes in that same scoring pass (into the share's extras).
+    scores_old = algo_cfg.uses_old_logprobs or algo_cfg.routing_replay == "r2"
+    if scores_old and learner_cfg.steps_per_batch > 1:
         # Share 0 of epoch 0 trains before anything moved: its pi_old comes from its own pass.
         first = 0 if learner_cfg.epochs > 1 else 1
         for k in range(first, len(shares)):
-            old[k] = compute_logprobs(model_chunks, shares[k], groups, learner_cfg, vocab_size=vocab_size,
-                                      temperature=temperature)[0]
+            logprobs = compute_logprobs(model_chunks, shares[k], groups, learner_cfg, vocab_size=vocab_size,
+                                        temperature=temperature)[0]
+            old[k] = logprobs if algo_cfg.uses_old_logprobs else None
     steps = []
     for epoch in range(learner_cfg.epochs):
         for k, share in enumerate(shares):

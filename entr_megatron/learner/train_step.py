@@ -45,6 +45,7 @@ from entr_megatron.learner.fused_output import fused_output_weight
 from entr_megatron.learner.loss import make_logprob_loss_func, make_policy_loss_func
 from entr_megatron.learner.loss_report import LossReport
 from entr_megatron.learner.optimizer import check_training_config, optimizer_step
+from entr_megatron.learner.routing_replay import ReplayStep
 from entr_megatron.types import TrainBatch
 
 __all__ = ["compute_logprobs", "microbatches_for_step", "required_pad_multiple", "train_step"]
@@ -110,16 +111,22 @@ def _on_device(mb: MicroBatch, device: torch.device) -> tuple[Tensor, Tensor, Pa
     return mb.tokens.to(device), mb.position_ids.to(device), packed
 
 
-def _run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forward_only: bool) -> list:
-    """Megatron's forward-backward over ``micro``; ``make_loss(index, mb)`` gives each loss_func."""
+def _run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forward_only: bool,
+                  replay: ReplayStep | None = None) -> list:
+    """Megatron's forward-backward over ``micro``; ``make_loss(index, mb)`` gives each loss_func;
+    ``replay`` sets (and reads back) each forward's MoE routes."""
     config = get_model_config(model_chunks[0])
     device = _device()
 
     def forward_step(data_iterator, model):
         index, mb = next(data_iterator)
         tokens, positions, packed = _on_device(mb, device)
+        if replay is not None:
+            replay.before_forward(model, mb)
         # attention_mask=None: causality and sequence boundaries come from the thd packing.
         output = model(tokens, positions, None, packed_seq_params=packed)
+        if replay is not None:
+            replay.after_forward(model, mb)
         loss, weight = make_loss(index, mb), fused_output_weight(model)
         # the fused output layer returned hidden states: the loss multiplies them by its weight
         return output, (loss if weight is None else partial(loss, output_weight=weight))
@@ -196,7 +203,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
     Returns the same metrics on every rank: ``loss`` (exact: global numerator / global
     count), the mismatch metrics (mismatch/*, mask/fraction, is/ess, entropy_bin/*), the
     correction's and loss's metrics (token-weighted over micro-batches and DP), ``optim/grad_norm``, ``optim/skipped`` (1.0 when the non-finite
-    norm skipped the step), ``optim/lr`` and ``batch/microbatches``.
+    norm skipped the step), ``optim/lr`` and ``batch/microbatches``; with MoE routing replay
+    (``algo_cfg.routing_replay``, the model built for it) ``routing/disagree_frac`` and per layer.
     """
     config = get_model_config(model_chunks[0])
     check_training_config(config, learner_cfg)
@@ -207,6 +215,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
     config.finalize_model_grads_func = finalize_model_grads
 
     micro = microbatches_for_step(batch, groups, learner_cfg, config)
+    replay = ReplayStep.for_batch(model_chunks, batch, groups, scoring=False, mode=algo_cfg.routing_replay)
 
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
@@ -217,7 +226,7 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
         return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, vocab_size=vocab_size,
                                      temperature=temperature, old_logprobs_T=old_logprobs)
 
-    reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False)
+    reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False, replay=replay)
     step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad, before_update=before_update)
 
     metrics = LossReport.total(reports).all_reduced(groups).metrics() if last else {}
@@ -228,6 +237,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
         "optim/lr": step.lr,
         "batch/microbatches": float(len(micro)),
     })
+    if replay is not None:
+        metrics.update(replay.metrics(groups, _device()))
     return metrics
 
 
@@ -247,6 +258,7 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     _check_layout(groups)
     _prepare_config(config, groups)
     micro = microbatches_for_step(batch, groups, learner_cfg, config)
+    replay = ReplayStep.for_batch(model_chunks, batch, groups, scoring=True)
     was_training = [c.training for c in model_chunks]
     for c in model_chunks:
         c.eval()
@@ -256,11 +268,13 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
                 model_chunks, micro, groups,
                 partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg, vocab_size=vocab_size,
                         temperature=temperature),
-                forward_only=True,
+                forward_only=True, replay=replay,
             )
     finally:
         for c, training in zip(model_chunks, was_training):
             c.train(training)
+    if replay is not None:
+        replay.finish(batch)
     if not groups.is_last_stage():
         return None, None
     total = batch.tokens_T.numel()

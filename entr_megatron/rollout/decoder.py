@@ -14,6 +14,12 @@ admitted rows are prefilled on their own and merged in, padding the shorter cach
 on the left. After a weight swap the cache is kept by default (its entries were
 computed by the previous weights: an in-flight update) or recomputed with the new
 weights (`recompute_cache`).
+
+Routes (`record_routes`, MoE models): a token's experts are known when it is fed to
+the model, so a sample holds those of its prompt (prefill) and of every response
+token but the last (each fed by the next decode step): ``P + R - 1`` rows. A cache
+recomputed after a swap replaces them with the new weights' routes, the ones the
+cache now holds.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class _Sequence:
     versions: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """``[n, moe_layers, k]`` chunks of the routes of the tokens fed so far (record_routes only)."""
 
     @property
     def params(self) -> SamplingParams:
@@ -67,8 +75,15 @@ class _Sequence:
             output_ids=self.output_ids, logprobs=self.logprobs, versions=self.versions,
             finish_reason=finish_reason, entropy=self.entropy,
             raw_logprobs=self.raw_logprobs if r.params.return_raw_logprobs else None,
-            group_id=r.group_id, metadata=r.metadata,
+            group_id=r.group_id, metadata=r.metadata, routed_experts=self._routed_experts(),
         )
+
+    def _routed_experts(self) -> torch.Tensor | None:
+        """``[P + R - 1, moe_layers, k]``, or None (no routes, or aborted before its prefill)."""
+        if not self.routes:
+            return None
+        routes = torch.cat(self.routes)
+        return routes if routes.shape[0] == len(self.request.prompt_ids) + len(self.output_ids) - 1 else None
 
 
 class BatchDecoder:
@@ -84,10 +99,11 @@ class BatchDecoder:
         eos_token_ids: Iterable[int] = (),
         version: int = 0,
         seed: int = 0,
+        record_routes: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.lm = CausalLM(model)
+        self.lm = CausalLM(model, record_routes=record_routes)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or self.lm.max_positions
         self.max_prefill_tokens = max_prefill_tokens
@@ -153,10 +169,12 @@ class BatchDecoder:
         if self._waiting and len(self._running) < self.max_batch_size:
             admitted = self._admit()
             logits_BV, kv, mask_BL = self._prefill([s.request.prompt_ids for s in admitted])
+            self._keep_routes(admitted, mask_BL, replace=False)
             keep = self._sample(admitted, logits_BV, finished)
             self._merge(admitted, kv, mask_BL, keep)
         elif self._running:
             logits_BV = self._decode()
+            self._keep_routes(self._running, None, replace=False)
             self._select(self._sample(self._running, logits_BV, finished))
         self.steps += 1
         return finished
@@ -166,6 +184,19 @@ class BatchDecoder:
         """Rebuild the KV cache of every running row with the current weights."""
         if self._running:
             _, self._kv, self._mask = self._prefill([s.request.prompt_ids + s.output_ids[:-1] for s in self._running])
+            self._keep_routes(self._running, self._mask, replace=True)
+
+    def _keep_routes(self, rows: list[_Sequence], mask_BL: torch.Tensor | None, replace: bool) -> None:
+        """Append (or, `replace`, set) each row's routes of the forward just run: the real
+        (unpadded) positions of a prefill (`mask_BL`), the one fed token of a decode step."""
+        routes_BSLK = self.lm.last_routes
+        if routes_BSLK is None:
+            return
+        for i, s in enumerate(rows):
+            mine = routes_BSLK[i] if mask_BL is None else routes_BSLK[i][mask_BL[i]]
+            if replace:
+                s.routes.clear()
+            s.routes.append(mine.clone())
 
     def _admit(self) -> list[_Sequence]:
         """Waiting samples for one prefill: up to the free rows and the padded-token budget."""

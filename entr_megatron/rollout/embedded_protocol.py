@@ -90,6 +90,8 @@ class EmbeddedEngineConfig:
     startup_timeout_s: float = 300.0
     rpc_timeout_s: float = 60.0
     update_timeout_s: float = 600.0
+    record_routes: bool = False
+    """Return each sample's MoE routes (`GenerateResult.routed_experts`); nothing for dense models."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, *, model_dir: str, max_model_len: int | None, seed: int,
@@ -100,7 +102,7 @@ class EmbeddedEngineConfig:
         fields = dict(model_dir=str(model_dir), dtype=rollout.dtype, init="pretrained", seed=seed,
                       max_batch_size=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
                       max_model_len=max_model_len, kv_on_update=rollout.kv_on_update or "keep",
-                      num_threads=e.num_threads)
+                      num_threads=e.num_threads, record_routes=rollout.record_routes)
         return cls(**{**fields, **overrides})
 
     def __post_init__(self):

@@ -135,7 +135,7 @@ class _Worker:
         self.decoder = BatchDecoder(
             model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
             max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos_token_ids(model),
-            version=config.initial_version, seed=config.seed,
+            version=config.initial_version, seed=config.seed, record_routes=config.record_routes,
         )
         self.stage = WeightStage(model)
         self.receiver = _Receiver(self.stage, self.decoder, weight_q, cmd_q, out_q)

@@ -153,6 +153,11 @@ class GenerateResult:
     """Only with `SamplingParams.return_raw_logprobs`: untruncated temperature-1 log-probs."""
     group_id: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
+    """MoE models with route recording on: uint8/int16 ``[P + R - 1, moe_layers, k]``, the experts each
+    MoE layer sent each fed token to (prompt tokens, then every output token but the last, which is
+    never fed: its route affects no log-prob). None for dense models, when off, or when aborted
+    before the prompt was prefilled."""
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -171,6 +176,7 @@ class GenerateResult:
             group_id=self.group_id,
             rollout_entropy=None if self.entropy is None else list(self.entropy),
             finish_reason=self.finish_reason,
+            routed_experts=self.routed_experts,
         )
 
 

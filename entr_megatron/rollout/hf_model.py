@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DTYPES", "CausalLM", "eos_token_ids", "has_weights", "load_causal_lm"]
+__all__ = ["DTYPES", "CausalLM", "RouteRecorder", "eos_token_ids", "has_weights", "load_causal_lm", "route_dtype"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INITS = ("auto", "pretrained", "random")
@@ -69,11 +69,60 @@ def eos_token_ids(model: torch.nn.Module) -> tuple[int, ...]:
     return ()
 
 
-class CausalLM:
-    """Forward passes of an HF causal LM over a caller-held KV cache of plain tensors."""
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids below `num_experts` (routes are kept per token)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+class RouteRecorder:
+    """The top-k expert ids HF's router picked in every MoE layer, captured by forward hooks.
+
+    An MoE block is a module with a `gate` and `experts` (Qwen3-MoE, Mixtral; transformers
+    4.x and 5.x). A 5.x gate returns `(router_logits, router_scores, router_indices)`: the
+    indices the experts were run with are taken as they are. A 4.x gate is a Linear that
+    returns logits, and the block picks `topk(softmax(logits.float()), k)` (the same rule;
+    `norm_topk_prob` rescales the weights only): that is recomputed here. No hook is
+    installed on a dense model (`num_layers == 0`).
+    """
 
     def __init__(self, model: torch.nn.Module):
+        self.top_k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        gates = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.num_layers = len(gates)
+        num_experts = getattr(model.config, "num_experts", None) or getattr(model.config, "num_local_experts", 256)
+        self.dtype = route_dtype(int(num_experts))
+        self._layers: list[torch.Tensor] = []
+        self._handles = [g.register_forward_hook(self._hook) for g in gates]
+
+    def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if isinstance(output, tuple) and len(output) == 3:
+            indices = output[2]
+        else:
+            indices = torch.topk(torch.softmax(output.float(), dim=-1), self.top_k, dim=-1).indices
+        self._layers.append(indices.reshape(-1, indices.shape[-1]).to(self.dtype))
+
+    def reset(self) -> None:
+        """Drop routes of a forward that did not finish."""
+        self._layers = []
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """The routes of the forward just run, ``[batch, seq, num_layers, k]``; clears them."""
+        layers, self._layers = self._layers, []
+        assert len(layers) == self.num_layers, f"{len(layers)} MoE gates ran, the model has {self.num_layers}"
+        return torch.stack(layers, dim=1).view(batch, seq, self.num_layers, -1)
+
+
+class CausalLM:
+    """Forward passes of an HF causal LM over a caller-held KV cache of plain tensors.
+
+    `record_routes`: each forward also keeps the MoE routes of its tokens in `last_routes`
+    (``[B, S, moe_layers, k]``; None for a dense model or when off)."""
+
+    def __init__(self, model: torch.nn.Module, record_routes: bool = False):
         self.model = model
+        recorder = RouteRecorder(model) if record_routes else None
+        self._routes = recorder if recorder is not None and recorder.num_layers else None
+        self.last_routes: torch.Tensor | None = None
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
@@ -90,12 +139,16 @@ class CausalLM:
         """Logits of the last position [B, V] and the grown cache (per layer K, V [B, H, L, D]).
         `attention_mask_BL` covers the cache and the new tokens (L = cached + S)."""
         cache = _make_cache(kv)
+        if self._routes is not None:
+            self._routes.reset()
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if self._keep_kw is not None:
             kwargs[self._keep_kw] = 1
         out = self.model(
             input_ids=input_ids_BS, attention_mask=attention_mask_BL.long(), position_ids=position_ids_BS, **kwargs
         )
+        if self._routes is not None:
+            self.last_routes = self._routes.take(*input_ids_BS.shape)
         return out.logits[:, -1], _cache_tensors(cache)
 
 

@@ -1,0 +1,144 @@
+"""MoE routing replay without ranks: the embedded engine's recorded routes, their packing, the config.
+
+The engine's routes are checked against an independent recomputation: HF's own router
+logits of the finished sequence (``output_router_logits``, one forward without a cache),
+``topk(softmax(logits), k)`` as the HF blocks route, compared as expert sets per
+(token, layer). The learner side (replay in Megatron) is tests/distributed/test_routing_replay.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            initializer_range=0.3, max_position_embeddings=128, vocab_size=64)
+
+
+def tiny_models():
+    """model_type -> a random tiny HF model (both MoE families, both router normalisations, one dense)."""
+    configs = {
+        "qwen3_moe": transformers.Qwen3MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=16,
+                                                 num_experts=4, num_experts_per_tok=2, head_dim=8,
+                                                 norm_topk_prob=False),
+        "mixtral": transformers.MixtralConfig(**TINY, intermediate_size=16, num_local_experts=4,
+                                              num_experts_per_tok=2),
+        "llama": transformers.LlamaConfig(**TINY, intermediate_size=48),
+    }
+    torch.manual_seed(0)
+    return {k: transformers.AutoModelForCausalLM.from_config(c).eval() for k, c in configs.items()}
+
+
+def generate(model, record_routes=True):
+    from entr_megatron.rollout.decoder import BatchDecoder
+    from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+
+    # max_batch_size 3 < 6 samples: later ones are prefilled while others decode (merged caches).
+    decoder = BatchDecoder(model, max_batch_size=3, record_routes=record_routes)
+    prompts = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2]]
+    for i, p in enumerate(prompts):
+        decoder.add(GenerateRequest(p, SamplingParams(max_new_tokens=4 + 2 * i, n=2, seed=i, ignore_eos=True),
+                                    request_id=str(i)))
+    results = []
+    while decoder.has_work():
+        results += decoder.step()
+    return results
+
+
+def hf_routes(model, tokens):
+    """``[L_tokens, moe_layers, k]`` sorted expert ids from HF's router logits of one plain forward."""
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    per_layer = [torch.topk(torch.softmax(logits.float(), -1), k, dim=-1).indices for logits in out.router_logits]
+    return torch.stack(per_layer, dim=1).sort(-1).values
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_engine_routes_equal_hf_router_recomputation(model_type):
+    model = tiny_models()[model_type]
+    results = generate(model)
+    assert len(results) == 6
+    for r in results:
+        routes = r.routed_experts
+        fed = r.prompt_ids + r.output_ids[:-1]
+        assert routes is not None and routes.dtype == torch.uint8
+        assert tuple(routes.shape) == (len(fed), model.config.num_hidden_layers, 2)
+        want = hf_routes(model, fed)
+        assert torch.equal(routes.long().sort(-1).values, want), f"{model_type} request {r.request_id}"
+        sample = r.to_sample()
+        assert sample.routed_experts is routes
+
+
+def test_routes_off_or_dense_cost_nothing():
+    models = tiny_models()
+    assert all(r.routed_experts is None for r in generate(models["qwen3_moe"], record_routes=False))
+    assert all(r.routed_experts is None for r in generate(models["llama"], record_routes=True))
+    from entr_megatron.rollout.hf_model import CausalLM
+
+    lm = CausalLM(models["llama"], record_routes=True)
+    assert lm._routes is None and not models["llama"].model.layers[0].mlp._forward_hooks
+
+
+def test_sample_checks_the_route_rows():
+    from entr_megatron.types import Sample
+
+    with pytest.raises(ValueError, match=r"routed_experts has shape \(3, 2, 2\), expected \[4, moe_layers, k\]"):
+        Sample([1, 2, 3], [4, 5], [0.0, 0.0], [0, 0], routed_experts=torch.zeros(3, 2, 2, dtype=torch.uint8))
+
+
+def test_routes_pack_by_token_position_and_follow_sequence_selection():
+    from entr_megatron.learner.batching import ENGINE_ROUTES, select_sequences, split_for_data_parallel
+    from entr_megatron.types import Sample, TrainBatch
+
+    def sample(p, r, base):
+        routes = torch.arange(base, base + (p + r - 1) * 2, dtype=torch.uint8).view(-1, 1, 2)
+        return Sample(list(range(p)), list(range(r)), [0.0] * r, [0] * r, routed_experts=routes)
+
+    samples = [sample(3, 2, 0), sample(2, 3, 100), Sample([1], [2], [0.0], [0])]  # the last: no routes
+    batch = TrainBatch.from_samples(samples, torch.zeros(3))
+    routes = batch.extras[ENGINE_ROUTES]
+    assert routes.dtype == torch.int16 and tuple(routes.shape) == (5 + 5 + 2, 1, 2)
+    assert routes[:4].flatten().tolist() == list(range(8)) and routes[4].tolist() == [[-1, -1]]
+    assert routes[5:9].flatten().tolist() == list(range(100, 108)) and (routes[9:] == -1).all()
+    picked = select_sequences(batch, [1])
+    assert torch.equal(picked.extras[ENGINE_ROUTES], routes[5:10])
+    shares = split_for_data_parallel(batch, 2)
+    assert torch.equal(torch.cat([s.extras[ENGINE_ROUTES] for s in shares]), routes)
+    dense = [Sample([1], [2], [0.0], [0])]
+    assert ENGINE_ROUTES not in TrainBatch.from_samples(dense, torch.zeros(1)).extras
+
+
+def test_routing_replay_config_names_the_field():
+    from entr_megatron.config.algorithm import AlgorithmConfig
+    from entr_megatron.config.rollout import RolloutConfig
+
+    assert AlgorithmConfig(routing_replay="r3").routing_replay == "r3"
+    with pytest.raises(ValueError, match=r"routing_replay='r4' is not valid; allowed: off, r2, r3"):
+        AlgorithmConfig(routing_replay="r4")
+    from entr_megatron.config.loader import load_config
+
+    # an unquoted `off` in a YAML file is PyYAML's false: it means 'off'
+    assert load_config(None, ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
+    with pytest.raises(ValueError, match=r"algorithm\.routing_replay='r3' is not valid with rollout\.engine='sglang'; "
+                                         r"replays the experts the engine chose, which only the embedded engine"):
+        load_config(None, ["algorithm.routing_replay=r3", "rollout.engine=sglang"])
+    with pytest.raises(ValueError, match=r"rollout\.record_routes=True is not valid with engine='sglang'"):
+        RolloutConfig(engine="sglang", dtype="auto", record_routes=True)
+
+
+def test_replay_needs_an_moe_model():
+    from types import SimpleNamespace
+
+    from entr_megatron import models
+    from entr_megatron.learner.build import learner_transformer_config
+
+    groups = SimpleNamespace(tp_size=1, pp_size=1, vpp_size=None, cp_size=1, ep_size=1, expert_tp_size=1)
+    dense = models.model_spec(transformers.LlamaConfig(**TINY, intermediate_size=48))
+    with pytest.raises(ValueError, match=r"algorithm\.routing_replay='r3' needs an MoE model; llama is dense"):
+        learner_transformer_config(dense, groups, routing_replay="r3")
+    moe = models.model_spec(tiny_models()["qwen3_moe"].config)
+    assert learner_transformer_config(moe, groups, routing_replay="r2").moe_enable_routing_replay
+    assert not learner_transformer_config(moe, groups).moe_enable_routing_replay
