@@ -183,8 +183,9 @@ class AlgorithmConfig:
     routing_replay: RoutingReplay = "off"
     """MoE routing replay (docs/ENTR.md, "Routing replay"): one of ROUTING_REPLAY_MODES. 'off': the
     learner routes every forward itself. 'r3': the learner replays the experts the engine chose for
-    each token (needs an MoE model and routes recorded by the engine: the embedded engine records
-    them when this is 'r3' or rollout.record_routes is on). 'r2': the training forward replays the
+    each token (needs an MoE model and routes recorded by the engine: the embedded engine and
+    SGLang servers with --enable-return-routed-experts record them when this is 'r3' or
+    rollout.record_routes is on). 'r2': the training forward replays the
     learner's own routing recorded when the batch's old policy was scored (compute_logprobs). The
     gate probabilities of the replayed experts stay differentiable in both."""
 

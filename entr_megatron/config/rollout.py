@@ -123,7 +123,9 @@ class SGLangConfig:
     """Already running servers (http:// or https://host:port), one per engine (rollout.num_engines
     of them): `train` launches nothing and drives these, and tp_size, mem_fraction_static,
     base_port, extra_args, host and startup_timeout_s do not apply (the servers' own flags do;
-    with api_key_env, start them with --api-key set to the same key). The servers must reach
+    with api_key_env, start them with --api-key set to the same key; recording MoE routes,
+    rollout.record_routes or algorithm.routing_replay 'r3', with --enable-return-routed-experts,
+    else every answer is refused for its missing routes). The servers must reach
     learner rank 0, which hosts the weight-update group and listens on that address only
     (launcher.master_addr; with Ray, rank 0's node IP);
     their weights are overwritten by the learner's before the first rollout. Any launcher.device
@@ -233,9 +235,10 @@ class RolloutConfig:
     Positive, finite."""
 
     record_routes: bool = False
-    """Return, with each sample, the experts every MoE layer routed each token to (the embedded
-    engine only; free for dense models). The controller also turns it on for
-    algorithm.routing_replay 'r3'."""
+    """Return, with each sample, the experts every MoE layer routed each token to (free for dense
+    models). The controller also turns it on for algorithm.routing_replay 'r3'. SGLang: servers
+    `train` launches get --enable-return-routed-experts; servers given by sglang.urls must have
+    been started with it (an answer without routes fails the request, saying so)."""
 
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling parameters, including the group size n."""
@@ -260,9 +263,6 @@ class RolloutConfig:
         for name in ("push_timeout_s", "poll_timeout_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
         boolean(self, "record_routes")
-        if self.record_routes and self.engine != "embedded":
-            raise bad(self, "record_routes", self.record_routes, "only the embedded engine records routes so far",
-                      when=f"engine={self.engine!r}")
 
     @property
     def gpus_needed(self) -> int:

@@ -122,10 +122,6 @@ class RunConfig:
 
     def _check_rollout(self) -> None:
         r, launcher = self.rollout, self.launcher
-        if self.algorithm.routing_replay == "r3" and r.engine != "embedded":
-            raise bad(self, "algorithm.routing_replay", "r3",
-                      "replays the experts the engine chose, which only the embedded engine records so far; "
-                      "use 'r2' or 'off'", when=f"rollout.engine={r.engine!r}")
         if r.engine == "sglang":
             if self.parallel.pp != 1:
                 raise bad(

@@ -12,6 +12,11 @@ returns, rank 0's SGLangTransport.send has returned, i.e. every server has loade
 bucket, which carried the version; that is when the pusher's `on_delivered` confirms it
 (wiring.connect_sglang). (Asking the servers instead would cost an HTTP round trip per server at
 every submit, and would read a version torn across servers while an update is under way.)
+
+MoE routes (rollout.record_routes, or algorithm.routing_replay 'r3'): the engine asks every
+/generate for them in the layout of the model's config.json (`route_layout`); servers launched
+here get --enable-return-routed-experts, servers given by URL must have been started with it.
+A dense model records nothing (no flag, nothing asked).
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from entr_megatron.rollout.engine import (
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
+from entr_megatron.rollout.sglang import RouteLayout, SGLangEngine, SGLangEngineConfig
 from entr_megatron.utils.spawn import free_port
 
-__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "sglang_engine",
-           "sglang_wire_dtype"]
+__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "records_routes",
+           "route_layout", "sglang_engine", "sglang_wire_dtype"]
 
 
 def sglang_wire_dtype(cfg: RunConfig) -> str | None:
@@ -56,10 +61,36 @@ def model_vocab_size(model_dir: Path) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
+def records_routes(cfg: RunConfig) -> bool:
+    """Whether the engines return MoE routes: asked for, or replayed by R3."""
+    return cfg.rollout.record_routes or cfg.algorithm.routing_replay == "r3"
+
+
+def route_layout(model_dir: Path) -> RouteLayout | None:
+    """What SGLang reports as a sample's routes for the model in `model_dir` (its config.json, read
+    by the model family: every layer MoE); None for a dense model. Raises ValueError when the
+    config cannot be read (routes are asked for, so the layout must be known)."""
+    from entr_megatron import models
+
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"rollout.record_routes: cannot read the model config {path} for the MoE route layout: {e}") from None
+    spec = models.model_spec(config)
+    if not spec.is_moe:
+        return None
+    # ModelSpec.is_moe means every layer is MoE (families refuse dense layers in MoE models), so
+    # SGLang's num_hidden_layers columns are all ours (moe_layers None).
+    return RouteLayout(num_layers=spec.num_layers, top_k=spec.moe_router_topk, num_experts=spec.num_experts)
+
+
 def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:
     """One SGLangEngine over the run's servers (launched here on `rollout.sglang.host`, with a router
     when asked, or given by `rollout.sglang.urls`); their shutdown on `stack`. With
-    `rollout.sglang.api_key_env` the servers, the router and every client get the key."""
+    `rollout.sglang.api_key_env` the servers, the router and every client get the key. Recording
+    routes (`records_routes`) of an MoE model, the servers launched here get
+    --enable-return-routed-experts and the engine asks for the routes (`route_layout`)."""
     from entr_megatron.rollout.sglang import (
         RouterConfig,
         SGLangServerConfig,
@@ -70,12 +101,14 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
 
     r, s = cfg.rollout, cfg.rollout.sglang
     log_dir = Path(log_dir) if log_dir is not None else Path(cfg.logging.run_dir) / "sglang"
+    routes = route_layout(model_dir) if records_routes(cfg) else None
     if s.urls is None:
         check_launch(cfg)
         first_gpu = cfg.launcher.nproc_per_node  # the local learner ranks hold GPUs 0 .. nproc_per_node - 1
         configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, host=s.host, tp_size=s.tp_size, dtype=r.dtype,
                                       mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
-                                      random_seed=cfg.controller.seed + i, extra_args=s.extra_args,
+                                      random_seed=cfg.controller.seed + i, return_routed_experts=routes is not None,
+                                      extra_args=s.extra_args,
                                       api_key_env=s.api_key_env)
                    for i in range(r.num_engines)]
         say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
@@ -92,7 +125,8 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
         stack.callback(router.terminate)
         router_url = router.url
     config = SGLangEngineConfig.from_config(r, urls, router_url=router_url, tp_sizes=tp_sizes,
-                                            weight_dtype=sglang_wire_dtype(cfg), vocab_size=model_vocab_size(model_dir))
+                                            weight_dtype=sglang_wire_dtype(cfg), routes=routes,
+                                            vocab_size=model_vocab_size(model_dir))
     engine = SGLangEngine(config)
     stack.callback(engine.shutdown)
     return engine

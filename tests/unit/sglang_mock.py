@@ -21,6 +21,13 @@ With `api_key` it checks `Authorization: Bearer <key>` on every endpoint but /he
 add_api_key_middleware does. `tamper` rewrites /generate answers and `truncate_next`
 cuts an answer's body short, for the tests of a client that does not trust its server.
 
+With `routes=(num_layers, top_k, num_experts)` it is a server started with
+--enable-return-routed-experts: a request with `return_routed_experts` gets
+`meta_info.routed_experts` as SGLang 0.5.23 encodes it (state_capturer/base.py get_topk,
+detokenizer_manager.py): base64 of the int32 little-endian bytes of
+[prompt + output - 1, num_layers, top_k] (`mock_route`; none for a request aborted before
+any token). Without `routes` the field is ignored, as SGLang does without the flag.
+
 Run as a script it serves like `python -m sglang.launch_server` (same flags; unknown ones
 ignored) until SIGTERM, for the launcher tests.
 """
@@ -28,8 +35,10 @@ ignored) until SIGTERM, for the launcher tests.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import signal
+import struct
 import sys
 import threading
 import time
@@ -38,12 +47,15 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 SGLANG_VERSION = "0.5.23"
+MOCK_ROUTE_LAYOUT = (2, 2, 8)
+"""(num_layers, top_k, num_experts) of the mock served as a script with --enable-return-routed-experts."""
 
 # Field names of the 0.5.23 request structs (io_struct.py) that the mock accepts.
 GENERATE_FIELDS = {
     "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
     "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode", "return_text_in_logprobs", "stream",
     "return_hidden_states", "return_entropy", "priority", "lora_path", "session_params", "custom_labels",
+    "return_routed_experts", "routed_experts_start_len",
 }
 # api_types.py _FIELDS_SamplingParams: SGLang itself refuses any other key (HTTP 400).
 SAMPLING_FIELDS = (
@@ -86,6 +98,23 @@ def mock_logprob(token: int, temperature: float) -> float:
     return -0.1 * (1 + token % 7) / max(temperature, 0.5)
 
 
+def mock_route(fed: list[int], t: int, layer: int, j: int, num_experts: int) -> int:
+    """Expert j of fed token t (of the prompt + output tokens) in layer `layer` (distinct over j)."""
+    return (fed[t] * 13 + 7 * t + 3 * layer + j) % num_experts
+
+
+def mock_routes(fed: list[int], num_layers: int, top_k: int, num_experts: int) -> list[list[list[int]]]:
+    """[len(fed) - 1, num_layers, top_k] routes of a sequence (its last token is never fed)."""
+    return [[[mock_route(fed, t, layer, j, num_experts) for j in range(top_k)] for layer in range(num_layers)]
+            for t in range(len(fed) - 1)]
+
+
+def encode_routes(routes: list[list[list[int]]]) -> str:
+    """SGLang's encoding: base64 of the int32 little-endian bytes, row-major."""
+    flat = [e for row in routes for layer in row for e in layer]
+    return base64.b64encode(struct.pack(f"<{len(flat)}i", *flat)).decode("ascii")
+
+
 def mock_sampling_logprob(token: int, temperature: float) -> float:
     """What the mock reports as output_token_sampling_logprobs (renormalised over the support)."""
     return mock_logprob(token, temperature) / 2
@@ -118,10 +147,13 @@ class MockSGLangServer:
 
     def __init__(self, *, port: int = 0, vocab_size: int = 1000, eos_token_id: int | None = None,
                  token_delay_s: float = 0.0, weight_version: str = "default", tp_size: int = 1,
-                 model_path: str = "mock-model", sessions: bool = True, api_key: str | None = None):
+                 model_path: str = "mock-model", sessions: bool = True, api_key: str | None = None,
+                 routes: tuple[int, int, int] | None = None):
         self.vocab_size, self.eos_token_id, self.token_delay_s = vocab_size, eos_token_id, token_delay_s
         self.weight_version, self.tp_size, self.model_path = weight_version, tp_size, model_path
         self.sessions = sessions
+        self.routes = routes
+        """(num_layers, top_k, num_experts): started with --enable-return-routed-experts; None: without."""
         """False: a server from before weight-update sessions (/begin_weight_update is 404)."""
         self.calls: list[tuple[str, str, Any]] = []
         self.fail_next: dict[str, tuple[int, Any]] = {}
@@ -218,6 +250,7 @@ class MockSGLangServer:
             rids = [rid if isinstance(rid, str) else f"mock-{time.monotonic_ns()}"]
         sp_list = sps if isinstance(sps, list) else [sps] * len(prompts)
         mask = body.get("return_sampling_mask", False)
+        routes = bool(body.get("return_routed_experts")) and self.routes is not None
         with self.cond:
             if set(rids) & set(self.live):
                 return 400, {"error": {"message": f"Duplicate request IDs {sorted(set(rids) & set(self.live))}"}}
@@ -227,7 +260,7 @@ class MockSGLangServer:
         outs: list[Any] = [None] * len(reqs)
 
         def run(i: int) -> None:
-            outs[i] = self._decode(reqs[i], prompts[i], sp_list[i], bool(body.get("return_logprob")), mask)
+            outs[i] = self._decode(reqs[i], prompts[i], sp_list[i], bool(body.get("return_logprob")), mask, routes)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
         for th in threads:
@@ -236,7 +269,7 @@ class MockSGLangServer:
             th.join()
         return 200, outs if batch else outs[0]
 
-    def _decode(self, req: _Req, prompt: list[int], sp: dict, logprob: bool, mask: bool) -> dict:
+    def _decode(self, req: _Req, prompt: list[int], sp: dict, logprob: bool, mask: bool, routes: bool) -> dict:
         temperature = float(sp.get("temperature", 1.0))
         greedy = temperature < 1e-6
         stops = set(sp.get("stop_token_ids") or [])
@@ -276,6 +309,8 @@ class MockSGLangServer:
             meta["output_token_sampling_mask"] = [[tok] for tok in req.output_ids]
             meta["output_token_sampling_logprobs"] = [mock_sampling_logprob(tok, temperature) for tok in req.output_ids]
             meta["output_token_sampling_mask_length"] = n
+        if routes and (n or finish["type"] != "abort"):  # aborted while queued: never prefilled
+            meta["routed_experts"] = encode_routes(mock_routes(prompt + req.output_ids, *self.routes))
         return {"output_ids": list(req.output_ids), "meta_info": meta}
 
     def control(self, path: str, body: dict) -> tuple[int, Any]:
@@ -484,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
     parser.add_argument("--mock-exit-code", type=int, default=None, help="exit at once with this code")
     parser.add_argument("--mock-startup-s", type=float, default=0.0, help="sleep before serving")
     args, unknown = parser.parse_known_args(argv)
@@ -495,7 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     time.sleep(args.mock_startup_s)
     assert args.host == "127.0.0.1", "the mock only listens on 127.0.0.1"
     server = MockSGLangServer(port=args.port, tp_size=args.tp_size, weight_version=args.weight_version,
-                              model_path=args.model_path, api_key=args.api_key)
+                              model_path=args.model_path, api_key=args.api_key,
+                              routes=MOCK_ROUTE_LAYOUT if args.enable_return_routed_experts else None)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.httpd.shutdown).start())
     print(f"The server is fired up and ready to roll! {server.url}", flush=True)
     server.httpd.serve_forever(poll_interval=0.05)

@@ -17,9 +17,9 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
             initializer_range=0.3, max_position_embeddings=128, vocab_size=64)
 
 
-def tiny_models():
-    """model_type -> a random tiny HF model (both MoE families, both router normalisations, one dense)."""
-    configs = {
+def tiny_configs():
+    """model_type -> the config of a tiny HF model (both MoE families, both router normalisations, one dense)."""
+    return {
         "qwen3_moe": transformers.Qwen3MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=16,
                                                  num_experts=4, num_experts_per_tok=2, head_dim=8,
                                                  norm_topk_prob=False),
@@ -27,8 +27,12 @@ def tiny_models():
                                               num_experts_per_tok=2),
         "llama": transformers.LlamaConfig(**TINY, intermediate_size=48),
     }
+
+
+def tiny_models():
+    """model_type -> a random tiny HF model of `tiny_configs`."""
     torch.manual_seed(0)
-    return {k: transformers.AutoModelForCausalLM.from_config(c).eval() for k, c in configs.items()}
+    return {k: transformers.AutoModelForCausalLM.from_config(c).eval() for k, c in tiny_configs().items()}
 
 
 def generate(model, record_routes=True):
@@ -122,11 +126,28 @@ def test_routing_replay_config_names_the_field():
 
     # an unquoted `off` in a YAML file is PyYAML's false: it means 'off'
     assert load_config(None, ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
-    with pytest.raises(ValueError, match=r"algorithm\.routing_replay='r3' is not valid with rollout\.engine='sglang'; "
-                                         r"replays the experts the engine chose, which only the embedded engine"):
-        load_config(None, ["algorithm.routing_replay=r3", "rollout.engine=sglang"])
-    with pytest.raises(ValueError, match=r"rollout\.record_routes=True is not valid with engine='sglang'"):
-        RolloutConfig(engine="sglang", dtype="auto", record_routes=True)
+    # SGLang records routes too (servers with --enable-return-routed-experts, rollout/sglang/protocol.py)
+    from entr_megatron.controller.sglang_setup import records_routes
+
+    on_gpus = ["rollout.engine=sglang", "launcher.device=cuda", "launcher.gpus_per_node=2"]
+    r3 = load_config(None, ["algorithm.routing_replay=r3", *on_gpus])
+    assert r3.algorithm.routing_replay == "r3" and records_routes(r3) and not r3.rollout.record_routes
+    assert RolloutConfig(engine="sglang", dtype="auto", record_routes=True).record_routes
+    assert not records_routes(load_config(None, on_gpus))
+
+
+def test_sglang_route_layout_comes_from_the_model_config(tmp_path):
+    from entr_megatron.controller.sglang_setup import route_layout
+    from entr_megatron.rollout.sglang import RouteLayout
+
+    configs = tiny_configs()
+    for model_type in ("qwen3_moe", "mixtral"):
+        configs[model_type].to_json_file(tmp_path / "config.json")
+        assert route_layout(tmp_path) == RouteLayout(num_layers=2, top_k=2, num_experts=4)
+    configs["llama"].to_json_file(tmp_path / "config.json")
+    assert route_layout(tmp_path) is None  # dense: nothing asked, no server flag
+    with pytest.raises(ValueError, match=r"rollout\.record_routes: cannot read the model config"):
+        route_layout(tmp_path / "missing")
 
 
 def test_replay_needs_an_moe_model():
@@ -142,3 +163,32 @@ def test_replay_needs_an_moe_model():
     moe = models.model_spec(tiny_models()["qwen3_moe"].config)
     assert learner_transformer_config(moe, groups, routing_replay="r2").moe_enable_routing_replay
     assert not learner_transformer_config(moe, groups).moe_enable_routing_replay
+
+
+@pytest.mark.parametrize("model_type, overrides, flagged", [
+    ("qwen3_moe", ["rollout.record_routes=true"], True),
+    ("qwen3_moe", ["algorithm.routing_replay=r3"], True),
+    ("qwen3_moe", [], False),
+    ("llama", ["rollout.record_routes=true"], False),  # dense: SGLang's capturer needs num_experts_per_tok
+])
+def test_train_launches_sglang_with_the_routes_flag_only_when_recording(tmp_path, monkeypatch, model_type, overrides,
+                                                                       flagged):
+    from contextlib import ExitStack
+
+    import entr_megatron.rollout.sglang as sglang
+    from entr_megatron.config.loader import load_config
+    from entr_megatron.controller.sglang_setup import sglang_engine
+
+    class Launched(Exception):
+        pass
+
+    def launch_servers(configs, log_dir, startup_timeout_s):
+        raise Launched([sglang.server_command(c) for c in configs])
+
+    monkeypatch.setattr(sglang, "launch_servers", launch_servers)
+    tiny_configs()[model_type].to_json_file(tmp_path / "config.json")
+    cfg = load_config(None, ["rollout.engine=sglang", "launcher.device=cuda", "launcher.gpus_per_node=2", *overrides])
+    with ExitStack() as stack, pytest.raises(Launched) as e:
+        sglang_engine(cfg, tmp_path, stack, tmp_path / "logs")
+    (command,) = e.value.args[0]
+    assert (sglang.ROUTES_FLAG in command) == flagged

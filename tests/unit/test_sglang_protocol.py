@@ -25,7 +25,9 @@ from entr_megatron.rollout.engine import (
     generate,
 )
 from entr_megatron.rollout.sglang import (
+    ROUTES_FLAG,
     FlatBucket,
+    RouteLayout,
     RouterConfig,
     SGLangClient,
     SGLangError,
@@ -47,7 +49,16 @@ from entr_megatron.rollout.sglang import (
 from entr_megatron.weight_sync.transports import SGLangWeightUpdate
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
-from sglang_mock import SAMPLING_FIELDS, MockSGLangServer, engine_for, mock_logprob, mock_sampling_logprob, mock_token
+from sglang_mock import (
+    SAMPLING_FIELDS,
+    MockSGLangServer,
+    encode_routes,
+    engine_for,
+    mock_logprob,
+    mock_routes,
+    mock_sampling_logprob,
+    mock_token,
+)
 
 VOCAB = 1000
 MOCK_SCRIPT = pathlib.Path(sglang_mock.__file__)
@@ -101,6 +112,51 @@ def test_generate_payload_expands_n_with_own_rids():
     assert "n" not in three["sampling_params"][0]
     unseeded = generate_payload([1], SamplingParams(n=2), ["a", "b"], seed=5)  # the engine always picks one
     assert [sp["sampling_seed"] for sp in unseeded["sampling_params"]] == [sample_seed(5, 0), sample_seed(5, 1)]
+
+
+def test_generate_payload_asks_for_routes_only_when_recording():
+    assert "return_routed_experts" not in generate_payload([1, 2], SamplingParams(), ["r-0"])
+    both = generate_payload([1, 2], SamplingParams(n=2), ["r-0", "r-1"], routes=True)
+    assert both["return_routed_experts"] is True  # one bool for the whole batch (io_struct.py)
+
+
+def test_parse_routes_into_the_sample_layout():
+    prompt, out = [4, 5, 6], [7, 8]
+    meta = {"id": "x", "finish_reason": {"type": "length"},
+            "output_token_logprobs": [[-0.5, t, None] for t in out],
+            "routed_experts": encode_routes(mock_routes(prompt + out, 3, 2, 300))}
+    ans = {"output_ids": out, "meta_info": meta}
+    got = parse_generate_output(ans, SamplingParams(), default_version=0, routes=RouteLayout(3, 2, 300),
+                                prompt_len=len(prompt))["routed_experts"]
+    want = torch.tensor(mock_routes(prompt + out, 3, 2, 300))
+    assert got.shape == (len(prompt) + len(out) - 1, 3, 2) and got.dtype == torch.int16 and torch.equal(got.long(), want)
+    dense_middle = RouteLayout(3, 2, 300, moe_layers=(0, 2))  # SGLang reports every layer: keep the MoE ones
+    got = parse_generate_output(ans, SamplingParams(), default_version=0, routes=dense_middle, prompt_len=3)["routed_experts"]
+    assert torch.equal(got.long(), want[:, [0, 2]])
+    assert parse_generate_output(ans, SamplingParams(), default_version=0)["routed_experts"] is None  # not asked
+    for bad in (dict(num_layers=0, top_k=1, num_experts=2), dict(num_layers=2, top_k=3, num_experts=2),
+                dict(num_layers=2, top_k=1, num_experts=2, moe_layers=(1, 0)),
+                dict(num_layers=2, top_k=1, num_experts=2, moe_layers=(2,))):
+        with pytest.raises(ValueError, match="RouteLayout"):
+            RouteLayout(**bad)
+
+
+def test_engine_returns_the_routes_the_server_encoded():
+    prompts = [[3, 1, 4, 1, 5], [9]]
+    with MockSGLangServer(vocab_size=VOCAB, routes=(2, 2, 8)) as server:
+        with engine_for(server, routes=RouteLayout(num_layers=2, top_k=2, num_experts=8)) as engine:
+            results = generate(engine, [GenerateRequest(p, SamplingParams(max_new_tokens=4, n=2), group_id=g)
+                                        for g, p in enumerate(prompts)], timeout_s=10)
+        assert all(p["return_routed_experts"] is True for p in server.calls_to("/generate"))
+    assert len(results) == 4
+    for r in results:
+        fed = r.prompt_ids + r.output_ids
+        assert r.routed_experts.dtype == torch.uint8 and r.routed_experts.shape == (len(fed) - 1, 2, 2)
+        assert torch.equal(r.routed_experts.long(), torch.tensor(mock_routes(fed, 2, 2, 8)))
+        assert torch.equal(r.to_sample().routed_experts, r.routed_experts)  # Sample checks P + R - 1 rows
+    with MockSGLangServer(vocab_size=VOCAB, routes=(2, 2, 8)) as server, engine_for(server) as engine:
+        (off,) = generate(engine, [GenerateRequest([1, 2], SamplingParams(max_new_tokens=2))], timeout_s=10)
+        assert off.routed_experts is None and "return_routed_experts" not in server.calls_to("/generate")[0]
 
 
 def answer(tokens, *, logprobs=None, sampling=None, spans=None, version="0", finish=None):
@@ -438,6 +494,8 @@ def test_server_and_router_commands():
     rc = RouterConfig(worker_urls=("http://a:1", "http://b:2"), port=29000, policy="round_robin")
     assert router_command(rc) == [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2",
                                   "--host", "127.0.0.1", "--port", "29000", "--policy", "round_robin"]
+    assert ROUTES_FLAG == "--enable-return-routed-experts" and ROUTES_FLAG not in server_command(cfg)
+    assert server_command(SGLangServerConfig("/m", return_routed_experts=True))[-1] == ROUTES_FLAG
     for bad in (dict(dtype="fp8"), dict(tp_size=0), dict(mem_fraction_static=1.5), dict(port=0)):
         with pytest.raises(ValueError, match="SGLangServerConfig"):
             SGLangServerConfig("m", **bad)

@@ -44,10 +44,10 @@ from entr_megatron.rollout.sglang import (
 )
 from entr_megatron.rollout.sglang.client import api_key_from_env
 from entr_megatron.rollout.sglang.launcher import API_KEY_SHIM, REDACTED
-from entr_megatron.rollout.sglang.protocol import BadAnswer
+from entr_megatron.rollout.sglang.protocol import BadAnswer, RouteLayout
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
-from sglang_mock import MockSGLangServer, engine_for
+from sglang_mock import MockSGLangServer, encode_routes, engine_for
 
 VOCAB = 1000
 KEY = "entr-test-Key_0123456789abcdef"
@@ -260,6 +260,48 @@ def test_a_truncated_body_is_a_clear_error(server):
     server.truncate_next["/model_info"] = 5  # idempotent: retried, and the second answer is whole
     assert SGLangClient(server.url, retries=1, retry_backoff_s=0.01).model_info()["model_path"] == "mock-model"
     assert len(server.calls_to("/model_info")) == n + 2
+
+
+ROUTES = RouteLayout(num_layers=2, top_k=2, num_experts=8)
+"""The layout of `routes_server`: prompt [1, 2, 3] + 3 tokens -> 5 rows."""
+
+
+@pytest.fixture
+def routes_server():
+    with MockSGLangServer(vocab_size=VOCAB, routes=(ROUTES.num_layers, ROUTES.top_k, ROUTES.num_experts)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("value, message", [
+    (KeyError, "meta_info.routed_experts=None is missing (return_routed_experts was set): the server ignores it; "
+               "relaunch it with --enable-return-routed-experts"),
+    (123, "meta_info.routed_experts=123 is not a base64 string"),
+    ("not base64!", "meta_info.routed_experts='not base64!' is not base64"),
+    (lambda v: encode_routes([[[1, 2]] * 2] * 4), "len(meta_info.routed_experts)='64 bytes' is not (prompt 3 + output 3 - 1 "
+                                                   "tokens) * 2 layers * top_k 2 = 20 int32 values (80 bytes)"),
+    (lambda v: encode_routes([[[1, 2], [9, 0]]] + [[[1, 2]] * 2] * 4),
+     "meta_info.routed_experts[0][1][0]=9 (decoded [tokens, moe_layers, top_k]) is not an expert id in [0, 8)"),
+    (lambda v: encode_routes([[[1, 2]] * 2] * 4 + [[[3, -1], [0, 0]]]),
+     "meta_info.routed_experts[4][0][1]=-1 (decoded [tokens, moe_layers, top_k]) is not an expert id in [0, 8)"),
+])
+def test_bad_routes_name_the_server_request_field_and_value(routes_server, value, message):
+    routes_server.tamper = _set(("meta_info", "routed_experts"), value)
+    with engine_for(routes_server, routes=ROUTES) as engine:
+        e = generate_error(engine)
+    text = str(e)
+    assert text.startswith(f"unusable /generate answer from {routes_server.url}/generate for request req7 (sample 0 of 1, "
+                           "rid req7-0): ")
+    assert message in text and text.endswith(NOT_RETRIED)
+
+
+def test_a_server_without_the_routes_flag_is_refused_saying_so(server):
+    with engine_for(server, routes=ROUTES) as engine:  # server: launched without --enable-return-routed-experts
+        e = generate_error(engine)
+    assert "meta_info.routed_experts=None is missing" in str(e) and "--enable-return-routed-experts" in str(e)
+    assert server.calls_to("/generate")[0]["return_routed_experts"] is True
+    aborted_in_queue = {"meta_info": {"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}}
+    assert parse_generate_output(aborted_in_queue, SamplingParams(), default_version=0, routes=ROUTES,
+                                 prompt_len=3)["routed_experts"] is None  # never prefilled: no routes, no error
 
 
 def test_parse_checks_every_token():

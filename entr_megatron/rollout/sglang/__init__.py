@@ -30,10 +30,12 @@ from entr_megatron.rollout.sglang.launcher import (
 )
 from entr_megatron.rollout.sglang.protocol import (
     KV_ON_UPDATE,
+    ROUTES_FLAG,
     SGLANG_SOURCE,
     SGLANG_VERSION,
     BadAnswer,
     FlatBucket,
+    RouteLayout,
     generate_payload,
     iter_flattened_buckets,
     pack_flattened_bucket,
@@ -45,11 +47,13 @@ from entr_megatron.rollout.sglang.protocol import (
 
 __all__ = [
     "KV_ON_UPDATE",
+    "ROUTES_FLAG",
     "SGLANG_SOURCE",
     "SGLANG_VERSION",
     "BadAnswer",
     "FlatBucket",
     "ManagedProcess",
+    "RouteLayout",
     "RouterConfig",
     "SGLangClient",
     "SGLangEngine",

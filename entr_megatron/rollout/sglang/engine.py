@@ -11,7 +11,8 @@ requests in flight. Each request is one non-streamed `/generate` call of its n
 samples (`protocol.generate_payload`), run in a thread pool; `poll` hands back the
 parsed answers and raises a failed call's `SGLangError`. An answer is checked before
 it is used (`protocol.parse_generate_output`: token ids inside the vocabulary when
-`vocab_size` is known, finite log-probs, per-token lists of one length); a bad one
+`vocab_size` is known, finite log-probs, per-token lists of one length, and with `routes`
+the MoE routes of each sample, `GenerateResult.routed_experts`); a bad one
 fails its request with an error naming the server, the request, the field and the
 value. /generate is never retried (a rid sent twice is a new sample, or refused while
 the first runs); the idempotent calls are (`retries`, see `client.py`).
@@ -53,6 +54,7 @@ from entr_megatron.rollout.sglang.protocol import (
     KV_ON_UPDATE,
     BadAnswer,
     ParsedSample,
+    RouteLayout,
     generate_payload,
     parse_generate_output,
     sample_rids,
@@ -102,15 +104,20 @@ class SGLangEngineConfig:
     abort_retry_s: float = 0.5
     """Re-send aborts this often until the request ends (an abort arriving before the server
     registered the rid is ignored by SGLang)."""
+    routes: RouteLayout | None = None
+    """Record MoE routes (`GenerateResult.routed_experts`) of this layout: every /generate asks
+    for them, and an answer without them is refused (the servers need protocol.ROUTES_FLAG).
+    None: off (and for dense models)."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, urls: Sequence[str], *, router_url: str | None = None,
                     tp_sizes: tuple[int, ...] | None = None, weight_dtype: str | None = None,
-                    **overrides: Any) -> SGLangEngineConfig:
+                    routes: RouteLayout | None = None, **overrides: Any) -> SGLangEngineConfig:
         """The engine over `urls` of the run's validated `rollout` section (kv_on_update, the weight
-        bucket size and `rollout.sglang.max_concurrent_requests`, per server)."""
+        bucket size and `rollout.sglang.max_concurrent_requests`, per server); `routes`: the
+        model's route layout when routes are recorded (controller/sglang_setup.py)."""
         s = rollout.sglang
-        fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype,
+        fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype, routes=routes,
                       max_concurrent_requests=s.max_concurrent_requests * len(urls),
                       kv_on_update=rollout.kv_on_update or "recompute",
                       weight_bucket_bytes=(rollout.weight_bucket_mib or 512) << 20,
@@ -142,6 +149,8 @@ class SGLangEngineConfig:
         if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
                                             or self.vocab_size < 1):
             raise ValueError(f"SGLangEngineConfig.vocab_size must be None or an integer >= 1, got {self.vocab_size!r}")
+        if self.routes is not None and not isinstance(self.routes, RouteLayout):
+            raise ValueError(f"SGLangEngineConfig.routes must be None or a protocol.RouteLayout, got {self.routes!r}")
 
 
 @runtime_checkable
@@ -380,11 +389,13 @@ class SGLangEngine:
         try:
             if live.aborted:  # never reached a server
                 parsed = [ParsedSample(output_ids=[], logprobs=[], raw_logprobs=[] if r.params.return_raw_logprobs else None,
-                                       entropy=None, finish_reason="abort", versions=[]) for _ in live.rids]
+                                       entropy=None, finish_reason="abort", versions=[], routed_experts=None)
+                          for _ in live.rids]
             else:
                 client = self.router if live.server is None else self.servers[live.server]
                 # Always seeded: a deterministic-inference server would give every unseeded sample seed 42.
-                payload = generate_payload(r.prompt_ids, r.params, live.rids, seed=random.getrandbits(62))
+                payload = generate_payload(r.prompt_ids, r.params, live.rids, seed=random.getrandbits(62),
+                                           routes=self.config.routes is not None)
                 outs = client.generate(payload, timeout=self.config.generate_timeout_s)
                 url = client.url + "/generate"
                 by_rid = {o["meta_info"].get("id"): o for o in outs}
@@ -398,7 +409,8 @@ class SGLangEngine:
                 for i, (rid, o) in enumerate(zip(live.rids, outs)):
                     try:
                         parsed.append(parse_generate_output(o, r.params, default_version=self.config.initial_version,
-                                                            vocab_size=self.config.vocab_size))
+                                                            vocab_size=self.config.vocab_size, routes=self.config.routes,
+                                                            prompt_len=len(r.prompt_ids)))
                     except (BadAnswer, ValueError, KeyError, TypeError, IndexError) as e:
                         what = str(e) if isinstance(e, BadAnswer) else f"{type(e).__name__}: {e}"
                         raise SGLangError(f"unusable /generate answer from {url} for request {r.request_id} (sample "

@@ -16,7 +16,8 @@ it ends its scheduler and detokenizer children too), with stdout and stderr in o
 log file. `wait_healthy` polls GET /health (503 while the server warms up) until 200,
 and fails early with the log's tail when the process exits. The flags were checked
 against SGLang 0.5.23 (srt/arg_groups/fields/*.py: model_path, tp_size, port, host,
-dtype choices, mem_fraction_static, base_gpu_id, weight_version, random_seed, api_key) and
+dtype choices, mem_fraction_static, base_gpu_id, weight_version, random_seed, api_key;
+exec_.py: enable_return_routed_experts) and
 sglang-router 0.3.2 (sglang_router/launch_router.py, router_args.py: --worker-urls,
 --host, --port, --policy, --api-key). Nothing here imports sglang.
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, api_key_from_env
+from entr_megatron.rollout.sglang.protocol import ROUTES_FLAG
 
 __all__ = [
     "API_KEY_SHIM",
@@ -120,6 +122,9 @@ class SGLangServerConfig:
     weight_version: str | None = "0"
     """Initial weight version label (SGLang's default is "default", which has no int value)."""
     random_seed: int | None = None
+    return_routed_experts: bool = False
+    """Start with --enable-return-routed-experts, so that answers carry MoE routes when asked
+    (routing replay; only for MoE models: SGLang sizes its capture buffer from num_experts_per_tok)."""
     extra_args: tuple[str, ...] = ()
     """Passed through unchanged, e.g. ("--disable-radix-cache", "--sampling-mask-max-tokens", "8192")."""
     env: Mapping[str, str] = field(default_factory=dict)
@@ -157,6 +162,8 @@ def server_command(config: SGLangServerConfig) -> list[str]:
         cmd += ["--weight-version", str(c.weight_version)]
     if c.random_seed is not None:
         cmd += ["--random-seed", str(c.random_seed)]
+    if c.return_routed_experts:
+        cmd.append(ROUTES_FLAG)
     return _with_api_key(cmd + list(c.extra_args), c.api_key_env, "SGLangServerConfig")
 
 

@@ -12,7 +12,7 @@ fetch, so no git commit was recorded (the wheel's `_version.py` has commit_id=No
 | /health | GET | - | 200 ready, 503 starting/unhealthy (0.5.23: also runs a 1-token generation when idle) |
 | /model_info (/get_model_info before) | GET | - | {model_path, weight_version, is_generation, ...} |
 | /server_info (/get_server_info before) | GET | - | server args (tp_size, ...) + "version" |
-| /generate | POST | {input_ids, rid, sampling_params, return_logprob, return_sampling_mask, stream} | {output_ids, meta_info} or a list of them |
+| /generate | POST | {input_ids, rid, sampling_params, return_logprob, return_sampling_mask, return_routed_experts, stream} | {output_ids, meta_info} or a list of them |
 | /abort_request | POST | {rid} (exact rid; unknown rids are ignored) | 200, empty |
 | /pause_generation | POST | {mode: "in_place" or "retract" ("abort" is the default!)} | {message, status: "ok"} |
 | /continue_generation | POST | {} | {message, status: "ok"} |
@@ -51,10 +51,23 @@ How an answer becomes a `GenerateResult` (`parse_generate_output`):
 - Seeds: each sample sends sampling_seed (from SamplingParams.seed, else a random one,
   mixed with the sample index); only servers launched with --enable-deterministic-inference
   use it (and would give every unseeded request seed 42).
+- Routes (`RouteLayout`, MoE routing replay): with `return_routed_experts` a server launched with
+  --enable-return-routed-experts puts `meta_info.routed_experts` in a finished answer: base64 of
+  the int32 (native order: little-endian on the GPU hosts) bytes of a C-contiguous
+  [P + R - 1, num_hidden_layers, num_experts_per_tok] array (state_capturer/base.py
+  `get_topk`: rows [0, seqlen - 1) with seqlen = prompt + output tokens through the stop, i.e.
+  every fed token; tokenizer_manager.py / detokenizer_manager.py encode it). The layer axis is
+  every decoder layer by global layer id (routed_experts.py: num_layers = num_hidden_layers;
+  a dense layer's column is never written and reads 0), the ids are logical experts (captured
+  in layers/moe/topk.py before the EPLB logical->physical remap), fused shared experts are cut
+  off. A server started without the flag leaves the field out; a request aborted while
+  queued has none either (an aborted answer may lack it; any other is refused).
 - Checks: an answer is refused (`BadAnswer`: the field's path, its value, the rule) for a
   missing field (output_ids may be absent only for a request aborted while queued), a token
   id outside [0, vocab_size), a log-prob that is not finite or above `LOGPROB_SLACK`, a
-  log-prob entry whose token is not the output's, and per-token lists of other lengths.
+  log-prob entry whose token is not the output's, per-token lists of other lengths and, when
+  asked for, routes missing, not base64, of another size or with an expert id outside
+  [0, num_experts).
 - Stop tokens stay in `output_ids` (finished_len = matched position + 1). An aborted running request still decodes one
   more step; while paused in place, it ends only after `resume`.
 
@@ -69,36 +82,44 @@ tensor's element size (`pack_flattened_bucket`, the layout of `utils.buckets`).
 
 Not yet run against a real SGLang server (no GPU here); to confirm there:
 pydantic's handling of our control bodies, `/health` as a readiness check, the
-router's `/health`, and that `output_token_sampling_logprobs` is present for every
-sample of a batch with top-p/top-k.
+router's `/health`, that `output_token_sampling_logprobs` is present for every
+sample of a batch with top-p/top-k, and `meta_info.routed_experts` of a real MoE model
+(row count with the prefix cache and retraction, with EP / DP attention).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import numpy as np
 import torch
 
 from entr_megatron.rollout.engine import SamplingParams
+from entr_megatron.rollout.hf_model import route_dtype
 from entr_megatron.utils.buckets import FlatLayout, dtype_from_name, dtype_name, floating_as, plan_flat_buckets
 from entr_megatron.utils.seeding import mix_seed
 
 __all__ = [
     "KV_ON_UPDATE",
     "LOGPROB_SLACK",
+    "ROUTES_FLAG",
     "SGLANG_SOURCE",
     "SGLANG_VERSION",
     "BadAnswer",
     "FlatBucket",
     "ParsedSample",
+    "RouteLayout",
     "generate_payload",
     "init_group_payload",
     "iter_flattened_buckets",
     "pack_flattened_bucket",
     "parse_generate_output",
+    "parse_routed_experts",
     "sample_rids",
     "sample_seed",
     "sampling_params_payload",
@@ -123,6 +144,35 @@ SAMPLING_SEED_MODULUS = 1 << 63
 """SGLang's sampling_seed is an int64."""
 LOGPROB_SLACK = 1e-4
 """A reported log-prob may exceed 0 by this much (float rounding in log_softmax); more is a broken answer."""
+ROUTES_FLAG = "--enable-return-routed-experts"
+"""The server flag without which SGLang ignores `return_routed_experts` (srt/arg_groups/fields/exec_.py)."""
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """What a server's `meta_info.routed_experts` holds for one model, and which part of it we keep."""
+
+    num_layers: int
+    """Decoder layers SGLang reports (HF num_hidden_layers: dense ones included)."""
+    top_k: int
+    """Experts per token (HF num_experts_per_tok)."""
+    num_experts: int
+    """Routed experts per MoE layer; every reported id must be below it."""
+    moe_layers: tuple[int, ...] | None = None
+    """0-based indices of the MoE layers among the num_layers, in order (our routes' moe_layers
+    axis); None: every layer is MoE (all the model families we train)."""
+
+    def __post_init__(self):
+        for name in ("num_layers", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RouteLayout.{name} must be an integer >= 1, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"RouteLayout.top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if self.moe_layers is not None and (not self.moe_layers or list(self.moe_layers) != sorted(set(self.moe_layers))
+                                            or self.moe_layers[0] < 0 or self.moe_layers[-1] >= self.num_layers):
+            raise ValueError(f"RouteLayout.moe_layers must be increasing layer indices in [0, {self.num_layers}), "
+                             f"got {self.moe_layers!r}")
 
 
 # --- /generate: the body --------------------------------------------------------------------
@@ -162,8 +212,10 @@ def sample_rids(request_id: str, n: int) -> list[str]:
     return [f"{request_id}-{i}" for i in range(n)]
 
 
-def generate_payload(prompt_ids: Sequence[int], params: SamplingParams, rids: Sequence[str], seed: int | None = None) -> dict[str, Any]:
-    """The /generate body for `len(rids)` samples of one prompt (`seed` when params.seed is None)."""
+def generate_payload(prompt_ids: Sequence[int], params: SamplingParams, rids: Sequence[str], seed: int | None = None,
+                     *, routes: bool = False) -> dict[str, Any]:
+    """The /generate body for `len(rids)` samples of one prompt (`seed` when params.seed is None);
+    `routes`: ask for each sample's MoE routes (`meta_info.routed_experts`)."""
     n = len(rids)
     sps = [sampling_params_payload(params, i, seed) for i in range(n)]
     payload: dict[str, Any] = {
@@ -175,6 +227,8 @@ def generate_payload(prompt_ids: Sequence[int], params: SamplingParams, rids: Se
     }
     if _truncated(params):
         payload["return_sampling_mask"] = True
+    if routes:
+        payload["return_routed_experts"] = True
     return payload
 
 
@@ -190,6 +244,7 @@ class ParsedSample(TypedDict):
     entropy: None
     finish_reason: str
     versions: list[int]
+    routed_experts: torch.Tensor | None
 
 
 class BadAnswer(ValueError):
@@ -259,11 +314,52 @@ def _token_versions(meta: Mapping[str, Any], num_tokens: int, default: int) -> l
     return versions
 
 
+def parse_routed_experts(meta: Mapping[str, Any], prompt_len: int, num_output: int, finish_reason: str,
+                         layout: RouteLayout) -> torch.Tensor | None:
+    """`meta_info.routed_experts` of an answer asked for routes -> our ``[P + R - 1, moe_layers, k]``
+    (uint8, int16 above 256 experts; see the module docstring), None for an aborted answer without
+    them. Raises `BadAnswer` when they are missing, not base64, of another size than
+    (prompt_len + num_output - 1) * num_layers * top_k int32 values, or hold an id outside
+    [0, num_experts)."""
+    field = "meta_info.routed_experts"
+    value = meta.get("routed_experts")
+    if value is None:
+        if finish_reason == "abort":  # aborted while queued: never prefilled, no routes
+            return None
+        raise BadAnswer(field, None, f"is missing (return_routed_experts was set): the server ignores it; relaunch it "
+                                     f"with {ROUTES_FLAG} (SGLang {SGLANG_VERSION} has it)")
+    if not isinstance(value, str):
+        raise BadAnswer(field, value, "is not a base64 string")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadAnswer(field, value, "is not base64") from None
+    rows = max(0, prompt_len + num_output - 1)
+    expected = rows * layout.num_layers * layout.top_k
+    if len(raw) != 4 * expected:
+        raise BadAnswer(f"len({field})", f"{len(raw)} bytes",
+                        f"is not (prompt {prompt_len} + output {num_output} - 1 tokens) * {layout.num_layers} layers * "
+                        f"top_k {layout.top_k} = {expected} int32 values ({4 * expected} bytes)")
+    ids = np.frombuffer(raw, dtype="<i4").reshape(rows, layout.num_layers, layout.top_k)
+    if layout.moe_layers is not None:  # a dense layer's column is never written (zeros)
+        ids = ids[:, list(layout.moe_layers), :]
+    bad = (ids < 0) | (ids >= layout.num_experts)
+    if bad.any():
+        t, layer, j = (int(i) for i in np.argwhere(bad)[0])
+        raise BadAnswer(f"{field}[{t}][{layer}][{j}]", int(ids[t, layer, j]),
+                        f"(decoded [tokens, moe_layers, top_k]) is not an expert id in [0, {layout.num_experts})")
+    return torch.from_numpy(ids.astype(np.int16)).to(route_dtype(layout.num_experts))
+
+
 def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, default_version: int,
-                          vocab_size: int | None = None) -> ParsedSample:
+                          vocab_size: int | None = None, routes: RouteLayout | None = None,
+                          prompt_len: int | None = None) -> ParsedSample:
     """One /generate answer -> the per-token fields of a GenerateResult (see the module docstring).
     Raises `BadAnswer` for a missing field, a token id outside [0, vocab_size) (None: >= 0), a
-    log-prob that is not finite or above 0, or per-token lists whose lengths differ."""
+    log-prob that is not finite or above 0, or per-token lists whose lengths differ. With `routes`
+    (the request asked for them; needs `prompt_len`) also reads `parse_routed_experts`."""
+    if routes is not None and prompt_len is None:
+        raise ValueError("parse_generate_output: routes need the prompt's length (prompt_len)")
     if not isinstance(out, Mapping):
         raise BadAnswer("answer", out, "is not a JSON object")
     meta = out.get("meta_info")
@@ -311,6 +407,7 @@ def parse_generate_output(out: Mapping[str, Any], params: SamplingParams, *, def
     return ParsedSample(
         output_ids=output_ids, logprobs=logprobs, raw_logprobs=raw, entropy=None, finish_reason=kind,
         versions=_token_versions(meta, n, default_version),
+        routed_experts=None if routes is None else parse_routed_experts(meta, prompt_len, n, kind, routes),
     )
 
 
