@@ -65,8 +65,9 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
         assert proc.poll() is None, proc.communicate()
         dirs = sorted(cells.iterdir()) if cells.exists() else []
         done = [d for d in dirs if status(d).get("state") == "done"]
-        for d in dirs:
-            if done and status(d).get("state") == "running" and (d / "checkpoints" / "latest").exists():
+        for d in dirs:  # a cell with a checkpoint that has not logged its second step yet (2 cells run at once)
+            if done and status(d).get("state") == "running" and (d / "checkpoints" / "latest").exists() \
+                    and (d / "metrics.jsonl").exists() and len(read_metrics(d / "metrics.jsonl")) < 2:
                 victim = d
         time.sleep(0.2)
     assert victim is not None, "no cell reached its first checkpoint in time"

@@ -86,7 +86,7 @@ def assert_lag_bound(rows: list[dict], bound: int) -> None:
         assert row["policy_lag/max"] <= bound, f"step {row['step']}: policy lag {row['policy_lag/max']} > {bound}"
 
 
-@pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1), ("fully_async", 2)])
+@pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1)])  # fully_async: the next test
 def test_each_mode_trains_within_the_lag_bound(tmp_path, sft_model, mode, bound):
     config, run_dir = rl_config(tmp_path, sft_model, mode, controller={"mode": mode, "max_policy_lag": max(bound, 1)})
     proc = cli("train", "--config", str(config), "--max-steps", "4")
@@ -112,13 +112,18 @@ def test_each_mode_trains_within_the_lag_bound(tmp_path, sft_model, mode, bound)
 
 
 def test_fully_async_tight_bound_regenerates_instead_of_exceeding(tmp_path, sft_model):
-    """Lag bound 1 with many groups in flight: stale groups are regenerated (counted), never trained on."""
+    """Lag bound 1 with many groups in flight: stale groups are regenerated (counted), never trained on;
+    the run ends like the other modes' (evaluation, final model, TensorBoard)."""
     config, run_dir = rl_config(tmp_path, sft_model, "tight", controller={"mode": "fully_async", "max_policy_lag": 1},
                                 rollout={"prompts_per_step": 2})
-    cli("train", "--config", str(config), "--max-steps", "6", "controller.train_steps=6")
+    proc = cli("train", "--config", str(config), "--max-steps", "6", "controller.train_steps=6")
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert len(rows) == 6
     assert_lag_bound(rows, 1)
+    assert any(r["optim/grad_norm"] > 0 for r in rows) and rows[-1]["weight_sync/version"] >= 5
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 6 and result["eval_after"]["eval/num_problems"] == 16
+    assert (run_dir / "final_model" / "config.json").exists() and any((run_dir / "tensorboard").iterdir())
 
 
 DETERMINISTIC = ("reward/mean", "loss", "optim/grad_norm", "mismatch/k3", "entr/mask_fraction",
