@@ -57,6 +57,7 @@ from entr_megatron.parallel.vocab_parallel import (
     _TARGET_LOGIT,
     _VocabParallelLogProbEntropy,
     _group_rank_size,
+    check_vocab_and_targets,
 )
 
 __all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape"]
@@ -283,18 +284,7 @@ def vocab_parallel_linear_logprobs_entropy(
             f"targets shape {tuple(targets.shape)} must equal hidden shape without the hidden dim "
             f"{tuple(hidden.shape[:-1])}"
         )
-    _, world = _group_rank_size(group)
-    vocab = weight.shape[0] * world
-    if vocab_size is not None:
-        if not 0 < vocab_size <= vocab:
-            raise ValueError(f"vocab_size must be in (0, {vocab}] (vocab shard {weight.shape[0]} x {world} ranks), got {vocab_size}")
-        vocab = vocab_size
-    lo, hi = torch.aminmax(targets) if targets.numel() else (0, 0)
-    if int(lo) < 0 or int(hi) >= vocab:
-        raise ValueError(
-            f"targets must be token ids in [0, {vocab}) (vocab shard {weight.shape[0]} x {world} ranks), "
-            f"got values in [{int(lo)}, {int(hi)}]"
-        )
+    check_vocab_and_targets(targets, weight.shape[0], group, vocab_size)
     return _FusedLinearLogProbEntropy.apply(
         hidden, weight, targets.long(), group, float(temperature), vocab_size, chunk_tokens, chunk_vocab,
         bool(return_collision),

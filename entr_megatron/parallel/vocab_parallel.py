@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprobs_entropy", "default_chunk_size"]
+__all__ = ["check_vocab_and_targets", "vocab_parallel_logprobs_entropy", "default_chunk_size"]
 
 # Elements per [chunk, V/tp] fp32 buffer when chunk_size is not given: 2 MiB
 # buffers stay cache-resident on common CPUs and are large enough that per-chunk
@@ -218,6 +218,23 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+def check_vocab_and_targets(targets, vocab_shard: int, group, vocab_size: int | None) -> None:
+    """``vocab_size`` within the sharded vocabulary (``vocab_shard`` x the group's ranks) and every
+    target id a real one; raises ValueError naming the numbers."""
+    _, world = _group_rank_size(group)
+    vocab = vocab_shard * world
+    if vocab_size is not None:
+        if not 0 < vocab_size <= vocab:
+            raise ValueError(f"vocab_size must be in (0, {vocab}] (vocab shard {vocab_shard} x {world} ranks), got {vocab_size}")
+        vocab = vocab_size
+    lo, hi = torch.aminmax(targets) if targets.numel() else (0, 0)
+    if int(lo) < 0 or int(hi) >= vocab:
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}) (vocab shard {vocab_shard} x {world} ranks), "
+            f"got values in [{int(lo)}, {int(hi)}]"
+        )
+
+
 def vocab_parallel_logprobs_entropy(
     logits, targets, group=None, temperature=1.0, chunk_size=None, vocab_size=None, *, return_collision: bool = False
 ):
@@ -254,18 +271,7 @@ def vocab_parallel_logprobs_entropy(
         )
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a floating point tensor, got {logits.dtype}")
-    _, world = _group_rank_size(group)
-    vocab = logits.shape[-1] * world
-    if vocab_size is not None:
-        if not 0 < vocab_size <= vocab:
-            raise ValueError(f"vocab_size must be in (0, {vocab}] (vocab shard {logits.shape[-1]} x {world} ranks), got {vocab_size}")
-        vocab = vocab_size
-    lo, hi = torch.aminmax(targets) if targets.numel() else (0, 0)
-    if int(lo) < 0 or int(hi) >= vocab:
-        raise ValueError(
-            f"targets must be token ids in [0, {vocab}) (vocab shard {logits.shape[-1]} x {world} ranks), "
-            f"got values in [{int(lo)}, {int(hi)}]"
-        )
+    check_vocab_and_targets(targets, logits.shape[-1], group, vocab_size)
     return _VocabParallelLogProbEntropy.apply(
         logits, targets.long(), group, float(temperature), chunk_size, vocab_size, bool(return_collision)
     )
