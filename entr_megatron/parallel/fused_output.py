@@ -47,7 +47,6 @@ instead of 3).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from entr_megatron.parallel.vocab_parallel import (
     _MAX,
@@ -183,15 +182,9 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
             stats = _FusedLinearLogProbEntropy.local_stats(
                 hidden_NH, weight[:width], targets_N, vocab_start, inv_temp, ct, cv, n_stats
             )
-        else:  # a rank holding only padding contributes nothing to the softmax
-            stats = torch.zeros(targets_N.numel(), n_stats, dtype=torch.float32, device=hidden.device)
-            # Lowest finite, not -inf: the merge's (m_r - M) * s_r must be 0, not nan.
-            stats[:, _MAX] = torch.finfo(torch.float32).min
-        if world > 1:
-            gathered = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
-            dist.all_gather(list(gathered.unbind(0)), stats, group=group)
         else:
-            gathered = stats.unsqueeze(0)
+            stats = _Ops.padding_stats(targets_N.numel(), n_stats, hidden.device)
+        gathered = _Ops.gather_stats(stats, group, world)
         logprob, entropy, log_z = _Ops.merge_stats(gathered)
 
         ctx.save_for_backward(hidden, weight, targets_N, log_z, entropy)

@@ -150,6 +150,23 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 out[s:e_].copy_(w)
 
     @staticmethod
+    def padding_stats(n_tokens, n_stats, device):
+        """The statistics of a rank holding only padding: nothing in the softmax."""
+        stats = torch.zeros(n_tokens, n_stats, dtype=torch.float32, device=device)
+        # Lowest finite, not -inf: the merge's (m_r - M) * s_r must be 0, not nan.
+        stats[:, _MAX] = torch.finfo(torch.float32).min
+        return stats
+
+    @staticmethod
+    def gather_stats(stats, group, world):
+        """The ONE all-gather: every rank's ``[N, C]`` statistics as ``[R, N, C]``."""
+        if world == 1:
+            return stats.unsqueeze(0)
+        gathered = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
+        dist.all_gather(list(gathered.unbind(0)), stats, group=group)
+        return gathered
+
+    @staticmethod
     def valid_columns(logits, rank, vocab_size):
         """This rank's columns that hold real vocabulary ids (Megatron pads the vocab)."""
         vocab_shard = logits.shape[-1]
@@ -175,15 +192,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, torch.empty_like(buf_y), n_stats
             )
             del buf_y
-        else:  # a rank holding only padding contributes nothing to the softmax
-            stats = torch.zeros(targets_N.numel(), n_stats, dtype=torch.float32, device=logits.device)
-            # Lowest finite, not -inf: the merge's (m_r - M) * s_r must be 0, not nan.
-            stats[:, _MAX] = torch.finfo(torch.float32).min
-        if world > 1:
-            gathered = torch.empty(world, *stats.shape, dtype=stats.dtype, device=stats.device)
-            dist.all_gather(list(gathered.unbind(0)), stats, group=group)
         else:
-            gathered = stats.unsqueeze(0)
+            stats = _VocabParallelLogProbEntropy.padding_stats(targets_N.numel(), n_stats, logits.device)
+        gathered = _VocabParallelLogProbEntropy.gather_stats(stats, group, world)
         logprob, entropy, log_z = _VocabParallelLogProbEntropy.merge_stats(gathered)
 
         ctx.save_for_backward(logits, targets_N, log_z, entropy)
