@@ -31,21 +31,27 @@ CHARS = "0123456789+-*/%^()=.,?: " + "abcdefghijklmnopqrstuvwxyz"
 MODEL_TYPES = ("qwen3", "llama")
 
 
-def build_char_tokenizer(chars: str = CHARS) -> Any:
-    """The character tokenizer as a `transformers.PreTrainedTokenizerFast` (ids: specials, tool markers, chars)."""
+def build_char_tokenizer(chars: str = CHARS, tool_tokens: tuple[str, ...] = TOOL_TOKENS) -> Any:
+    """The character tokenizer as a `transformers.PreTrainedTokenizerFast` (ids: specials, tool markers, chars).
+
+    tool_tokens: the markers that become single non-special tokens (default the calculator's;
+    the Hermes tool tasks pass `rollout.tools.TOOL_TOKENS`)."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers, processors
 
     if len(set(chars)) != len(chars):
         raise ValueError(f"chars has repeated characters: {chars!r}")
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + TOOL_TOKENS + tuple(chars))}
+    entries = SPECIAL_TOKENS + tuple(tool_tokens) + tuple(chars)
+    if len(set(entries)) != len(entries):
+        raise ValueError(f"tool_tokens {tuple(tool_tokens)!r} repeat each other, a special token or a character")
+    vocab = {t: i for i, t in enumerate(entries)}
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     # Every character is its own word; tool markers and specials are matched whole before this.
     tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in tool_tokens])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )

@@ -1,0 +1,303 @@
+"""The search task: its invented corpus, BM25 retrieval, questions, expert traces, reward and ToolEnv."""
+
+import itertools
+import re
+
+import pytest
+
+pytest.importorskip("bm25s")
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+from entr_megatron.rollout.engine import EngineHealth, GenerateResult, SamplingParams  # noqa: E402
+from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
+from entr_megatron.rollout.tasks.environment import Environment, Episode, run_episodes  # noqa: E402
+from entr_megatron.rollout.tasks.search import SearchTask, search_tokenizer  # noqa: E402
+from entr_megatron.rollout.tasks.search_corpus import Corpus  # noqa: E402
+from entr_megatron.rollout.tasks.tool_env import ToolEnv  # noqa: E402
+from entr_megatron.rollout.tools import (  # noqa: E402
+    TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, ToolRunner, format_tool_call, parse_tool_calls,
+)
+from entr_megatron.types import Sample  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def task():
+    return SearchTask()
+
+
+@pytest.fixture(scope="module")
+def task3():
+    return SearchTask(hops=3, corpus_seed=3)
+
+
+def sample_of(prompt_ids, response_ids):
+    n = len(response_ids)
+    return Sample(prompt_ids=prompt_ids, response_ids=response_ids, behaviour_logprobs=[0.0] * n, versions=[0] * n)
+
+
+def ids_of(task, text):
+    return task.tokenizer.encode(text, add_special_tokens=False)
+
+
+# --- corpus -----------------------------------------------------------------------------------
+
+def test_corpus_is_a_function_of_its_seed():
+    docs = lambda c: [(d.doc_id, d.title, d.text) for d in c.documents]  # noqa: E731
+    assert docs(Corpus(48, seed=0)) == docs(Corpus(48, seed=0))
+    assert docs(Corpus(48, seed=0)) != docs(Corpus(48, seed=1))
+    assert {d.title for d in Corpus(48, seed=0).documents} != {d.title for d in Corpus(48, seed=1).documents}
+
+
+@pytest.mark.parametrize("num_entities, seed", [(48, 0), (48, 1), (400, 2)])
+def test_names_are_unique_short_lowercase_and_documents_short(num_entities, seed):
+    corpus = Corpus(num_entities, seed)
+    names = [d.title for d in corpus.documents]
+    assert len(names) == len(set(names)) == num_entities
+    assert all(re.fullmatch(r"[a-z]{2,6}", n) for n in names)
+    assert len({d.doc_id for d in corpus.documents}) == num_entities
+    assert max(len(f"{d.doc_id} {d.text}") for d in corpus.documents) <= 60
+    template_words = {"founder", "base", "home", "employer", "country", "leader"}
+    assert not template_words & set(names)
+    # Each document states exactly its entity's links.
+    for e in corpus.entities.values():
+        doc = corpus.document_of(e.name)
+        assert doc.text.startswith(f"{e.name}: ")
+        assert set(re.findall(r"[a-z]+", doc.text)) - template_words == {e.name, *e.links.values()}
+
+
+def test_bm25_ranks_the_named_document_first(task):
+    corpus = task.corpus
+    for e in corpus.entities.values():
+        hits = corpus.search(e.name, k=3)
+        assert hits[0].doc_id == e.doc_id, (e.name, hits)
+        assert all(e.name in re.findall(r"[a-z]+", h.text) for h in hits)  # only documents sharing the word
+    assert corpus.search("nothingmatches", k=1) == []
+
+
+def test_search_and_open_tools(task):
+    search, open_doc = task.tools
+    name = next(iter(task.corpus.entities))
+    doc = task.corpus.document_of(name)
+    assert search(query=name) == f"{doc.doc_id} {doc.text}"
+    assert search(query="zzzz qqqq") == "no results"
+    assert open_doc(doc_id=doc.doc_id) == doc.text
+    wide = SearchTask(top_k=3).tools[0](query=name).split("\n")
+    assert wide[0] == f"{doc.doc_id} {doc.text}" and 1 <= len(wide) <= 3
+
+
+# --- questions --------------------------------------------------------------------------------
+
+def follow_question(corpus, text):
+    """The chain a question asks for, read from its text and the entity graph alone."""
+    m = re.fullmatch(r"q: (.+) of ([a-z]+)\?", text)
+    relations = m.group(1).split(" of ")[::-1]
+    chain = [m.group(2)]
+    for r in relations:
+        chain.append(corpus.entities[chain[-1]].links[r])
+    return relations, chain
+
+
+@pytest.mark.parametrize("which", ["task", "task3"])
+def test_every_gold_chain_is_answerable_by_its_searches(which, request):
+    task = request.getfixturevalue(which)
+    corpus, tok = task.corpus, task.tokenizer
+    for split in ("train", "test"):
+        for (prompt, target, mask), p in zip(task.sft_examples(split, 40, seed=1), task.problems(split, 40, seed=1)):
+            relations, chain = follow_question(corpus, tok.decode(prompt, skip_special_tokens=True))
+            assert len(relations) == task.hops and p.answer == chain[-1] and len(set(chain)) == len(chain)
+            text = tok.decode(target, skip_special_tokens=False)
+            calls = parse_tool_calls(text)
+            responses = re.findall(f"{TOOL_RESPONSE_OPEN}(.*?){TOOL_RESPONSE_CLOSE}", text, flags=re.S)
+            assert [c.arguments["query"] for c in calls] == chain[:-1] and len(responses) == task.hops
+            for query, response, nxt in zip(chain[:-1], responses, chain[1:]):
+                top_id, top_text = response.split(" ", 1)
+                assert top_id == corpus.entities[query].doc_id  # BM25 top-1 is the hop's document
+                assert nxt in re.findall(r"[a-z]+", top_text)  # ... and it names the next hop
+            assert text.endswith(f"{TOOL_RESPONSE_CLOSE}{chain[-1]}{tok.eos_token}")
+
+
+def test_train_and_test_questions_are_disjoint_and_prompts_pure(task):
+    train = {p.text for p in task.problems("train", 10_000, seed=0)}
+    test = {p.text for p in task.problems("test", 10_000, seed=0)}
+    assert train and test and not train & test
+    assert task.prompts("train", 8, seed=5) == task.prompts("train", 8, seed=5)
+    assert task.prompts("train", 8, seed=5) != task.prompts("train", 8, seed=6)
+    prompt, answer = task.prompts("test", 1, seed=0)[0]
+    assert prompt[0] == task.tokenizer.bos_token_id and answer in task.corpus.entities
+    with pytest.raises(ValueError, match="split"):
+        task.problems("dev", 1, seed=0)
+
+
+# --- reward and sft ---------------------------------------------------------------------------
+
+def test_reward_of_gold_wrong_and_unended_traces(task):
+    (prompt, target, _), = task.sft_examples("train", 1, seed=2)
+    (_, answer), = task.prompts("train", 1, seed=2)
+    eos = task.tokenizer.eos_token_id
+    assert task.reward(sample_of(prompt, target), answer) == 1.0
+    assert task.reward(sample_of(prompt, target + ids_of(task, "junk")), answer) == 1.0  # after EOS: ignored
+    body = target[:-1 - len(ids_of(task, answer))]
+    wrong = next(n for n in task.corpus.entities if n != answer)
+    assert task.reward(sample_of(prompt, body + ids_of(task, wrong) + [eos]), answer) == 0.0
+    assert task.reward(sample_of(prompt, target[:-1]), answer) == 0.0  # no EOS
+    assert task.reward(sample_of(prompt, body + ids_of(task, answer + "x") + [eos]), answer) == 0.0
+    assert task.reward(sample_of(prompt, ids_of(task, f" {answer} ") + [eos]), answer) == 1.0  # no tool needed
+
+
+def test_sft_masks_exactly_the_observation_tokens(task3):
+    tok = task3.tokenizer
+    open_id, close_id = (tok.convert_tokens_to_ids(t) for t in (TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE))
+    for _, target, mask in task3.sft_examples("train", 20, seed=0):
+        assert len(mask) == len(target)
+        inside, expected = False, []
+        for t in target:
+            inside = inside or t == open_id
+            expected.append(not inside)
+            inside = inside and t != close_id
+        assert mask == expected and mask.count(False) > 0 and mask[-1] is True
+
+
+def test_run_episodes_reproduces_the_expert_trace(task):
+    """An engine that plays the expert's turns through the real agent loop gets the same sample."""
+    examples = task.sft_examples("test", 3, seed=0)
+    answers = [a for _, a in task.prompts("test", 3, seed=0)]
+
+    class Replay:
+        def __init__(self):
+            self.results, self.ids = [], itertools.count()
+
+        def submit(self, requests):
+            rids = []
+            for req in requests:
+                full = next(p + t for p, t, _ in examples if req.prompt_ids == (p + t)[: len(req.prompt_ids)])
+                out = full[len(req.prompt_ids):]
+                stops = set(req.params.stop_token_ids) | {task.tokenizer.eos_token_id}
+                out = out[: next(i + 1 for i, t in enumerate(out) if t in stops)]
+                rid = f"r{next(self.ids)}"
+                self.results.append(GenerateResult(
+                    request_id=rid, sample_index=0, prompt_ids=req.prompt_ids, output_ids=out,
+                    logprobs=[-0.1] * len(out), versions=[0] * len(out), finish_reason="stop",
+                    entropy=[0.5] * len(out), group_id=req.group_id))
+                rids.append(rid)
+            return rids
+
+        def poll(self, timeout=0.0):
+            out, self.results = self.results, []
+            return out
+
+        def health(self):
+            return EngineHealth(alive=True, weight_version=0)
+
+    env = task.new_environment()
+    assert isinstance(env, Environment)
+    episodes = [Episode(env, p, a) for (p, _, _), a in zip(examples, answers)]  # one env, shared: stateless
+    samples = run_episodes(Replay(), episodes, SamplingParams(max_new_tokens=200), max_turns=4,
+                           max_response_tokens=400)
+    for s, (_, target, mask), a in zip(samples, examples, answers):
+        assert s.response_ids == target and s.loss_mask == mask
+        assert task.reward(s, a) == 1.0
+
+
+# --- ToolEnv ----------------------------------------------------------------------------------
+
+def test_tool_env_shows_a_malformed_call_as_an_error_and_goes_on(task):
+    env = task.new_environment()
+    assert env.stop_token_ids == (task.tokenizer.convert_tokens_to_ids("</tool_call>"),)
+    prompt = task.prompts("train", 1, seed=0)[0][0]
+    assert env.reset(prompt, "x") == prompt
+    bad = env.step(ids_of(task, '<tool_call>{"name": "search", "arguments": {"query": </tool_call>'))
+    text = task.tokenizer.decode(bad.observation_ids)
+    assert not bad.done and bad.reward == 0.0
+    assert text.startswith(f"{TOOL_RESPONSE_OPEN}error: tool call is not valid JSON") and text.endswith(
+        TOOL_RESPONSE_CLOSE)
+    assert [o.name for o in bad.tool_outcomes] == ["invalid"]
+    no_open = env.step(ids_of(task, "search velora</tool_call>"))
+    assert not no_open.done and no_open.tool_outcomes[0].error is not None
+    name = next(iter(task.corpus.entities))
+    good = env.step(ids_of(task, format_tool_call(ToolCall("search", {"query": name}))))
+    doc = task.corpus.document_of(name)
+    expected = f"{TOOL_RESPONSE_OPEN}{doc.doc_id} {doc.text}{TOOL_RESPONSE_CLOSE}"
+    assert task.tokenizer.decode(good.observation_ids) == expected
+    assert good.tool_outcomes[0].error is None and not good.done
+    end = env.step(ids_of(task, name) + [task.tokenizer.eos_token_id])
+    assert end == (([], True, 0.0, ()))
+
+
+def test_open_with_an_unknown_id_is_an_error_observation(task):
+    env = task.new_environment()
+    step = env.step(ids_of(task, format_tool_call(ToolCall("open", {"doc_id": "d999"}))))
+    text = task.tokenizer.decode(step.observation_ids)
+    assert text == (f"{TOOL_RESPONSE_OPEN}error: LookupError: no document 'd999' (ids are d0 to d47)"
+                    f"{TOOL_RESPONSE_CLOSE}")
+    assert task.tokenizer.unk_token_id not in step.observation_ids and not step.done
+    ok = env.step(ids_of(task, format_tool_call(ToolCall("open", {"doc_id": "d3"}))))
+    expected = f"{TOOL_RESPONSE_OPEN}{task.corpus.by_id['d3'].text}{TOOL_RESPONSE_CLOSE}"
+    assert task.tokenizer.decode(ok.observation_ids) == expected
+
+
+def test_tool_env_never_emits_a_special_token_a_tool_spelled(task):
+    class Spell:
+        name, description, parameters = "spell", "", {"type": "object", "properties": {}}
+
+        def __call__(self):
+            return "a</s>b"
+
+    env = ToolEnv(task.tokenizer, ToolRunner([Spell()]))
+    step = env.step(ids_of(task, format_tool_call(ToolCall("spell", {}))))
+    assert task.tokenizer.eos_token_id not in step.observation_ids
+    assert task.tokenizer.unk_token_id in step.observation_ids
+
+
+def test_tool_env_needs_the_markers_as_single_tokens():
+    with pytest.raises(ValueError, match="</tool_call>"):
+        ToolEnv(build_char_tokenizer(), ToolRunner([]))  # the calculator's markers only
+    with pytest.raises(ValueError, match="</tool_call>"):
+        SearchTask(tokenizer=build_char_tokenizer())
+
+
+def test_search_tokenizer_spells_whole_traces(task):
+    tok = search_tokenizer()
+    assert len(tok) == len(task.tokenizer)
+    for prompt, target, _ in task.sft_examples("train", 10, seed=0):
+        assert tok.unk_token_id not in prompt + target
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_entities": 4}, "num_entities"), ({"num_entities": 48.0}, "num_entities"), ({"hops": 1}, "hops"),
+    ({"hops": 4}, "hops"), ({"top_k": 0}, "top_k"), ({"top_k": 11}, "top_k"), ({"corpus_seed": -1}, "corpus_seed"),
+    ({"test_fraction": 0.0}, "test_fraction"), ({"test_fraction": 1.0}, "test_fraction"),
+    ({"split_seed": "a"}, "split_seed"), ({"tool_timeout_s": 0}, "tool_timeout_s"),
+    ({"max_tool_output_chars": 0}, "max_tool_output_chars"),
+])
+def test_constructor_validates_each_argument(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SearchTask(**kwargs)
+
+
+def test_demonstrations_cover_only_sft_questions_while_rl_draws_every_training_question():
+    t = SearchTask(num_entities=48, sft_questions=10)
+    demonstrated = {tuple(p) for p, _, _ in t.sft_examples("train", 300, seed=1)}
+    assert len(demonstrated) == 10
+    assert demonstrated == {tuple(p) for p, _, _ in t.sft_examples("train", 300, seed=2)}  # a fixed subset
+    train = {tuple(p) for p, _ in t.prompts("train", 300, seed=1)}
+    assert demonstrated < train and len(train) > 40
+    assert {tuple(p) for p, _, _ in t.sft_examples("test", 50, seed=0)} == {tuple(p) for p, _ in t.prompts("test", 50, 0)}
+    with pytest.raises(ValueError, match="sft_questions"):
+        SearchTask(num_entities=48, sft_questions=10_000)
+
+
+def test_train_sets_the_tool_limits_of_rollout_agent():
+    from entr_megatron.config import load_config
+    from entr_megatron.controller.model_init import build_task
+
+    cfg = load_config(None, ["task.name=search", "task.search.num_entities=16", "task.search.python_tool=true",
+                             "rollout.agent.tool_timeout_s=2.5", "rollout.agent.max_tool_output_chars=7"])
+    t = build_task(cfg, search_tokenizer())
+    assert [tool.name for tool in t.tools] == ["search", "open", "python"]
+    assert t.tools[-1].sandbox.limits.wall_s == pytest.approx(2.0)  # the sandbox stops before the runner gives up
+    env = t.new_environment()
+    step = env.step(ids_of(t, format_tool_call(ToolCall("search", {"query": t.documents[0].title}))))
+    response = t.tokenizer.decode(step.observation_ids)
+    assert response == f"{TOOL_RESPONSE_OPEN}{t.documents[0].doc_id} {t.documents[0].text}"[:len(TOOL_RESPONSE_OPEN) + 7] \
+        + " ...[truncated]" + TOOL_RESPONSE_CLOSE
