@@ -38,6 +38,9 @@ class Sample:
     """MoE routing replay: integer ``[P + R - 1, moe_layers, k]``, the experts the engine's router
     chose for each token fed to it (the prompt, then every response token but the last), by token
     position (not target position). None for dense models or when not recorded."""
+    episode: dict | None = None
+    """Multi-turn episodes (rollout/episodes.py): turns, tool calls and errors per tool, env reward,
+    whether the episode ended or was paused by its token budget. None for single-turn samples."""
 
     def __post_init__(self):
         n = len(self.response_ids)

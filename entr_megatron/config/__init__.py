@@ -9,11 +9,14 @@ from entr_megatron.config.launcher import LauncherConfig, LoggingConfig, WandbCo
 from entr_megatron.config.learner import LearnerConfig, OptimConfig
 from entr_megatron.config.loader import config_from_dict, dump_config, load_config, parse_value
 from entr_megatron.config.model import ModelConfig, ParallelConfig
-from entr_megatron.config.rollout import EmbeddedConfig, RolloutConfig, SamplingConfig, SGLangConfig
+from entr_megatron.config.rollout import AgentConfig, EmbeddedConfig, RolloutConfig, SamplingConfig, SGLangConfig
 from entr_megatron.config.run import RunConfig
-from entr_megatron.config.task import ArithmeticTaskConfig, CalculatorTaskConfig, MathTaskConfig, SFTConfig, TaskConfig
+from entr_megatron.config.task import (
+    ArithmeticTaskConfig, CalculatorTaskConfig, MathTaskConfig, SearchTaskConfig, SFTConfig, TaskConfig,
+)
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "ArithmeticTaskConfig",
     "CalculatorTaskConfig",
@@ -30,6 +33,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",
+    "SearchTaskConfig",
     "SGLangConfig",
     "SamplingConfig",
     "TaskConfig",

@@ -184,6 +184,42 @@ class EmbeddedConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """Multi-turn episodes of tool tasks (task.name 'calculator', 'search'): budgets and tool limits.
+    rollout.sampling.max_new_tokens is an episode's budget of policy tokens over all its turns."""
+
+    SECTION = "rollout.agent"
+
+    max_turns: int = 4
+    """Policy turns per episode (tool calls + the final answer); a tool call on the last allowed
+    turn ends the episode there, not run. >= 1."""
+
+    max_turn_tokens: int | None = None
+    """Tokens of one policy turn. None: only the episode's budgets. >= 1."""
+
+    max_response_tokens: int = 512
+    """Policy + observation (tool output) tokens per episode: model.max_prompt_len plus this must
+    fit model.max_seq_len. >= rollout.sampling.max_new_tokens."""
+
+    tool_timeout_s: float = 5.0
+    """Wall-clock limit of one tool call; past it the call's observation is an error. Positive, finite."""
+
+    max_tool_output_chars: int = 1000
+    """Characters of one tool call's output kept in the observation (the rest cut, marked). >= 1."""
+
+    tool_workers: int = 4
+    """Threads running tool calls (the controller never waits on a tool). >= 1."""
+
+    def __post_init__(self) -> None:
+        integer(self, "max_turns", low=1)
+        integer(self, "max_turn_tokens", low=1, optional=True)
+        integer(self, "max_response_tokens", low=1)
+        number(self, "tool_timeout_s", low=0, high=math.inf, low_open=True, high_open=True)
+        integer(self, "max_tool_output_chars", low=1)
+        integer(self, "tool_workers", low=1)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """Inference engines that generate the training samples."""
 
@@ -248,6 +284,9 @@ class RolloutConfig:
 
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     """Embedded engine settings (used when engine is 'embedded')."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes (tool tasks): turn and token budgets, tool limits."""
 
     def __post_init__(self) -> None:
         choice(self, "engine", Engine)

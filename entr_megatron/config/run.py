@@ -18,7 +18,7 @@ from entr_megatron.config.launcher import LauncherConfig, LoggingConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.config.model import ModelConfig, ParallelConfig
 from entr_megatron.config.rollout import WEIGHT_SNAPSHOTS, RolloutConfig
-from entr_megatron.config.task import SFTConfig, TaskConfig
+from entr_megatron.config.task import MULTI_TURN_TASKS, SFTConfig, TaskConfig
 from entr_megatron.config.validate import bad
 
 __all__ = ["WEIGHT_SNAPSHOTS", "RunConfig"]  # WEIGHT_SNAPSHOTS: its importers' old home
@@ -70,6 +70,7 @@ class RunConfig:
                 f"{self.model.max_prompt_len + self.rollout.sampling.max_new_tokens}",
             )
         self._check_fixed_lag()
+        self._check_agent()
         expected = self.rollout.prompts_per_step * self.rollout.sampling.n
         dp = self.parallel.data_parallel_size(self.launcher.world_size)
         if self.learner.mini_batches * dp > expected:
@@ -97,6 +98,20 @@ class RunConfig:
                       f"intra_lag ({c.intra_lag}) switches every intra_lag_stride tokens must all fall inside "
                       f"rollout.sampling.max_new_tokens={max_new}: need intra_lag * stride < {max_new}"
                       + ("" if c.intra_lag_stride else f" (and intra_lag < {max_new})"))
+
+    def _check_agent(self) -> None:
+        if self.task.name not in MULTI_TURN_TASKS:
+            return
+        agent, max_new = self.rollout.agent, self.rollout.sampling.max_new_tokens
+        if agent.max_response_tokens < max_new:
+            raise bad(self, "rollout.agent.max_response_tokens", agent.max_response_tokens,
+                      f"must be >= rollout.sampling.max_new_tokens={max_new} (an episode's policy tokens are "
+                      "part of its response)")
+        if self.model.max_prompt_len + agent.max_response_tokens > self.model.max_seq_len:
+            raise bad(self, "model.max_seq_len", self.model.max_seq_len,
+                      f"must be >= model.max_prompt_len + rollout.agent.max_response_tokens = "
+                      f"{self.model.max_prompt_len + agent.max_response_tokens} (task.name={self.task.name!r} "
+                      "episodes hold tool outputs too)")
 
     def _check_parallel(self) -> None:
         p, world = self.parallel, self.launcher.world_size

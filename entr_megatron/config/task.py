@@ -7,7 +7,9 @@ from typing import Literal, get_args
 
 from entr_megatron.config.validate import bad, boolean, choice, integer, number, str_tuple, string
 
-TaskName = Literal["arithmetic", "math"]  # = rollout.tasks.TASK_BUILDERS (the multi-turn calculator: not yet)
+TaskName = Literal["arithmetic", "math", "calculator", "search"]  # = rollout.tasks.TASK_BUILDERS
+MULTI_TURN_TASKS = ("calculator", "search")
+"""Tasks whose samples are multi-turn tool episodes (rollout.agent)."""
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 ArithmeticOperation = Literal["+", "-", "*"]
 ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
@@ -95,15 +97,50 @@ class CalculatorTaskConfig:
 
     SECTION = "task.calculator"
 
-    digits: int = 4
-    """Digits of each operand. In [1, 18]."""
-
-    max_turns: int = 4
-    """Model turns (tool calls + final answer) per episode. >= 1."""
+    digits: int = 3
+    """Digits of each operand ("a*b+c=" with a, b, c < 10^digits). In [1, 9]."""
 
     def __post_init__(self) -> None:
-        integer(self, "digits", low=1, high=18)
-        integer(self, "max_turns", low=1)
+        integer(self, "digits", low=1, high=9)
+
+
+@dataclass(frozen=True)
+class SearchTaskConfig:
+    """Multi-hop questions over a generated corpus, answered with a BM25 `search` tool and `open`
+    (BrowseComp-Plus style); exact-match reward on the final answer."""
+
+    SECTION = "task.search"
+
+    num_entities: int = 48
+    """Invented entities in the corpus (one document each). >= 8."""
+
+    hops: int = 2
+    """Searches a question needs (2 or 3)."""
+
+    top_k: int = 1
+    """Passages one search returns. >= 1."""
+
+    corpus_seed: int = 0
+    """Which corpus (the same seed, the same documents and questions). >= 0."""
+
+    python_tool: bool = False
+    """Also offer a sandboxed `python` tool (rollout/tools/sandbox.py: its own process, CPU-time,
+    memory, output and rollout.agent.tool_timeout_s wall-clock limits, no network, no files
+    outside a scratch directory)."""
+
+    sft_questions: int | None = None
+    """Training questions with a demonstration (the SFT warm-up's expert traces: a fixed subset); RL
+    draws from every training question. None: all of them. >= 1."""
+
+    def __post_init__(self) -> None:
+        integer(self, "num_entities", low=8, high=2000)
+        integer(self, "sft_questions", low=1, optional=True)
+        integer(self, "hops", low=2, high=3)
+        integer(self, "top_k", low=1, high=10)
+        integer(self, "corpus_seed", low=0)
+        boolean(self, "python_tool")
+        if self.top_k > self.num_entities:
+            raise bad(self, "top_k", self.top_k, f"must be <= num_entities ({self.num_entities})")
 
 
 @dataclass(frozen=True)
@@ -126,6 +163,9 @@ class TaskConfig:
 
     calculator: CalculatorTaskConfig = field(default_factory=CalculatorTaskConfig)
     """Options of the 'calculator' task."""
+
+    search: SearchTaskConfig = field(default_factory=SearchTaskConfig)
+    """Options of the 'search' task."""
 
     def __post_init__(self) -> None:
         choice(self, "name", TaskName)

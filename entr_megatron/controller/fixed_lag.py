@@ -18,6 +18,11 @@ A segment after the first continues a response by prompting with prompt + the to
 far (the KV cache is recomputed by the new weights: SGLang's default on an update), n=1,
 seeded by (run seed, group, sample, segment). Generation is synchronous, so a run
 reproduces its metrics bit for bit for a given machine and thread count.
+
+Multi-turn episodes (tool tasks, rollout/episodes.py): a segment's budget counts the episode's
+policy tokens over its turns (tool outputs do not count); an episode paused by it continues in
+the next segment from the paused Sample (metadata RESUME), so its turns and tool calls carry
+the versions of the segments they fell in.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from entr_megatron.controller.buffer import GroupRef
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
+from entr_megatron.rollout.episodes import RESUME
 from entr_megatron.types import Sample
 from entr_megatron.utils.seeding import mix_seed
 
@@ -115,12 +121,20 @@ class LagPipeline:
             index = (ref.group_id * SEGMENT_SEED_STRIDE + i) * SEGMENT_SEED_STRIDE + j
             params = dataclasses.replace(self.sampling, n=1, max_new_tokens=budget,
                                          seed=mix_seed(self.seed, index, modulus=2**31))
+            metadata = {"prompt_index": ref.prompt_index}
+            if sample.episode is not None:  # a paused episode goes on where it stopped (rollout.episodes)
+                yield GenerateRequest(sample.prompt_ids, params, group_id=ref.group_id,
+                                      metadata={**metadata, RESUME: sample}), i
+                continue
             yield GenerateRequest(sample.prompt_ids + sample.response_ids, params, group_id=ref.group_id,
-                                  metadata={"prompt_index": ref.prompt_index}), i
+                                  metadata=metadata), i
 
     def _continues(self, sample: Sample, segment: int) -> bool:
         """A response goes on into `segment` when the previous one used its whole budget without
-        stopping (fewer tokens with 'length': the engine's model-length limit was reached)."""
+        stopping (fewer tokens with 'length': the engine's model-length limit was reached); an episode
+        when the segment's budget paused it, not ended."""
+        if sample.episode is not None:
+            return not sample.episode["ended"]
         done_budget = sum(self.segment_tokens(k) for k in range(segment))
         return sample.finish_reason == "length" and len(sample.response_ids) == done_budget
 
@@ -133,6 +147,8 @@ class LagPipeline:
         for k, (group, sample_index) in enumerate(owners):
             if sample_index is None:
                 group.samples = [r.to_sample() for r in by_request[k]]
+            elif by_request[k][0].episode is not None:  # the whole episode so far
+                group.samples[sample_index] = by_request[k][0].to_sample()
             else:
                 _extend(group.samples[sample_index], by_request[k][0])
         for _, group in due:

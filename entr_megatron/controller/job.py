@@ -35,7 +35,7 @@ from entr_megatron.controller.run_dir import RunPaths, export_final_model, write
 from entr_megatron.controller.run_hooks import RunCheckpoints, check_disk, resume_point, step_recorder
 from entr_megatron.controller.sft import warm_up
 from entr_megatron.controller.sglang_setup import check_launch
-from entr_megatron.controller.wiring import connect, make_engines
+from entr_megatron.controller.wiring import connect, make_engines, with_episodes
 from entr_megatron.controller.workers import WorkerError
 from entr_megatron.utils.run_lock import RunLock
 
@@ -52,7 +52,7 @@ def check_inputs(cfg: RunConfig, command: str = "train") -> None:
     sft) sft.data_files readable, or a task that generates SFT examples when there are none; for train and sft the model against the learner layout
     (`check_model_layout`); for train where SGLang servers may be launched (`check_launch`).
     Raises ValueError naming the field (the CLI prints it and exits 2)."""
-    from entr_megatron.rollout.tasks import TASK_BUILDERS, TASKS, check_task_files
+    from entr_megatron.rollout.tasks import TASK_BUILDERS, check_task_files, task_class
 
     if cfg.task.name not in TASK_BUILDERS:
         raise FieldError("task", "name", cfg.task.name, f"allowed: {', '.join(TASK_BUILDERS)} (the tasks train drives)")
@@ -64,7 +64,7 @@ def check_inputs(cfg: RunConfig, command: str = "train") -> None:
     if command in LEARNER_COMMANDS:
         if cfg.sft is not None:
             readable_files(cfg.sft, "data_files")
-            if not cfg.sft.data_files and not hasattr(TASKS[cfg.task.name], "sft_examples"):
+            if not cfg.sft.data_files and not hasattr(task_class(cfg.task.name), "sft_examples"):
                 raise FieldError("sft", "data_files", [], f"task {cfg.task.name!r} generates no SFT examples: list "
                                  "JSONL files of {\"prompt\", \"response\"} records, or remove the sft section")
         check_model_layout(cfg)
@@ -159,6 +159,7 @@ def _train(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps
     out: dict[str, Any] = {"start_step": done}
     with ExitStack() as stack:
         engine, learner, pusher = connect(cfg, start_dir, stack, paths.root / "sglang")
+        engine = with_episodes(cfg, task, engine)  # tool tasks: samples are whole episodes
         if resume_step is None and engine.weight_version != 0:  # servers given by URL: the learner's weights
             say("pushing the learner's weights to the engines (version 0)")
             pusher.push(0).wait()
@@ -211,6 +212,7 @@ def run_eval(cfg: RunConfig, model: Path, n: int | None = None) -> dict:
     task = build_task(cfg, load_tokenizer(str(model)) if has_tokenizer else tokenizer_for(cfg))
     with ExitStack() as stack:
         [engine] = make_engines(cfg, model, stack)  # SGLang: one engine over all servers
+        engine = with_episodes(cfg, task, engine)
         metrics = evaluate(engine, task, n or cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed)
     return {"model": str(model), **metrics}
 

@@ -226,14 +226,21 @@ class LearnerWorker:
             self.sync.wait_borrowed()  # the weights are about to change
         return load_checkpoint(root, self.ddp, self.optimizer, self.scheduler, step=step, verify=verify)
 
-    def target_logprobs(self, examples: list[tuple[list[int], list[int]]]) -> list[float]:
-        """log p(target | prompt) of each (prompt ids, target ids) pair under the current weights at
-        temperature 1 (teacher forced; the sum over the target's tokens), on every rank."""
+    def target_logprobs(self, examples: list[tuple]) -> list[float]:
+        """log p(target | prompt) of each (prompt ids, target ids[, target mask]) example under the
+        current weights at temperature 1 (teacher forced; the sum over the target's tokens, only
+        those the mask keeps: a tool trace's observations are given, not predicted), on every rank."""
         from entr_megatron.learner.scoring import score_sequences
 
-        sequences = [list(prompt) + list(target) for prompt, target in examples]
+        sequences = [list(ex[0]) + list(ex[1]) for ex in examples]
         scored = score_sequences(self.chunks, self.model_spec, self.groups, sequences)
-        return [float(lp[len(prompt) - 1:].double().sum()) for (prompt, _), (lp, _) in zip(examples, scored)]
+        out = []
+        for ex, (lp, _) in zip(examples, scored):
+            tail = lp[len(ex[0]) - 1:].double()
+            if len(ex) > 2:
+                tail = tail[torch.tensor(ex[2], dtype=torch.bool)]
+            out.append(float(tail.sum()))
+        return out
 
     def export_hf(self, out_dir: str) -> str:
         """Writes the current weights as an HF directory (config.json, safetensors), atomically."""

@@ -63,6 +63,7 @@ from entr_megatron.rollout.engine import (
     SamplingParams,
     generate,
 )
+from entr_megatron.rollout.episodes import episode_metrics
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.seeding import mix_seed
 
@@ -342,7 +343,7 @@ class Controller:
         metrics = {"step": self.step, "policy_version": self.version, **lag_metrics(samples, self.version),
                    "reward/mean": rewards_B.mean().item(),
                    "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-                   "rollout/tokens": float(batch.cu_seqlens[-1])}
+                   "rollout/tokens": float(batch.cu_seqlens[-1]), **episode_metrics(samples)}
         t0 = time.perf_counter()
         metrics.update(self.learner.train(batch, self.version))
         metrics["timing/train_s"] = time.perf_counter() - t0

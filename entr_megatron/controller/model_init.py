@@ -22,15 +22,16 @@ __all__ = ["build_task", "prepare_model", "tokenizer_for"]
 
 
 def tokenizer_for(cfg: RunConfig) -> Any:
-    """The tokenizer of `model.tokenizer` (else `model.path`); the arithmetic task without either
-    gets the character tokenizer."""
-    from entr_megatron.rollout.tasks import build_char_tokenizer, load_tokenizer
+    """The tokenizer of `model.tokenizer` (else `model.path`); a generated task without either
+    (arithmetic, calculator, search) gets the character tokenizer with its tool markers."""
+    from entr_megatron.rollout.tasks import default_tokenizer, load_tokenizer
 
     source = cfg.model.tokenizer or cfg.model.path
     if source:
         return load_tokenizer(source)
-    if cfg.task.name == "arithmetic":
-        return build_char_tokenizer()
+    tokenizer = default_tokenizer(cfg.task.name)
+    if tokenizer is not None:
+        return tokenizer
     raise ValueError(f"task.name={cfg.task.name!r} needs a tokenizer: set model.path or model.tokenizer")
 
 
@@ -40,7 +41,10 @@ def build_task(cfg: RunConfig, tokenizer: Any) -> Any:
     from entr_megatron.rollout.tasks import TASK_BUILDERS
 
     # the config admits only these names
-    return TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer, cfg.model.max_prompt_len)
+    task = TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer, cfg.model.max_prompt_len)
+    if hasattr(task, "set_tool_limits"):  # tool tasks: rollout.agent's limits on every call
+        task.set_tool_limits(cfg.rollout.agent.tool_timeout_s, cfg.rollout.agent.max_tool_output_chars)
+    return task
 
 
 def prepare_model(cfg: RunConfig, paths: RunPaths, tokenizer: Any) -> Path:

@@ -47,11 +47,14 @@ def sft_examples(cfg: RunConfig, task: Any, step: int) -> list[tuple[list[int], 
     return task.sft_examples("train", n, seed=mix_seed(cfg.controller.seed, step + SFT_SEED_OFFSET))
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]]) -> TrainBatch:
-    """Target tokens as responses (behaviour log-probs unused by the NLL loss)."""
-    samples = [Sample(prompt_ids=list(p), response_ids=list(t), behaviour_logprobs=[0.0] * len(t),
-                      versions=[0] * len(t), group_id=i, finish_reason="stop")
-               for i, (p, t) in enumerate(examples)]
+def sft_batch(examples: list[tuple]) -> TrainBatch:
+    """Target tokens as responses (behaviour log-probs unused by the NLL loss). An example is
+    (prompt ids, target ids) or, for tool traces, (prompt ids, target ids, target mask): the NLL
+    then covers only the tokens the mask keeps (tool outputs are in context, not learned)."""
+    samples = [Sample(prompt_ids=list(ex[0]), response_ids=list(ex[1]), behaviour_logprobs=[0.0] * len(ex[1]),
+                      versions=[0] * len(ex[1]), group_id=i, finish_reason="stop",
+                      loss_mask=[bool(m) for m in ex[2]] if len(ex) > 2 else None)
+               for i, ex in enumerate(examples)]
     return TrainBatch.from_samples(samples, torch.zeros(len(samples)))
 
 

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
@@ -33,10 +34,23 @@ from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
 from entr_megatron.utils.spawn import free_port_range
 
-__all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "learner_group",
+__all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "learner_group", "with_episodes",
            "make_engines"]
 
 Connection = tuple[RolloutEngine, RemoteLearner, RemotePusher]
+
+
+def with_episodes(cfg: RunConfig, task: Any, engine: RolloutEngine) -> RolloutEngine:
+    """`engine` itself for a single-turn task; for a multi-turn one (config.task.MULTI_TURN_TASKS) an
+    `EpisodeEngine` over it, whose samples are whole tool episodes within `rollout.agent`'s budgets."""
+    from entr_megatron.config.task import MULTI_TURN_TASKS
+    from entr_megatron.rollout.episodes import EpisodeBudgets, EpisodeEngine
+
+    if cfg.task.name not in MULTI_TURN_TASKS:
+        return engine
+    a = cfg.rollout.agent
+    return EpisodeEngine(engine, task.new_environment,
+                         EpisodeBudgets(a.max_turns, a.max_turn_tokens, a.max_response_tokens), a.tool_workers)
 
 
 def connect(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> Connection:

@@ -158,6 +158,10 @@ class GenerateResult:
     MoE layer sent each fed token to (prompt tokens, then every output token but the last, which is
     never fed: its route affects no log-prob). None for dense models, when off, or when aborted
     before the prompt was prefilled."""
+    loss_mask: list[bool] | None = None
+    """Multi-turn episodes (`rollout.episodes`): False on observation (tool output) tokens. None: all True."""
+    episode: dict[str, Any] | None = None
+    """Multi-turn episodes: turns, tool calls and errors per tool, whether it ended (see `rollout.episodes`)."""
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -177,6 +181,8 @@ class GenerateResult:
             rollout_entropy=None if self.entropy is None else list(self.entropy),
             finish_reason=self.finish_reason,
             routed_experts=self.routed_experts,
+            loss_mask=None if self.loss_mask is None else list(self.loss_mask),
+            episode=self.episode,
         )
 
 

@@ -70,8 +70,13 @@ def test_task_registry_is_exactly_the_configs_task_names(tok):
     cfg = load_config(None, ["task.arithmetic.digits=3", "task.arithmetic.reverse_answer=true"])
     task = build_task(cfg, tok)
     assert isinstance(task, ArithmeticTask) and task.digits == 3 and task.reverse_answer and task.tokenizer is tok
-    with pytest.raises(ValueError, match=r"task\.name='calculator'.*allowed: arithmetic, math"):
-        load_config(None, ["task.name=calculator"])
+    with pytest.raises(ValueError, match=r"task\.name='chess'.*allowed: arithmetic, math, calculator, search"):
+        load_config(None, ["task.name=chess"])
+    # the multi-turn tasks: their episodes fit the sequence length, tool outputs included
+    with pytest.raises(ValueError, match=r"model\.max_seq_len=2048.*max_response_tokens = 2560"):
+        load_config(None, ["task.name=search", "rollout.agent.max_response_tokens=2048"])
+    with pytest.raises(ValueError, match=r"rollout\.agent\.max_response_tokens=64.*>= rollout\.sampling\.max_new_tokens=128"):
+        load_config(None, ["task.name=calculator", "rollout.agent.max_response_tokens=64"])
 
 
 def test_learner_role_is_rank_zeros_answer():

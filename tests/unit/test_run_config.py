@@ -148,9 +148,9 @@ def test_unknown_file_key_names_the_key_and_suggests(tmp_path):
         ("algorithm.tau=0", "algorithm.tau=0", "(0.0, inf]"),
         ("learner.optim.lr_decay_style=step", "learner.optim.lr_decay_style='step'", "cosine"),
         ("learner.max_tokens_per_microbatch=0", "learner.max_tokens_per_microbatch=0", ">= 1"),
-        ("task.name=chess", "task.name='chess'", "arithmetic, math"),
-        # multi-turn: not driven by `train` yet, so not a task.name (rollout.tasks.TASK_BUILDERS)
-        ("task.name=calculator", "task.name='calculator'", "allowed: arithmetic, math"),
+        ("task.name=chess", "task.name='chess'", "arithmetic, math, calculator, search"),
+        ("task.search.hops=4", "task.search.hops=4", "[2, 3]"),
+        ("rollout.agent.tool_timeout_s=.inf", "rollout.agent.tool_timeout_s", "finite"),
         ("launcher.kind=slurm", "launcher.kind='slurm'", "local, ray"),
         ("logging.tensorboard=yes please", "logging.tensorboard", "true or false"),
         ("parallel.tp=0", "parallel.tp=0", ">= 1"),

@@ -9,8 +9,11 @@
 - `arithmetic.py`: synthetic multi-digit arithmetic with a local character tokenizer
   (`char_tokenizer.py`, also writes a tiny matching model config);
 - `math_data.py` + `math_reward.py`: problems from JSONL/Parquet, math-verify reward;
-- `environment.py`: the multi-turn `Environment` protocol and the agent loop
-  (`run_episodes`) over a `RolloutEngine`; `calculator.py`: the first tool.
+- `environment.py`: the multi-turn `Environment` protocol and a batch agent loop
+  (`run_episodes`, over `rollout.episodes.EpisodeEngine`); `calculator.py`: a calculator tool
+  task in its own `<calc>` format; `tool_env.py`: the environment of Hermes-format tool calls
+  (`rollout/tools/`); `search.py`: multi-hop questions over a generated corpus with a BM25
+  `search` tool (BrowseComp-Plus style).
 """
 
 from __future__ import annotations
@@ -35,21 +38,32 @@ __all__ = [
     "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS",
     "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "Environment", "Episode",
     "MathProblem", "MathTask", "Step", "Task",
-    "arithmetic_reward", "build_char_tokenizer", "check_task_files", "decode_response", "load_problems",
-    "load_tokenizer",
+    "arithmetic_reward", "build_char_tokenizer", "check_task_files", "decode_response", "default_tokenizer",
+    "load_problems",
+    "load_tokenizer", "task_class",
     "make_task", "math_verify_reward", "normalised_match_reward", "run_episodes", "safe_eval",
     "save_char_tokenizer", "write_tiny_model_config",
 ]
 
 TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "math": MathTask, "calculator": CalculatorTask}
-"""Task name -> class; each implements `Task` (prompts, reward, new_environment)."""
+"""Task name -> class; each implements `Task` (prompts, reward, new_environment). The search task
+(`search.py`, needs bm25s: the "agent" extra) is imported on use: `make_task("search")`."""
+
+
+def task_class(name: str) -> type:
+    """The class of task `name` (TASKS, and the search task imported on use)."""
+    if name == "search":
+        from entr_megatron.rollout.tasks.search import SearchTask
+
+        return SearchTask
+    if name not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS) + ['search']}, got {name!r}")
+    return TASKS[name]
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
     """The task `name` built with `kwargs` (its constructor's arguments)."""
-    if name not in TASKS:
-        raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}")
-    return TASKS[name](**kwargs)
+    return task_class(name)(**kwargs)
 
 
 def _arithmetic(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> ArithmeticTask:
@@ -74,11 +88,53 @@ def _math(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> M
                     held_out=0 if m.eval_files else t.eval_size)
 
 
-TASK_BUILDERS: dict[str, Callable[[TaskConfig, Any, int | None], Task]] = {"arithmetic": _arithmetic, "math": _math}
-"""The single-turn tasks `train` drives, by `task.name` (exactly config.run.TASK_NAMES): each builds
-the task from the `task` section, the policy's tokenizer and model.max_prompt_len (math leaves out
-longer prompts; arithmetic refuses a limit its prompts exceed). The multi-turn calculator is not one
-of them: it runs through `run_episodes`, which the training loop does not drive yet."""
+def _check_prompts(task: Any, name: str, max_prompt_len: int | None) -> None:
+    """Refuses a model.max_prompt_len that the task's longest prompt exceeds (its prompts are
+    generated: a sample of both splits is measured)."""
+    if max_prompt_len is None:
+        return
+    longest = max(len(ids) for split in ("train", "test") for ids, _ in task.prompts(split, 64, 0))
+    if longest > max_prompt_len:
+        raise ValueError(f"model.max_prompt_len={max_prompt_len} is shorter than the {name} task's prompts "
+                         f"(up to {longest} tokens); raise it")
+
+
+def _calculator(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> CalculatorTask:
+    task = CalculatorTask(t.calculator.digits, tokenizer=tokenizer)
+    _check_prompts(task, "calculator", max_prompt_len)
+    return task
+
+
+def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> Task:
+    from entr_megatron.rollout.tasks.search import SearchTask
+
+    s = t.search
+    task = SearchTask(num_entities=s.num_entities, hops=s.hops, top_k=s.top_k, corpus_seed=s.corpus_seed,
+                      python_tool=s.python_tool, sft_questions=s.sft_questions, tokenizer=tokenizer)
+    _check_prompts(task, "search", max_prompt_len)
+    return task
+
+
+def default_tokenizer(task_name: str) -> Any:
+    """The tokenizer a task runs with when the config names none (model.path / model.tokenizer):
+    the character tokenizer, with the task's tool markers; None for tasks that need the model's."""
+    if task_name in ("arithmetic", "calculator"):
+        return build_char_tokenizer()
+    if task_name == "search":
+        from entr_megatron.rollout.tasks.search import search_tokenizer
+
+        return search_tokenizer()
+    return None
+
+
+TASK_BUILDERS: dict[str, Callable[[TaskConfig, Any, int | None], Task]] = {
+    "arithmetic": _arithmetic, "math": _math, "calculator": _calculator, "search": _search,
+}
+"""The tasks `train` drives, by `task.name` (exactly config.task.TASK_NAMES): each builds the task from
+the `task` section, the policy's tokenizer and model.max_prompt_len (math leaves out longer prompts;
+the generated tasks refuse a limit their prompts exceed). The multi-turn ones (config.task.MULTI_TURN_TASKS:
+calculator, search) return an environment from `new_environment()`: `train` drives their episodes
+through `rollout.episodes.EpisodeEngine`."""
 
 
 def _math_files(t: TaskConfig) -> None:

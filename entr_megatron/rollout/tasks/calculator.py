@@ -21,11 +21,13 @@ import ast
 import math
 import operator
 import random
+import time
 from fractions import Fraction
 from typing import Any
 
 from entr_megatron.rollout.tasks.base import check_split, decode_response, split_of
 from entr_megatron.rollout.tasks.environment import Step
+from entr_megatron.rollout.tools.calls import ToolOutcome
 from entr_megatron.types import Sample
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "CalculatorEnv", "CalculatorError", "CalculatorTask", "safe_eval"]
@@ -35,6 +37,8 @@ MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 100
 """Largest result (and intermediate value) in decimal digits: bounds time and memory."""
 ERROR_TEXT = "error"
+TOOL_NAME = "calculator"
+"""The tool's name in the per-tool metrics (agent/tool_calls/calculator)."""
 
 _BINARY = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -138,14 +142,15 @@ class CalculatorEnv:
         if generated_ids and generated_ids[-1] == self.close_id:
             text = self.tokenizer.decode(generated_ids, skip_special_tokens=True)
             expression = text.rsplit(CALL_OPEN, 1)[-1].removesuffix(CALL_CLOSE) if CALL_OPEN in text else ""
+            t0, error = time.perf_counter(), None
             try:
                 value = safe_eval(expression)
-            except CalculatorError:
-                value = ERROR_TEXT
+            except CalculatorError as e:
+                value, error = ERROR_TEXT, str(e)
             self.calls += 1
             obs = self.tokenizer.encode(f"{RESULT_OPEN}{value}{RESULT_CLOSE}", add_special_tokens=False)
             self.history += obs  # the response as the Sample will hold it
-            return Step(obs, False, 0.0)
+            return Step(obs, False, 0.0, (ToolOutcome(TOOL_NAME, value, error, time.perf_counter() - t0),))
         return Step([], True, self._answer_reward(self.history, self.reference))
 
 
@@ -198,6 +203,18 @@ class CalculatorTask:
 
     def prompts(self, split: str, n: int, seed: int) -> list[tuple[list[int], str]]:
         return [(self.tokenizer.encode(text), answer) for text, answer in self.problems(split, n, seed)]
+
+    def sft_examples(self, split: str, n: int, seed: int) -> list[tuple[list[int], list[int], list[bool]]]:
+        """(prompt ids, target ids, target mask) tool traces for a warm-up: the call, the calculator's
+        answer (mask False: the environment's, not the policy's), the answer and EOS."""
+        out = []
+        for text, answer in self.problems(split, n, seed):
+            call = self.tokenizer.encode(f"{CALL_OPEN}{text[:-1]}{CALL_CLOSE}", add_special_tokens=False)
+            obs = self.tokenizer.encode(f"{RESULT_OPEN}{safe_eval(text[:-1])}{RESULT_CLOSE}", add_special_tokens=False)
+            final = self.tokenizer.encode(answer, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append((self.tokenizer.encode(text), call + obs + final,
+                        [True] * len(call) + [False] * len(obs) + [True] * len(final)))
+        return out
 
     def answer_reward(self, response_ids: list[int], reference: str) -> float:
         """1.0 iff the text after the last tool result, up to EOS, is the reference and EOS was written."""

@@ -21,18 +21,18 @@ Per response token of the Sample:
 
 Every turn is its own request whose prompt is the whole history (the engine
 re-prefills it; KV reuse across turns is the engine's business). Episodes run
-concurrently: the loop submits every ready turn and polls for whichever finishes.
+concurrently. `run_episodes` is a batch call over `rollout.episodes.EpisodeEngine`, the
+engine wrapper `train` drives episodes through.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
 from entr_megatron.types import Sample
 from entr_megatron.utils.seeding import mix_seed
 
@@ -50,6 +50,9 @@ class Step(NamedTuple):
     done: bool
     reward: float
     """Added to the episode's reward (usually all of it comes at the last step)."""
+    tool_outcomes: tuple = ()
+    """The tool calls this step ran (`rollout.tools.ToolOutcome`: name, text, error, seconds), for
+    the per-tool call and error metrics; empty when the turn called no tool."""
 
 
 @runtime_checkable
@@ -76,48 +79,6 @@ class Episode:
     group_id: int = 0
 
 
-@dataclass
-class _State:
-    prompt: list[int]
-    group_id: int
-    response: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    entropy: list[float] | None = field(default_factory=list)
-    mask: list[bool] = field(default_factory=list)
-    turns: int = 0
-    reward: float = 0.0
-    finish_reason: str = "length"
-
-
-def _turn_params(params: SamplingParams, stop_ids: tuple[int, ...], budget: int, seed: int | None) -> SamplingParams:
-    return dataclasses.replace(
-        params, n=1, max_new_tokens=min(params.max_new_tokens, budget),
-        stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + tuple(stop_ids))), seed=seed,
-    )
-
-
-def _append_turn(s: _State, r: GenerateResult) -> None:
-    s.response += r.output_ids
-    s.logprobs += r.logprobs
-    s.versions += r.versions
-    s.mask += [True] * len(r.output_ids)
-    if s.entropy is not None:
-        s.entropy = None if r.entropy is None else s.entropy + list(r.entropy)
-    s.turns += 1
-    s.finish_reason = r.finish_reason
-
-
-def _append_observation(s: _State, obs: list[int]) -> None:
-    version = s.versions[-1] if s.versions else 0
-    s.response += obs
-    s.logprobs += [OBSERVATION_LOGPROB] * len(obs)
-    s.versions += [version] * len(obs)
-    s.mask += [False] * len(obs)
-    if s.entropy is not None:
-        s.entropy += [0.0] * len(obs)
-
-
 def run_episodes(
     engine: RolloutEngine,
     episodes: Sequence[Episode],
@@ -136,52 +97,25 @@ def run_episodes(
     Sample.reward is the sum of the step rewards; finish_reason is the last turn's
     ("abort" when the engine aborted it).
     """
+    from entr_megatron.rollout.episodes import ENVIRONMENT, EpisodeBudgets, EpisodeEngine
+
     if params.n != 1:
         raise ValueError(f"run_episodes needs SamplingParams.n == 1 (one Episode per group member), got {params.n}")
-    if max_turns < 1 or max_response_tokens < 1:
-        raise ValueError(f"max_turns and max_response_tokens must be >= 1, got {max_turns}, {max_response_tokens}")
-    states = [
-        _State(prompt=list(ep.env.reset(list(ep.prompt_ids), ep.reference)), group_id=ep.group_id)
-        for ep in episodes
+    budgets = EpisodeBudgets(max_turns=max_turns, max_turn_tokens=params.max_new_tokens,
+                             max_response_tokens=max_response_tokens)
+    driver = EpisodeEngine(engine, _no_environment, budgets, tool_workers=1)
+    requests = [
+        GenerateRequest(ep.prompt_ids, dataclasses.replace(
+            params, max_new_tokens=max_response_tokens, seed=None if params.seed is None else mix_seed(params.seed, i)),
+            group_id=ep.group_id, metadata={ENVIRONMENT: ep.env, "reference": ep.reference})
+        for i, ep in enumerate(episodes)
     ]
-    pending: dict[str, int] = {}
+    try:
+        results = generate(driver, requests, timeout_s=timeout_s)
+    finally:
+        driver.close()
+    return [r.to_sample(reward=r.episode["env_reward"]) for r in results]
 
-    def submit(i: int) -> None:
-        s = states[i]
-        seed = None if params.seed is None else mix_seed(params.seed, i * 1_009 + s.turns)
-        p = _turn_params(params, episodes[i].env.stop_token_ids, max_response_tokens - len(s.response), seed)
-        (rid,) = engine.submit([GenerateRequest(s.prompt + s.response, p, group_id=s.group_id)])
-        pending[rid] = i
 
-    for i in range(len(states)):
-        submit(i)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{len(pending)} of {len(states)} episodes unfinished after {timeout_s:.0f} s")
-        for r in engine.poll(timeout=min(left, 1.0)):
-            i = pending.pop(r.request_id, None)
-            if i is None:
-                continue
-            s = states[i]
-            _append_turn(s, r)
-            if r.finish_reason == "abort":
-                continue
-            step = episodes[i].env.step(list(r.output_ids))
-            s.reward += float(step.reward)
-            room = max_response_tokens - len(s.response) - len(step.observation_ids)
-            if step.done or s.turns >= max_turns or room <= 0:
-                if not step.done:
-                    s.finish_reason = "length"
-                continue
-            _append_observation(s, list(step.observation_ids))
-            submit(i)
-    return [
-        Sample(
-            prompt_ids=s.prompt, response_ids=s.response, behaviour_logprobs=s.logprobs, versions=s.versions,
-            reward=s.reward, group_id=s.group_id, rollout_entropy=s.entropy, loss_mask=s.mask,
-            finish_reason=s.finish_reason,
-        )
-        for s in states
-    ]
+def _no_environment() -> Environment:
+    raise ValueError("run_episodes gives every request its own environment")
