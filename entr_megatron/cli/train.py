@@ -117,7 +117,7 @@ def run_eval(args) -> None:
     if not (model / "config.json").exists():
         print(f"entr-megatron eval: {model} has no config.json", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps(job(cfg, model, n=args.n)))
+    print(json.dumps(job(cfg, model, n=args.n, split=args.split)))
 
 
 def add_parsers(sub) -> None:
@@ -146,4 +146,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--model", default=None, metavar="HF_DIR",
                    help="default: RUN_DIR/final_model, else sft/model, else model_init")
     p.add_argument("--n", type=int, default=None, help="problems (default: task.eval_size)")
+    p.add_argument("--split", choices=("test", "train"), default="test",
+                   help="held-out problems (default), or training ones: the success of what RL trained on")
     p.set_defaults(func=run_eval)

@@ -132,9 +132,14 @@ class SearchTaskConfig:
     """Training questions with a demonstration (the SFT warm-up's expert traces: a fixed subset); RL
     draws from every training question. None: all of them. >= 1."""
 
+    fuzzy_search: bool = False
+    """Index words and their character trigrams: a misspelt name still finds its document (exact
+    words only when false)."""
+
     def __post_init__(self) -> None:
         integer(self, "num_entities", low=8, high=2000)
         integer(self, "sft_questions", low=1, optional=True)
+        boolean(self, "fuzzy_search")
         integer(self, "hops", low=2, high=3)
         integer(self, "top_k", low=1, high=10)
         integer(self, "corpus_seed", low=0)

@@ -25,7 +25,7 @@ EVAL_TIMEOUT_S = 3600.0
 
 def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig, seed: int = 0,
              samples_per_problem: int = 4, idle_timeout_s: float | None = None,
-             timeout_s: float = EVAL_TIMEOUT_S) -> dict[str, float]:
+             timeout_s: float = EVAL_TIMEOUT_S, split: str = "test") -> dict[str, float]:
     """Held-out accuracy on `n` problems of the test split: greedy (`eval/accuracy`), and the
     mean over `samples_per_problem` samples drawn as in training (`sampling`: the config's
     temperature, top-p, top-k), i.e. the accuracy of the policy RL optimises
@@ -34,8 +34,8 @@ def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig,
     `idle_timeout_s` (a run's rollout.poll_timeout_s): silence that long gets the engines
     health-checked, and a dead or stopped one ends the evaluation with EngineError (engines are
     replaced during RL steps, not during an evaluation: the job stops, and its rerun resumes from
-    the last checkpoint)."""
-    pairs = task.prompts("test", n, seed=seed)
+    the last checkpoint). `split` "train": the same on training problems (what RL optimised)."""
+    pairs = task.prompts(split, n, seed=seed)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens, n=1)
     sampled = SamplingParams.from_config(sampling, n=samples_per_problem)
     out: dict[str, float] = {"eval/num_problems": float(len(pairs))}

@@ -200,9 +200,9 @@ def run_sft(cfg: RunConfig, run_dir: str | os.PathLike | None = None, steps: int
         return warm_up(cfg, paths, prepare_model(cfg, paths, tokenizer), task, steps=steps)
 
 
-def run_eval(cfg: RunConfig, model: Path, n: int | None = None) -> dict:
-    """Held-out accuracy of the HF model in `model` on `n` (default `task.eval_size`) problems of
-    the config's task, with its own tokenizer when it has one."""
+def run_eval(cfg: RunConfig, model: Path, n: int | None = None, split: str = "test") -> dict:
+    """Accuracy of the HF model in `model` on `n` (default `task.eval_size`) problems of the config's
+    task (`split`: held-out "test", or "train"), with its own tokenizer when it has one."""
     from entr_megatron.rollout.tasks import load_tokenizer
 
     check_inputs(cfg, "eval")
@@ -213,8 +213,9 @@ def run_eval(cfg: RunConfig, model: Path, n: int | None = None) -> dict:
     with ExitStack() as stack:
         [engine] = make_engines(cfg, model, stack)  # SGLang: one engine over all servers
         engine = with_episodes(cfg, task, engine)
-        metrics = evaluate(engine, task, n or cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed)
-    return {"model": str(model), **metrics}
+        metrics = evaluate(engine, task, n or cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed,
+                           split=split)
+    return {"model": str(model), "split": split, **metrics}
 
 
 def _start_model(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any) -> Path:

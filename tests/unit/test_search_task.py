@@ -301,3 +301,20 @@ def test_train_sets_the_tool_limits_of_rollout_agent():
     response = t.tokenizer.decode(step.observation_ids)
     assert response == f"{TOOL_RESPONSE_OPEN}{t.documents[0].doc_id} {t.documents[0].text}"[:len(TOOL_RESPONSE_OPEN) + 7] \
         + " ...[truncated]" + TOOL_RESPONSE_CLOSE
+
+
+def test_fuzzy_search_finds_a_misspelt_name_and_exact_search_does_not():
+    from entr_megatron.rollout.tasks.search_corpus import index_terms
+
+    assert index_terms("Velora: founder marek.") == ["velora", "founder", "marek"]
+    assert index_terms("marek", fuzzy=True) == ["marek", "#mar", "#are", "#rek"]
+    exact, fuzzy = SearchTask(num_entities=48), SearchTask(num_entities=48, fuzzy_search=True)
+    hits = 0
+    for doc in exact.documents:
+        misspelt = doc.title[:-1]  # the name without its last letter: never a name itself
+        assert all(d.title != misspelt for d in exact.documents)
+        assert exact.corpus.search(misspelt, 1) == []
+        found = fuzzy.corpus.search(misspelt, 1)
+        hits += bool(found) and found[0].doc_id == doc.doc_id
+        assert fuzzy.corpus.search(doc.title, 1)[0].doc_id == doc.doc_id  # exact names still rank first
+    assert hits >= 0.8 * len(exact.documents), hits

@@ -130,6 +130,7 @@ class SearchTask:
         max_tool_output_chars: int = 400,
         python_tool: bool = False,
         sft_questions: int | None = None,
+        fuzzy_search: bool = False,
         tokenizer: Any = None,
     ):
         """num_entities: corpus size (a quarter each companies, people, cities, countries);
@@ -139,6 +140,8 @@ class SearchTask:
         python_tool: also offer `python` (rollout.tools.sandbox.PythonTool: code in a sandboxed process);
         sft_questions: demonstrations (`sft_examples`) exist for only this many training questions (a
         fixed subset); RL still draws from all of them. None: every training question has one;
+        fuzzy_search: BM25 over words and their character trigrams (a misspelt name still finds its
+        document; `search_corpus.index_terms`);
         tokenizer: an HF tokenizer with the Hermes markers as single tokens (default `search_tokenizer()`)."""
         _check_int("num_entities", num_entities, MIN_ENTITIES, MAX_ENTITIES)
         if hops not in HOPS or isinstance(hops, bool):
@@ -156,7 +159,7 @@ class SearchTask:
         self.num_entities, self.hops, self.top_k, self.corpus_seed = num_entities, hops, top_k, corpus_seed
         self.test_fraction, self.split_seed = float(test_fraction), split_seed
         self.tokenizer = search_tokenizer() if tokenizer is None else tokenizer
-        self.corpus = Corpus(num_entities, corpus_seed)
+        self.corpus = Corpus(num_entities, corpus_seed, fuzzy=bool(fuzzy_search))
         self._tools: tuple[Tool, ...] = (SearchTool(self.corpus, top_k), OpenTool(self.corpus))
         if python_tool:
             from entr_megatron.rollout.tools.sandbox import PythonTool

@@ -21,6 +21,7 @@ merely mentions it: a query that is just a name ranks that entity's own document
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,9 @@ def draw_names(n: int, rng: random.Random) -> list[str]:
 class Corpus:
     """The entities, their documents and the BM25 index over them (all a function of the arguments)."""
 
-    def __init__(self, num_entities: int = 48, seed: int = 0):
+    def __init__(self, num_entities: int = 48, seed: int = 0, fuzzy: bool = False):
+        """fuzzy: documents and queries are also indexed by the character trigrams of their words
+        (`index_terms`), so a misspelt name ("tebus" for "tebusu") still finds its document."""
         if not isinstance(num_entities, int) or isinstance(num_entities, bool) or not (
             MIN_ENTITIES <= num_entities <= MAX_ENTITIES
         ):
@@ -129,7 +132,8 @@ class Corpus:
             for e in self.entities.values()
         ]
         self.by_id = {d.doc_id: d for d in self.documents}
-        self._bm25 = _build_index([f"{d.title} {d.text}" for d in self.documents])
+        self.fuzzy = fuzzy
+        self._bm25 = _build_index([index_terms(f"{d.title} {d.text}", fuzzy) for d in self.documents])
 
     def follow(self, name: str, relation: str) -> str:
         """The entity `relation` links `name` to (KeyError when it has no such link)."""
@@ -140,19 +144,32 @@ class Corpus:
 
     def search(self, query: str, k: int) -> list[Document]:
         """The `k` best documents for `query` by BM25, best first; only those sharing a word with it."""
-        import bm25s
-
-        tokens = bm25s.tokenize(query, stopwords=None, return_ids=False, show_progress=False)
+        terms = index_terms(query, self.fuzzy)
+        if not terms:
+            return []
         k = min(k, len(self.documents))
-        indices, scores = self._bm25.retrieve(tokens, k=k, show_progress=False, n_threads=0)
+        indices, scores = self._bm25.retrieve([terms], k=k, show_progress=False, n_threads=0)
         return [self.documents[int(i)] for i, s in zip(indices[0], scores[0]) if s > 0]
 
 
-def _build_index(texts: list[str]) -> Any:
+WORD = re.compile(r"(?u)\b\w\w+\b")
+"""What a term is: a word of two or more word characters, lowercased (as `bm25s.tokenize` splits)."""
+
+
+def index_terms(text: str, fuzzy: bool = False) -> list[str]:
+    """The BM25 terms of `text`: its words, and with `fuzzy` the character trigrams of every word of
+    three or more letters, marked `#tri` (they never equal a word)."""
+    words = WORD.findall(text.lower())
+    if not fuzzy:
+        return words
+    return words + [f"#{w[i:i + 3]}" for w in words if len(w) >= 3 for i in range(len(w) - 2)]
+
+
+def _build_index(terms: list[list[str]]) -> Any:
     import bm25s
 
     index = bm25s.BM25()
-    index.index(bm25s.tokenize(texts, stopwords=None, show_progress=False), show_progress=False)
+    index.index(terms, show_progress=False)
     return index
 
 
