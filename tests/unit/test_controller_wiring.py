@@ -135,6 +135,11 @@ def test_evaluation_and_sft_seeds_are_mixed_from_the_run_seed(tok):
     assert metrics["eval/num_problems"] == 5.0
     seeds = [r.params.seed for r in engine.requests]
     assert seeds == [3 * 1_000_003 + i for i in range(5)] * 2  # greedy, then sampled
+    prompts = [r.prompt_ids for r in engine.requests[:5]]
+    assert prompts == [ids for ids, _ in task.prompts("test", 5, seed=3)]
+    engine = FakeEngine()
+    evaluate(engine, task, 5, cfg.rollout.sampling, seed=3, split="train")  # `eval --split train`
+    assert [r.prompt_ids for r in engine.requests[:5]] == [ids for ids, _ in task.prompts("train", 5, seed=3)]
 
     drawn = []
 
