@@ -20,7 +20,8 @@ from entr_megatron.types import Sample
 if TYPE_CHECKING:
     from entr_megatron.rollout.tasks.environment import Environment
 
-__all__ = ["SPLITS", "Task", "check_split", "decode_response", "split_of", "stable_hash"]
+__all__ = ["SPLITS", "Task", "answer_after", "check_split", "decode_response", "final_answer_reward", "split_of",
+           "stable_hash"]
 
 SPLITS = ("train", "test")
 """Every task has a training split and a held-out split that never share a problem."""
@@ -75,3 +76,17 @@ def decode_response(tokenizer: Any, response_ids: list[int], stop_ids: tuple[int
             ids = ids[:i]
             break
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def answer_after(text: str, marker: str) -> str:
+    """What follows the last `marker` in `text` (a tool task's final answer after its last tool
+    output; the whole text when no tool was used), stripped."""
+    return text.rsplit(marker, 1)[-1].strip()
+
+
+def final_answer_reward(tokenizer: Any, response_ids: list[int], reference: str, marker: str) -> float:
+    """A tool task's exact-match reward: 1.0 iff EOS was written and the text after the last `marker`
+    (the tool-output end), up to that EOS, is the reference; else 0.0."""
+    if tokenizer.eos_token_id not in response_ids:
+        return 0.0
+    return 1.0 if answer_after(decode_response(tokenizer, response_ids), marker) == reference else 0.0

@@ -25,7 +25,7 @@ import time
 from fractions import Fraction
 from typing import Any
 
-from entr_megatron.rollout.tasks.base import check_split, decode_response, split_of
+from entr_megatron.rollout.tasks.base import answer_after, check_split, final_answer_reward, split_of
 from entr_megatron.rollout.tasks.environment import Step
 from entr_megatron.rollout.tools.calls import ToolOutcome
 from entr_megatron.types import Sample
@@ -112,8 +112,7 @@ def safe_eval(expression: str) -> str:
 
 def final_answer(text: str) -> str:
     """What follows the last tool result (the whole text when no tool was used), stripped."""
-    tail = text.rsplit(RESULT_CLOSE, 1)[-1]
-    return tail.strip()
+    return answer_after(text, RESULT_CLOSE)
 
 
 class CalculatorEnv:
@@ -218,9 +217,7 @@ class CalculatorTask:
 
     def answer_reward(self, response_ids: list[int], reference: str) -> float:
         """1.0 iff the text after the last tool result, up to EOS, is the reference and EOS was written."""
-        if self.tokenizer.eos_token_id not in response_ids:
-            return 0.0
-        return 1.0 if final_answer(decode_response(self.tokenizer, response_ids)) == reference else 0.0
+        return final_answer_reward(self.tokenizer, response_ids, reference, RESULT_CLOSE)
 
     def reward(self, sample: Sample, reference: str) -> float:
         """Exact match of the final answer; tool outputs in the response are skipped."""

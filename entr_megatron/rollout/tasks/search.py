@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from entr_megatron.rollout.tasks.base import check_split, decode_response, split_of
+from entr_megatron.rollout.tasks.base import answer_after, check_split, final_answer_reward, split_of
 from entr_megatron.rollout.tasks.search_corpus import (
     MAX_ENTITIES, MIN_ENTITIES, RELATIONS, Corpus, OpenTool, SearchTool,
 )
@@ -97,7 +97,7 @@ def all_problems(corpus: Corpus, hops: int) -> list[SearchProblem]:
 
 def final_answer(text: str) -> str:
     """What follows the last tool response (the whole text when no tool was used), stripped."""
-    return text.rsplit(TOOL_RESPONSE_CLOSE, 1)[-1].strip()
+    return answer_after(text, TOOL_RESPONSE_CLOSE)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: float) -> None:
@@ -215,9 +215,7 @@ class SearchTask:
 
     def answer_reward(self, response_ids: list[int], reference: str) -> float:
         """1.0 iff the text after the last tool response, up to EOS, is the reference and EOS was written."""
-        if self.tokenizer.eos_token_id not in response_ids:
-            return 0.0
-        return 1.0 if final_answer(decode_response(self.tokenizer, response_ids)) == reference else 0.0
+        return final_answer_reward(self.tokenizer, response_ids, reference, TOOL_RESPONSE_CLOSE)
 
     def reward(self, sample: Sample, reference: str) -> float:
         """Exact match of the final answer (tool calls and responses before it are skipped)."""
