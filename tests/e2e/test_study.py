@@ -1,4 +1,4 @@
-"""`entr-megatron study run | report` end to end: a 2-method x 2-lag x 1-seed study of 3 steps per
+"""`entr-megatron study run | report` end to end: a 2-method x 2-lag x 1-seed study of 4 steps per
 cell (fixed_lag, a shared SFT warm-up), killed mid-way with SIGKILL, rerun (finished cells are
 skipped, the interrupted one resumes from its checkpoint, no step trained twice), reported
 (table, plots), and rerun once more when finished (seconds, nothing run)."""
@@ -27,7 +27,7 @@ BASE = {
     "learner": {"optim": {"lr": 2.0e-4}},
     "rollout": {"prompts_per_step": 4, "dtype": "bfloat16", "sampling": {"max_new_tokens": 6, "n": 4},
                 "embedded": {"num_threads": 1, "max_batch_size": 32}},
-    "controller": {"mode": "fixed_lag", "train_steps": 3, "checkpoint_interval": 1, "keep_last_checkpoints": 1},
+    "controller": {"mode": "fixed_lag", "train_steps": 4, "checkpoint_interval": 1, "keep_last_checkpoints": 1},
     "task": {"name": "arithmetic", "eval_size": 16, "arithmetic": {"digits": 1, "operations": ["+"], "format_reward": 0.2}},
     "sft": {"steps": 30, "lr": 3.0e-3, "batch_size": 32},
     "launcher": {"cpu_threads_per_rank": 1},
@@ -65,16 +65,16 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
         assert proc.poll() is None, proc.communicate()
         dirs = sorted(cells.iterdir()) if cells.exists() else []
         done = [d for d in dirs if status(d).get("state") == "done"]
-        for d in dirs:  # a cell with a checkpoint that has not logged its second step yet (2 cells run at once)
+        for d in dirs:  # a cell with a checkpoint that has not logged its third of 4 steps (2 cells run at once)
             if done and status(d).get("state") == "running" and (d / "checkpoints" / "latest").exists() \
-                    and (d / "metrics.jsonl").exists() and len(read_metrics(d / "metrics.jsonl")) < 2:
+                    and (d / "metrics.jsonl").exists() and len(read_metrics(d / "metrics.jsonl")) < 3:
                 victim = d
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert victim is not None, "no cell reached its first checkpoint in time"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     killed_steps = [r["step"] for r in read_metrics(victim / "metrics.jsonl")]
-    assert killed_steps and killed_steps[-1] < 2, killed_steps  # killed mid-way
+    assert killed_steps and killed_steps[-1] < 3, killed_steps  # killed mid-way
     first_done = {d.name: status(d)["attempts"] for d in cells.iterdir() if status(d).get("state") == "done"}
 
     # 2. rerun: finished cells skipped, the killed one resumed, every cell done, no step twice
@@ -86,13 +86,13 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
     for d in cells.iterdir():
         st = status(d)
         assert st["state"] == "done", (d.name, st)
-        assert [r["step"] for r in read_metrics(d / "metrics.jsonl")] == [0, 1, 2], d.name
+        assert [r["step"] for r in read_metrics(d / "metrics.jsonl")] == [0, 1, 2, 3], d.name
         if d.name in first_done:
             assert st["attempts"] == first_done[d.name]
     assert status(victim)["attempts"] == 2
     assert "resum" in (victim / "train.log").read_text().lower()
     lag2 = next(d for d in cells.iterdir() if "inter_lag=2" in d.name)
-    assert [r["policy_lag/max"] for r in read_metrics(lag2 / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["policy_lag/max"] for r in read_metrics(lag2 / "metrics.jsonl")] == [0, 1, 2, 2]
 
     # 3. report: one row per cell x step with the axes as columns, plots linked from report.md
     proc = study("report", str(out))
@@ -100,9 +100,9 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
     assert proc.returncode == 0, stderr[-4000:]
     report = out / "report" / "report.md"
     table = pd.read_parquet(out / "report" / "results.parquet")
-    assert len(table) == 4 * 3 and set(table["algorithm.correction"]) == {"none", "entr"}
+    assert len(table) == 4 * 4 and set(table["algorithm.correction"]) == {"none", "entr"}
     assert sorted(set(table["controller.inter_lag"])) == [0, 2]
-    assert len(pd.read_csv(out / "report" / "results.csv")) == 12
+    assert len(pd.read_csv(out / "report" / "results.csv")) == 16
     text = report.read_text()
     pngs = [line.split("](")[1].split(")")[0] for line in text.splitlines() if line.startswith("![")]
     assert pngs and all((report.parent / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
