@@ -20,8 +20,8 @@ from entr_megatron.types import Sample
 if TYPE_CHECKING:
     from entr_megatron.rollout.tasks.environment import Environment
 
-__all__ = ["SPLITS", "Task", "answer_after", "check_split", "decode_response", "final_answer_reward", "split_of",
-           "stable_hash"]
+__all__ = ["SPLITS", "Task", "answer_after", "check_split", "decode_response", "final_answer_reward",
+           "single_token_id", "split_of", "stable_hash"]
 
 SPLITS = ("train", "test")
 """Every task has a training split and a held-out split that never share a problem."""
@@ -90,3 +90,15 @@ def final_answer_reward(tokenizer: Any, response_ids: list[int], reference: str,
     if tokenizer.eos_token_id not in response_ids:
         return 0.0
     return 1.0 if answer_after(decode_response(tokenizer, response_ids), marker) == reference else 0.0
+
+
+def single_token_id(tokenizer: Any, marker: str, needed_by: str, markers: tuple[str, ...]) -> int:
+    """The id of `marker`, which must be one token of `tokenizer`: the engine ends a turn on a token
+    id. Otherwise a ValueError naming `needed_by` and how to add `markers` to the tokenizer."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(
+            f"{needed_by} needs {marker!r} to be one token of the tokenizer, it encodes to {ids}; add the markers "
+            f"with tokenizer.add_tokens({list(markers)!r}) (build_char_tokenizer(tool_tokens=...) takes them)"
+        )
+    return ids[0]

@@ -25,7 +25,9 @@ import time
 from fractions import Fraction
 from typing import Any
 
-from entr_megatron.rollout.tasks.base import answer_after, check_split, final_answer_reward, split_of
+from entr_megatron.rollout.tasks.base import (
+    answer_after, check_split, final_answer_reward, single_token_id, split_of,
+)
 from entr_megatron.rollout.tasks.environment import Step
 from entr_megatron.rollout.tools.calls import ToolOutcome
 from entr_megatron.types import Sample
@@ -33,6 +35,7 @@ from entr_megatron.types import Sample
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "CalculatorEnv", "CalculatorError", "CalculatorTask", "safe_eval"]
 
 CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE = "<calc>", "</calc>", "<result>", "</result>"
+CALC_MARKERS = (CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE)
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 100
 """Largest result (and intermediate value) in decimal digits: bounds time and memory."""
@@ -125,7 +128,7 @@ class CalculatorEnv:
 
     def __init__(self, tokenizer: Any, answer_reward: Any):
         self.tokenizer = tokenizer
-        self.close_id = _single_token_id(tokenizer, CALL_CLOSE)
+        self.close_id = single_token_id(tokenizer, CALL_CLOSE, "the calculator", CALC_MARKERS)
         self.stop_token_ids = (self.close_id,)
         self._answer_reward = answer_reward
         self.reference: Any = None
@@ -153,16 +156,6 @@ class CalculatorEnv:
         return Step([], True, self._answer_reward(self.history, self.reference))
 
 
-def _single_token_id(tokenizer: Any, marker: str) -> int:
-    ids = tokenizer.encode(marker, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(
-            f"the calculator needs {marker!r} to be one token of the tokenizer, it encodes to {ids}; "
-            f"add it with tokenizer.add_tokens([{marker!r}]) (the character tokenizer has it)"
-        )
-    return ids[0]
-
-
 class CalculatorTask:
     """Arithmetic too long to do in one's head ("a*b+c=" with multi-digit operands), solved
     with the calculator tool. Same splits and prompt format as the arithmetic task."""
@@ -179,7 +172,7 @@ class CalculatorTask:
             from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
 
             tokenizer = build_char_tokenizer()
-        _single_token_id(tokenizer, CALL_CLOSE)
+        single_token_id(tokenizer, CALL_CLOSE, "the calculator", CALC_MARKERS)
         self.digits, self.test_fraction, self.split_seed = digits, test_fraction, split_seed
         self.tokenizer = tokenizer
 

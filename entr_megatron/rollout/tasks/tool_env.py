@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from entr_megatron.rollout.tasks.base import single_token_id
 from entr_megatron.rollout.tasks.environment import Step
 from entr_megatron.rollout.tools.calls import (
     TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, TOOL_TOKENS, ToolRunner,
@@ -26,15 +27,9 @@ __all__ = ["ToolEnv", "marker_token_id"]
 
 
 def marker_token_id(tokenizer: Any, marker: str) -> int:
-    """The id of `marker`, which must be one token of `tokenizer` (the engine stops a turn on an id)."""
-    ids = tokenizer.encode(marker, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(
-            f"tool calls need {marker!r} to be one token of the tokenizer, it encodes to {ids}; add the markers "
-            f"with tokenizer.add_tokens({list(TOOL_TOKENS)!r}) (Qwen3 tokenizers and "
-            f"build_char_tokenizer(tool_tokens=rollout.tools.TOOL_TOKENS) have them)"
-        )
-    return ids[0]
+    """The id of the Hermes `marker`, which must be one token of `tokenizer` (Qwen3 tokenizers and
+    build_char_tokenizer(tool_tokens=rollout.tools.TOOL_TOKENS) have them)."""
+    return single_token_id(tokenizer, marker, "tool calls", TOOL_TOKENS)
 
 
 class ToolEnv:
