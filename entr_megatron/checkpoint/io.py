@@ -23,21 +23,18 @@ dropout masks from then on differ from the uninterrupted run's.
 Resume is bit-identical on CPU in the same layout: weights, optimizer state,
 Adam's step, the LR schedule and every RNG stream continue where they were.
 
-Saving runs Megatron's torch_dist writer, which imports ``psutil`` and starts a
-spawn ``multiprocessing`` Manager: a script that saves needs an
-``if __name__ == "__main__":`` guard (without one the save hangs). The first
-save of a process pays that start-up (~10 s on 2 CPU cores), later ones ~1 s
-for a small model.
+Saving runs Megatron's torch_dist writer synchronously, which imports ``psutil`` and
+forks writer processes; its results queue is an in-process one (``_writer_results_queue``:
+Megatron would start a spawned manager process for it). A small model's save takes ~1 s.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import multiprocessing
-import multiprocessing.managers
 import os
 import pickle
+import queue
 import re
 import shutil
 import time
@@ -57,7 +54,6 @@ from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveEr
 from entr_megatron.checkpoint.state import DISTRIBUTED_OPTIMIZER_FORMATS, INFO_KEY, OPTIMIZER_KEY, RNG_KEY
 from entr_megatron.checkpoint.validate import check_format, check_loadable, check_model_matches
 from entr_megatron.parallel.cpu_compat import enable_cpu_compat
-from entr_megatron.utils.spawn import die_with_parent
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -108,15 +104,16 @@ def _check_ready(chunks) -> list:
 
 
 def _writer_results_queue() -> None:
-    """Megatron's torch_dist writer reports through a queue of a `multiprocessing` manager process
-    it starts on the first save (filesystem_async._get_write_results_queue) and never stops; a rank
-    that dies leaves it running (~250 MB). Start that manager ourselves, dying with its rank."""
+    """Megatron's torch_dist writer reports its write results through a module-level queue that
+    it makes on the first save as a queue of a spawned `multiprocessing` manager process
+    (filesystem_async._get_write_results_queue), for saves finished by a background process.
+    Our saves are synchronous (`_write`): the results are put and taken in this process, so a
+    thread-safe in-process queue does, with no manager process to start (a fresh interpreter,
+    seconds on the first save) or to stop."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", False) is None:
-        manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=die_with_parent)
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _write(sharded_state_dict: dict, path: Path, content_metadata: dict) -> None:

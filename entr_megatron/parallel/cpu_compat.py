@@ -67,8 +67,9 @@ Traps that no patch can fix (``check_cpu_config`` enforces them):
 * The alltoall dispatcher with expert-TP>1 fails on gloo (no uneven all_gather):
   use ``expert_tensor_parallel_size=1`` or the allgather dispatcher on CPU.
 * ``add_bias_linear=True`` breaks ``SequentialMLP`` at TP=1 (in-place view error).
-* dist_checkpointing save needs ``psutil`` and starts a spawn Manager: the
-  launching script needs an ``if __name__ == "__main__"`` guard.
+* dist_checkpointing save needs ``psutil``; unless its results queue is set first (as
+  ``checkpoint.io`` does) it starts a spawn Manager, and the launching script then needs
+  an ``if __name__ == "__main__"`` guard.
 * Fully-parallel checkpoint load hard-codes ``.cuda()`` (not redirected here).
 """
 

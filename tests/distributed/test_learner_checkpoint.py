@@ -1,9 +1,7 @@
 """Learner checkpoints on gloo ranks: resharding loads, bit-identical resume, atomic saves, clear errors.
 
 Everything runs through the learner itself (``wrap_model_chunks``, ``build_optimizer``,
-``train_step`` and ``compute_logprobs`` on ``TrainBatch``es). Two 2-rank launches
-(the first save of a launch costs ~10 s: dist checkpointing starts a spawn Manager
-and forks writers; a launch ~10 s):
+``train_step`` and ``compute_logprobs`` on ``TrainBatch``es). Two 2-rank launches:
 
 1. resharding: a TP=2 learner (DDP + distributed Adam, one step taken) is saved,
    then loaded into fresh TP=2, TP=1 x DP=2, TP=1 x PP=2 and TP=1 x PP=2 x VPP=2
