@@ -64,8 +64,8 @@ def connect(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | N
 def connect_embedded(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> Connection:
     """Embedded engines: each receives the buckets of every pipeline stage's broadcast group.
     On the local launcher they sit in an `EngineSet` (even one) that `pusher.recovery` can mend."""
-    engines = make_engines(cfg, model_dir, stack, log_dir)
-    group, address, base_port = _start_learner(cfg, model_dir, stack)
+    group, engines = _start_with_learner(cfg, model_dir, stack, lambda: make_engines(cfg, model_dir, stack, log_dir))
+    address, base_port = _meeting_point(cfg, group)
     pusher = RemotePusher(group, push_timeout_s=cfg.rollout.push_timeout_s)
     _connect_weights(cfg, pusher, address, base_port, engines)
     if cfg.launcher.kind != "local":
@@ -160,8 +160,8 @@ def connect_sglang(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: P
     """SGLang servers: learner rank 0 updates them itself (SGLangTransport, see sglang_setup.py);
     a delivered push sets the version the controller sees."""
     forget_server_versions(cfg)
-    engine = sglang_engine(cfg, model_dir, stack, log_dir)
-    group, address, base_port = _start_learner(cfg, model_dir, stack)
+    group, engine = _start_with_learner(cfg, model_dir, stack, lambda: sglang_engine(cfg, model_dir, stack, log_dir))
+    address, base_port = _meeting_point(cfg, group)
     group.call("connect_weight_sync", address, base_port, (), _bucket_bytes(cfg), None, sglang=engine.config,
                snapshot=cfg.rollout.weight_snapshot)
     view = PushedVersionView(engine)
@@ -176,19 +176,30 @@ def _bucket_bytes(cfg: RunConfig) -> int:
     return (cfg.rollout.weight_bucket_mib or 512) << 20
 
 
-def _start_learner(cfg: RunConfig, model_dir: Path, stack: ExitStack):
-    """The RL learner ranks, and where their broadcast groups meet: one group per pipeline stage,
+def _start_with_learner(cfg: RunConfig, model_dir: Path, stack: ExitStack, start_engines: Callable[[], Any]):
+    """The RL learner ranks and `start_engines()`: local ranks are spawned first and load (import
+    Megatron, build the model) while the engines start. The ranks' shutdown goes on `stack` after
+    the engines' whatever happens, so that they stop first."""
+    group = learner_group(cfg, model_dir, "rl", wait=False)
+    try:
+        engines = start_engines()
+    finally:
+        stack.callback(group.shutdown)
+    return group, engines
+
+
+def _meeting_point(cfg: RunConfig, group) -> tuple[str, int]:
+    """Once the ranks are ready: where their broadcast groups meet, one group per pipeline stage,
     hosted where learner rank 0 runs (single-node stages; a multi-node PP>1 layout would need each
     stage sender's address), stage p on base_port + p."""
-    group = learner_group(cfg, model_dir, "rl")
-    stack.callback(group.shutdown)
-    address = group.call("master_address")[0]
-    base_port = free_port_range(cfg.parallel.pp)
-    return group, address, base_port
+    address = group.wait_ready().call("master_address")[0]
+    return address, free_port_range(cfg.parallel.pp)
 
 
-def learner_group(cfg: RunConfig, model_dir: Path, phase: str):
-    """The learner ranks (`launcher.world_size` processes or Ray actors) of `phase` ("sft", "rl")."""
+def learner_group(cfg: RunConfig, model_dir: Path, phase: str, wait: bool = True):
+    """The learner ranks (`launcher.world_size` processes or Ray actors) of `phase` ("sft", "rl").
+    `wait=False`: local ranks are spawned and go on loading while the caller starts other
+    processes; `group.wait_ready()` before the first call (Ray actors are always ready)."""
     spec = LearnerWorkerSpec(cfg, str(model_dir), phase)
     launcher = cfg.launcher
     world = launcher.world_size
@@ -201,7 +212,7 @@ def learner_group(cfg: RunConfig, model_dir: Path, phase: str):
         return RayWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads, gpus_per_rank=gpus,
                               ray_address=launcher.ray_address, env_from_driver=(key,) if key else ())
     return ProcessWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads,
-                              master_addr=launcher.master_addr)
+                              master_addr=launcher.master_addr, wait=wait)
 
 
 def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> list[RolloutEngine]:
@@ -217,12 +228,12 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
         _ray_init(cfg)
         from entr_megatron.controller.ray_engine import RayEngine
     engines = []
-    for i in range(r.num_engines):
+    for i in range(r.num_engines):  # local ones all load at once
         config = _embedded_config(cfg, model_dir, i)
-        engine = RayEngine(config, num_cpus=r.embedded.num_threads or 1) if on_ray else EmbeddedEngine(config)
+        engine = RayEngine(config, num_cpus=r.embedded.num_threads or 1) if on_ray else EmbeddedEngine(config, wait=False)
         stack.callback(engine.shutdown)
         engines.append(engine)
-    return engines
+    return [engine if on_ray else engine.wait_ready() for engine in engines]
 
 
 def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):

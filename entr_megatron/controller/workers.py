@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from entr_megatron.utils.spawn import die_with_parent, enter_rank, free_port, name_process, torchrun_env
+from entr_megatron.utils.spawn import die_with_parent, enter_rank, exit_now, free_port, name_process, torchrun_env
 
 __all__ = ["ProcessWorkerGroup", "RayWorkerGroup", "WorkerError"]
 
@@ -68,6 +68,8 @@ def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: t
                 worker.shutdown()
             except BaseException:  # noqa: BLE001 - the process ends anyway
                 pass
+        conn.close()
+        exit_now(0)  # the driver learns of failures through the pipe
 
 
 class _ProcessPending:
@@ -85,7 +87,10 @@ class ProcessWorkerGroup:
     """Ranks as local spawned processes (the default launcher)."""
 
     def __init__(self, world_size: int, factory: Callable, args: tuple = (), *, threads_per_rank: int | None = None,
-                 master_addr: str = "127.0.0.1", startup_timeout_s: float = 900.0, name: str = "learner"):
+                 master_addr: str = "127.0.0.1", startup_timeout_s: float = 900.0, name: str = "learner",
+                 wait: bool = True):
+        """Spawns the ranks; with `wait` (the default) also waits until each built its worker,
+        else `wait_ready` does (the ranks start meanwhile: calls are refused until then)."""
         self.world_size, self.name = world_size, name
         ctx = mp.get_context("spawn")
         port = free_port()
@@ -101,13 +106,24 @@ class ProcessWorkerGroup:
             self._procs.append(proc)
             self._conns.append(parent)
         self._busy = True
-        try:
-            self._collect("startup", startup_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._startup_timeout_s: float | None = startup_timeout_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> ProcessWorkerGroup:
+        """Blocks until every rank built its worker (once; a failed start shuts the group down)."""
+        if self._startup_timeout_s is not None:
+            timeout, self._startup_timeout_s = self._startup_timeout_s, None
+            try:
+                self._collect("startup", timeout)
+            except BaseException:
+                self.shutdown()
+                raise
+        return self
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> _ProcessPending:
+        if self._startup_timeout_s is not None:
+            raise RuntimeError(f"{self.name} group: still starting (call wait_ready first)")
         if self._busy:
             raise RuntimeError(f"{self.name} group: a call is still in flight (take its result first)")
         for conn in self._conns:
@@ -260,6 +276,10 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+
+    def wait_ready(self) -> RayWorkerGroup:
+        """The ranks are ready when the constructor returns (the same interface as the local group)."""
+        return self
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> _RayPending:
         return _RayPending(self, [a.call.remote(method, args, kwargs) for a in self._actors], method)

@@ -76,7 +76,9 @@ class _PendingCall:
 class EmbeddedEngine:
     """`RolloutEngine` on an HF model in a spawned process (see the module docstring)."""
 
-    def __init__(self, config: EmbeddedEngineConfig):
+    def __init__(self, config: EmbeddedEngineConfig, *, wait: bool = True):
+        """Starts the engine process; with `wait` (the default) also waits until its model is
+        loaded, else `wait_ready` does (other processes can start meanwhile)."""
         if not os.path.exists(os.path.join(config.model_dir, "config.json")):
             raise ValueError(f"EmbeddedEngineConfig.model_dir {config.model_dir!r} has no config.json")
         self.config = config
@@ -106,10 +108,17 @@ class EmbeddedEngine:
         self._proc.start()
         self._dispatcher = threading.Thread(target=self._dispatch, name="engine-dispatch", daemon=True)
         self._dispatcher.start()
-        if not self._ready.wait(config.startup_timeout_s) or self._error is not None:
-            why = self._error or f"not ready after {config.startup_timeout_s:.0f} s"
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> EmbeddedEngine:
+        """Blocks until the engine loaded its model; raises EngineError (the engine shut down)
+        when it failed to or took longer than `startup_timeout_s`."""
+        if not self._ready.wait(self.config.startup_timeout_s) or self._error is not None:
+            why = self._error or f"not ready after {self.config.startup_timeout_s:.0f} s"
             self.shutdown()
-            raise EngineError(f"embedded engine for {config.model_dir} failed to start: {why}")
+            raise EngineError(f"embedded engine for {self.config.model_dir} failed to start: {why}")
+        return self
 
     # --- properties ----------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from entr_megatron.rollout.embedded_protocol import (
 from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpdateReport
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
 from entr_megatron.rollout.weights import WeightStage
-from entr_megatron.utils.spawn import die_with_parent, name_process
+from entr_megatron.utils.spawn import die_with_parent, exit_now, name_process
 
 __all__ = ["run_worker"]
 
@@ -260,3 +260,4 @@ def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: A
     except BaseException:
         out_q.put(Fatal(traceback.format_exc()))
         raise
+    exit_now(0)  # its finalizers flush out_q: the last answers reach the owner

@@ -28,9 +28,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ __all__ = [
     "LOOPBACK",
     "bind_ip",
     "die_with_parent",
+    "exit_now",
     "name_process",
     "enter_rank",
     "free_port",
@@ -70,7 +72,7 @@ _RENDEZVOUS: dict[int, Any] = {}
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies, however it dies (Linux
     PR_SET_PDEATHSIG; a no-op elsewhere). Called first thing in every child the job starts (ranks,
-    engines, Megatron's checkpoint-writer manager, a study's cells), so a job killed outright
+    engines, a study's cells), so a job killed outright
     leaves no orphans. The parent must be the main thread of its process (the kernel counts a
     thread's exit as the parent's death)."""
     try:
@@ -79,6 +81,23 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: children of a job killed outright may outlive it
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """End this spawned worker process now: multiprocessing's own exit steps (its finalizers:
+    queues flushed, semaphores released; children joined), stdout and stderr flushed, then
+    `os._exit`, skipping the interpreter's teardown (torch's operator-library finalizers alone
+    take ~2 s of CPU in a process that imported torch and transformers). Only for workers whose
+    other resources (process groups, files) were released already: atexit handlers do not run."""
+    import multiprocessing.util
+
+    multiprocessing.util._exit_function()  # what multiprocessing's bootstrap runs last in a child
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def name_process(name: str) -> None:
@@ -259,6 +278,7 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, threads: int, ar
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # a failure above raises instead: torch's wrapper reports it to the parent
 
 
 def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, threads: int | None = None) -> None:
