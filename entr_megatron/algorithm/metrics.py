@@ -66,10 +66,11 @@ def mismatch_metric_stats(
     behaviour, entropy = clean(behaviour_logprobs_BT), clean(entropy_BT)
     delta_BT = clean(logprobs_BT) - behaviour
     valid = valid_BT.to(torch.float64)
+    k3_BT = torch.expm1(delta_BT) - delta_BT  # delta is 0 at padding: adds 0
     sums = {
         "tokens": valid.sum(),
         "neg_delta": (-delta_BT).sum(),
-        "k3": (torch.expm1(delta_BT) - delta_BT).sum(),  # delta is 0 at padding: adds 0
+        "k3": k3_BT.sum(),
         "abs_delta": delta_BT.abs().sum(),
         "entropy": entropy.sum(),
     }
@@ -87,6 +88,7 @@ def mismatch_metric_stats(
     per_bin = {
         "count": valid,
         "abs_delta": delta_BT.abs(),
+        "k3": k3_BT,
         "score": zero_padding(entr_score(delta_BT, entropy, eps), valid_BT),
         "low_prob": zero_padding((behaviour < math.log(LOW_PROB_THRESHOLD)).to(torch.float64), valid_BT),
     }
@@ -143,6 +145,7 @@ def finalize_mismatch_metrics(stats: MetricStats) -> dict[str, Tensor]:
             count = s[key]
             metrics[f"{prefix}count"] = count
             metrics[f"{prefix}mean_abs_delta"] = _ratio(s[f"{prefix}abs_delta"], count)
+            metrics[f"{prefix}k3"] = _ratio(s[f"{prefix}k3"], count)
             metrics[f"{prefix}mean_score"] = _ratio(s[f"{prefix}score"], count)
             metrics[f"{prefix}low_prob_share"] = _ratio(s[f"{prefix}low_prob"], count)
             if f"{prefix}dropped" in s:
@@ -170,7 +173,7 @@ def mismatch_metrics(
       tokens, in [0, 1] (needs weight_BT or keep_mask_BT; a missing one counts as 1). Pass
       as weight_BT the importance weight the loss applies (objective.PolicyTerms.is_weight_BT:
       the policy ratio times the correction's weight), not the correction's weight alone.
-    - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, mean_score, mask_fraction, low_prob_share}
+    - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, k3, mean_score, mask_fraction, low_prob_share}
       per bin edges[i] <= H < edges[i+1] (H below the first edge joins the first bin, above
       the last the last bin); score S = delta^2 / (H + eps); low_prob_share: mu(y) < 1e-3.
 

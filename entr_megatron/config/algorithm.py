@@ -189,6 +189,13 @@ class AlgorithmConfig:
     learner's own routing recorded when the batch's old policy was scored (compute_logprobs). The
     gate probabilities of the replayed experts stay differentiable in both."""
 
+    measure_unreplayed: bool = False
+    """With routing_replay 'r2' or 'r3': one more forward-only pass of each rollout batch before
+    its first optimizer step, in which the learner routes every token itself, logging the
+    mismatch replay removes in the same run: mismatch_unreplayed/{k3, mean_abs_delta, tokens}
+    and mismatch_unreplayed/entropy_bin/<lo>-<hi>/k3, beside the replayed step's mismatch/k3
+    and entropy_bin/<lo>-<hi>/k3. Costs one forward of the batch per step."""
+
     def __post_init__(self) -> None:
         choice(self, "advantage_estimator", AdvantageEstimator)
         choice(self, "correction", Correction)
@@ -201,6 +208,10 @@ class AlgorithmConfig:
         if self.routing_replay is False:  # YAML 1.1 (PyYAML) reads an unquoted off as false
             object.__setattr__(self, "routing_replay", "off")
         choice(self, "routing_replay", RoutingReplay)
+        boolean(self, "measure_unreplayed")
+        if self.measure_unreplayed and self.routing_replay == "off":
+            raise bad(self, "measure_unreplayed", True, "set routing_replay to 'r2' or 'r3', or this to false",
+                      when="routing_replay='off': every forward is unreplayed already")
         if self.correction_mode == "mask_only" and self.correction == "tis":
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",

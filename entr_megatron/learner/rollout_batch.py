@@ -25,7 +25,7 @@ from torch import Tensor
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import select_sequences, split_for_data_parallel
-from entr_megatron.learner.train_step import compute_logprobs, train_step
+from entr_megatron.learner.train_step import compute_logprobs, train_step, unreplayed_mismatch
 from entr_megatron.types import TrainBatch
 
 __all__ = ["merge_step_metrics", "split_mini_batches", "train_rollout_batch"]
@@ -76,6 +76,10 @@ def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, g
             logprobs = compute_logprobs(model_chunks, shares[k], groups, learner_cfg, vocab_size=vocab_size,
                                         temperature=temperature)[0]
             old[k] = logprobs if algo_cfg.uses_old_logprobs else None
+    unreplayed = {}
+    if algo_cfg.measure_unreplayed and algo_cfg.routing_replay != "off":  # before any weight moves
+        unreplayed = unreplayed_mismatch(model_chunks, shares, groups, learner_cfg, vocab_size=vocab_size,
+                                         temperature=temperature)
     steps = []
     for epoch in range(learner_cfg.epochs):
         for k, share in enumerate(shares):
@@ -84,6 +88,7 @@ def train_rollout_batch(model_chunks, optimizer, scheduler, batch: TrainBatch, g
                                  before_update=before_update)
             metrics["optim/minibatch"], metrics["optim/epoch"] = float(k), float(epoch)
             steps.append(metrics)
+    steps[0].update(unreplayed)  # one value per rollout batch: merge_step_metrics keeps it
     return steps
 
 

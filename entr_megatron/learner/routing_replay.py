@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
+from entr_megatron.algorithm.metrics import DEFAULT_ENTROPY_BIN_EDGES, entropy_bin_labels
 from entr_megatron.learner.batching import OLD_POLICY_ROUTES, MicroBatch
 from entr_megatron.learner.hf_load import unwrap_chunk
 from entr_megatron.types import ENGINE_ROUTES, NO_ROUTE, TrainBatch
@@ -142,6 +143,15 @@ class ReplayStep:
         self.layers = {id(c): _layers(c) for c in model_chunks}
         self.disagree = torch.zeros(len(self.layer_numbers), dtype=torch.float64)
         self.counted = torch.zeros(len(self.layer_numbers), dtype=torch.float64)
+        # Per entropy bin of the engine's next-token entropy, policy tokens only (a route at token
+        # position j shapes the distribution of target j): None without the rollout entropy.
+        self.bin_of = None
+        if batch.rollout_entropy_T is not None:
+            inner = torch.tensor(DEFAULT_ENTROPY_BIN_EDGES[1:-1], dtype=torch.float64)
+            bins = torch.bucketize(batch.rollout_entropy_T.double(), inner, right=True)
+            self.bin_of = torch.where(batch.loss_mask_T.bool(), bins, -1)
+        self.bin_disagree = torch.zeros(len(DEFAULT_ENTROPY_BIN_EDGES) - 1, dtype=torch.float64)
+        self.bin_counted = torch.zeros_like(self.bin_disagree)
 
     @classmethod
     def for_batch(cls, model_chunks, batch: TrainBatch, groups, scoring: bool,
@@ -199,6 +209,12 @@ class ReplayStep:
                 differs = (own.sort(-1).values != layer.given.sort(-1).values).any(-1) & given
                 self.disagree[layer.moe_index] += differs.sum()
                 self.counted[layer.moe_index] += given.sum()
+                if self.bin_of is not None:
+                    bins = torch.full_like(src, -1)
+                    bins[real] = self.bin_of[src[real]]
+                    policy = given & (bins >= 0)
+                    self.bin_disagree.index_add_(0, bins[policy], differs[policy].double())
+                    self.bin_counted.index_add_(0, bins[policy], torch.ones(int(policy.sum()), dtype=torch.float64))
             layer.clear_indices()
             layer.given = None
             layer.clear_router_replay_action()
@@ -211,19 +227,29 @@ class ReplayStep:
     def metrics(self, groups, device: torch.device) -> dict[str, float]:
         """``routing/disagree_frac``: the share of (token, MoE layer) with a replayed route whose
         own top-k expert set differs from it; ``routing/disagree_frac/layer{i}`` per model layer i
-        (0-based). Summed over TP (sequence-parallel slices), PP (layers) and DP (data). A
-        collective over those groups; {} when nothing was replayed."""
-        counts = torch.stack([self.disagree, self.counted]).to(device)
+        (0-based); ``routing/entropy_bin/<lo>-<hi>/disagree_frac`` over the (policy token, MoE layer)
+        pairs whose engine entropy at that position falls in the bin (algorithm.metrics'
+        bins; with the rollout entropy only). Summed over TP (sequence-parallel slices), PP
+        (layers) and DP (data). A collective over those groups; {} when nothing was replayed."""
+        per_layer = torch.stack([self.disagree, self.counted])
+        per_bin = torch.stack([self.bin_disagree, self.bin_counted])
+        counts = torch.cat([per_layer, per_bin], dim=1).to(device)
         # TP ranks see disjoint token slices only under sequence parallelism (else the same tokens).
         tp_size = groups.tp_size if self.sp else 1
         for group, size in ((groups.tp, tp_size), (groups.pp, groups.pp_size), (groups.dp, groups.dp_size)):
             if size > 1:
                 dist.all_reduce(counts, group=group)
-        disagree, counted = counts.cpu()
+        layers = len(self.layer_numbers)
+        disagree, counted = counts.cpu()[:, :layers]
+        bin_disagree, bin_counted = counts.cpu()[:, layers:]
         if counted.sum() == 0:
             return {}
         out = {"routing/disagree_frac": float(disagree.sum() / counted.sum())}
         for i, number in enumerate(self.layer_numbers):
             if counted[i] > 0:
                 out[f"routing/disagree_frac/layer{number - 1}"] = float(disagree[i] / counted[i])
+        if self.bin_of is not None:
+            for label, d, c in zip(entropy_bin_labels(DEFAULT_ENTROPY_BIN_EDGES), bin_disagree, bin_counted):
+                if c > 0:
+                    out[f"routing/entropy_bin/{label}/disagree_frac"] = float(d / c)
         return out

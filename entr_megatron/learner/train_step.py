@@ -33,6 +33,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
+from entr_megatron.algorithm.metrics import MetricStats, finalize_mismatch_metrics, mismatch_metric_stats
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import (
@@ -48,7 +49,7 @@ from entr_megatron.learner.optimizer import check_training_config, optimizer_ste
 from entr_megatron.learner.routing_replay import ReplayStep
 from entr_megatron.types import TrainBatch
 
-__all__ = ["compute_logprobs", "microbatches_for_step", "required_pad_multiple", "train_step"]
+__all__ = ["compute_logprobs", "microbatches_for_step", "required_pad_multiple", "train_step", "unreplayed_mismatch"]
 
 
 def _device() -> torch.device:
@@ -243,8 +244,8 @@ def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler
 
 
 def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg: LearnerConfig,
-                     vocab_size: int | None = None,
-                     temperature: float = 1.0) -> tuple[Tensor, Tensor] | tuple[None, None]:
+                     vocab_size: int | None = None, temperature: float = 1.0,
+                     routing_replay: str | None = None) -> tuple[Tensor, Tensor] | tuple[None, None]:
     """Log-probs and entropy of every target position of ``batch`` under the current weights.
 
     Forward only (no gradients, modules in eval mode), through the same packing and
@@ -252,13 +253,14 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     packed layout (position j of a sequence: log p(token j+1 | tokens 0..j); 0 at each
     sequence's last position) on the LAST pipeline stage, ``(None, None)`` elsewhere.
     Used for the old/proximal policy of corrections that need one and for scoring.
-    ``vocab_size``, ``temperature``: as in ``train_step``.
+    ``vocab_size``, ``temperature``: as in ``train_step``. ``routing_replay``: None replays MoE
+    routes as the model was built to ('r2' records them); 'off' lets every router choose.
     """
     config = get_model_config(model_chunks[0])
     _check_layout(groups)
     _prepare_config(config, groups)
     micro = microbatches_for_step(batch, groups, learner_cfg, config)
-    replay = ReplayStep.for_batch(model_chunks, batch, groups, scoring=True)
+    replay = ReplayStep.for_batch(model_chunks, batch, groups, scoring=True, mode=routing_replay)
     was_training = [c.training for c in model_chunks]
     for c in model_chunks:
         c.eval()
@@ -289,6 +291,33 @@ def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg:
     logprobs[last_positions] = 0.0
     entropy[last_positions] = 0.0
     return logprobs, entropy
+
+
+def unreplayed_mismatch(model_chunks: list, shares: list[TrainBatch], groups, learner_cfg: LearnerConfig, *,
+                        vocab_size: int | None = None, temperature: float = 1.0) -> dict[str, float]:
+    """The behaviour-vs-learner mismatch with MoE routing replay off: one forward-only pass of
+    each of this DP rank's ``shares`` in which every router chooses its own experts.
+    ``mismatch_unreplayed/{k3, mean_abs_delta, tokens}`` and
+    ``mismatch_unreplayed/entropy_bin/<lo>-<hi>/k3`` (the learner's entropy there), over every
+    DP rank's policy tokens, the same on every rank (``algorithm.measure_unreplayed``)."""
+    sums: dict[str, Tensor] = {}
+    for share in shares:
+        logprobs, entropy = compute_logprobs(model_chunks, share, groups, learner_cfg, vocab_size=vocab_size,
+                                             temperature=temperature, routing_replay="off")
+        if logprobs is not None:
+            stats = mismatch_metric_stats(logprobs, share.behaviour_logprobs_T, entropy, share.loss_mask_T)
+            sums = {k: sums.get(k, 0.0) + v for k, v in stats.sums.items()}
+    metrics: dict[str, float] = {}
+    if groups.is_last_stage():
+        total = torch.stack(list(sums.values())).to(_device())
+        if groups.dp_size > 1:
+            dist.all_reduce(total, group=groups.dp)
+        final = finalize_mismatch_metrics(MetricStats(dict(zip(sums, total.cpu())), {}, {}))
+        for key in ("mismatch/k3", "mismatch/mean_abs_delta", "mismatch/tokens"):
+            metrics[key.replace("mismatch/", "mismatch_unreplayed/")] = float(final[key])
+        metrics.update({f"mismatch_unreplayed/{k}": float(v) for k, v in final.items()
+                        if k.startswith("entropy_bin/") and k.endswith("/k3")})
+    return _from_last_stage(metrics, groups)
 
 
 def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig, vocab_size: int | None,

@@ -14,19 +14,22 @@ Two weight sets:
              replay the learner routes differently (counted from its own recorded routes) and
              its log-probs move; with R3 the routes it used (its routers' routing maps) are
              the engine's and the log-probs are the engine's within 1e-5.
-Layouts: one rank, then EP=2, TP=2 (sequence parallel) and PP=2 on two gloo ranks, against
-the same reference. A train step reports routing/disagree_frac (R3) and replays R2 routes.
+Layouts: one rank, then EP=2, TP=2 (sequence parallel) and, on a 4-layer copy of the near tie,
+PP=2 x VPP=2 on two gloo ranks, against the same reference. A train step reports routing/disagree_frac (R3), overall and per
+entropy bin, the mismatch without replay (measure_unreplayed) and replays R2 routes.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
 import torch
 
 from common import close
+from entr_megatron.algorithm.metrics import DEFAULT_ENTROPY_BIN_EDGES, entropy_bin_labels
 from entr_megatron.utils.spawn import run_gloo
 
 transformers = pytest.importorskip("transformers")
@@ -54,8 +57,9 @@ def engine_samples(model, seed=3):
             logp = torch.log_softmax(model(tokens[None]).logits[0].double(), -1)
         routes = recorder.take(1, p + r)[0]
         lp = logp[:-1].gather(-1, tokens[1:, None])[:, 0]
+        entropy = -(logp.exp() * logp).sum(-1)[:-1]
         samples.append(Sample(tokens[:p].tolist(), tokens[p:].tolist(), lp[p - 1:].tolist(), [0] * r,
-                              routed_experts=routes[:-1].clone()))
+                              rollout_entropy=entropy[p - 1:].tolist(), routed_experts=routes[:-1].clone()))
         full.append(lp)
     return samples, full
 
@@ -76,25 +80,29 @@ def batch_of(samples, full):
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
+    """plain and tie (2 layers), and tie4: the near tie in a 4-layer model (PP=2 x VPP=2)."""
     root = tmp_path_factory.mktemp("routing_replay")
-    torch.manual_seed(7)
-    plain = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**CONFIG)).eval()
-    with torch.no_grad():
-        for p in plain.parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-    tied = copy.deepcopy(plain)
-    engine = copy.deepcopy(plain)
-    with torch.no_grad():
-        for mine, theirs in zip(tied.model.layers, engine.model.layers):
-            mine.mlp.gate.weight[1] = mine.mlp.gate.weight[0]
-            theirs.mlp.gate.weight[1] = theirs.mlp.gate.weight[0] * (1 + TIE_EPS)
     out = {}
-    for name, learner_model, engine_model in (("plain", plain, plain), ("tie", tied, engine)):
-        path = os.path.join(root, name)
-        learner_model.save_pretrained(path)
-        batch, want = batch_of(*engine_samples(engine_model))
-        out[name] = dict(path=path, batch=batch, want=want)
+    for suffix, layers in (("", 2), ("4", 4)):
+        torch.manual_seed(7)
+        config = transformers.Qwen3MoeConfig(**{**CONFIG, "num_hidden_layers": layers})
+        plain = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in plain.parameters():
+                if p.dim() == 1:
+                    p.add_(0.2 * torch.randn_like(p))
+        tied = copy.deepcopy(plain)
+        engine = copy.deepcopy(plain)
+        with torch.no_grad():
+            for mine, theirs in zip(tied.model.layers, engine.model.layers):
+                mine.mlp.gate.weight[1] = mine.mlp.gate.weight[0]
+                theirs.mlp.gate.weight[1] = theirs.mlp.gate.weight[0] * (1 + TIE_EPS)
+        pairs = (("plain", plain, plain), ("tie", tied, engine)) if not suffix else (("tie", tied, engine),)
+        for name, learner_model, engine_model in pairs:
+            path = os.path.join(root, name + suffix)
+            learner_model.save_pretrained(path)
+            batch, want = batch_of(*engine_samples(engine_model))
+            out[name + suffix] = dict(path=path, batch=batch, want=want)
     return out
 
 
@@ -108,12 +116,12 @@ def learner_cfg():
     return LearnerConfig(max_tokens_per_microbatch=256, optim=OptimConfig(lr=1e-3, weight_decay=0.0))
 
 
-def build(case, mode, tp=1, pp=1, ep=1):
+def build(case, mode, tp=1, pp=1, ep=1, vpp=None):
     from entr_megatron.learner.build import build_learner_model_from_hf
     from entr_megatron.parallel.groups import initialize_model_parallel
 
-    groups = initialize_model_parallel(tp, pp, ep=ep)
-    chunks, _ = build_learner_model_from_hf(case["path"], groups, routing_replay=mode,
+    groups = initialize_model_parallel(tp, pp, ep=ep, vpp=vpp)
+    chunks, _ = build_learner_model_from_hf(case["path"], groups, routing_replay=mode, vp_size=vpp,
                                             config_overrides={"calculate_per_token_loss": True})
     return chunks, groups
 
@@ -148,17 +156,18 @@ def routing_maps(chunks):
     return maps
 
 
-def train_metrics(chunks, groups, batch, mode):
+def train_metrics(chunks, groups, batch, mode, measure_unreplayed=False):
     from entr_megatron.config.algorithm import AlgorithmConfig
     from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
-    from entr_megatron.learner.train_step import train_step
+    from entr_megatron.learner.rollout_batch import train_rollout_batch
 
     cfg = learner_cfg()
     ddp = wrap_model_chunks(chunks, groups, cfg)
     optimizer, scheduler = build_optimizer(ddp, cfg)
     gates = [p for c in ddp for n, p in c.named_parameters() if n.endswith("router.weight")]
     before = [p.detach().clone() for p in gates]
-    metrics = train_step(ddp, optimizer, scheduler, batch, groups, AlgorithmConfig(routing_replay=mode), cfg)
+    algo = AlgorithmConfig(routing_replay=mode, measure_unreplayed=measure_unreplayed)
+    metrics = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo, cfg)[0]
     # Replay fixes the experts only: the gate weights still get gradients (no weight decay here).
     assert gates and all(not torch.equal(p.detach(), p0) for p, p0 in zip(gates, before)), mode
     return metrics
@@ -189,6 +198,7 @@ def _one_rank(rank, world, cases):
     chunks, groups = build(tie, "r2")
     batch, logprobs_off, want = score(tie, chunks, groups)
     own = batch.extras[OLD_POLICY_ROUTES].long()
+    _, entropy_off = compute_logprobs(chunks, batch, groups, learner_cfg())
     disagree = set_disagreement(own, engine_routes, valid)
     assert disagree > 0, "the near tie must flip some routes"
     gap = (logprobs_off.double() - want).abs().max().item()
@@ -205,12 +215,29 @@ def _one_rank(rank, world, cases):
     for moe_index, layer_number in enumerate(sorted(maps)):
         used = maps[layer_number].nonzero()[:, 1].view(-1, 2)  # one micro-batch, no padding: batch positions
         assert set_disagreement(used, engine_routes[:, moe_index], valid) == 0, f"layer {layer_number}"
-    # The train step's metric counts the learner's own routing against the engine's.
-    metrics = train_metrics(chunks, groups, tie["batch"], "r3")
+    # The train step's metric counts the learner's own routing against the engine's, overall and
+    # per entropy bin of the engine's entropy at policy tokens; measure_unreplayed's extra pass
+    # scores the batch with the learner's own routing, as r2's scoring did above.
+    metrics = train_metrics(chunks, groups, tie["batch"], "r3", measure_unreplayed=True)
     frac = disagree / (int(valid.sum()) * engine_routes.shape[1])
     assert abs(metrics["routing/disagree_frac"] - frac) < 1e-12, (metrics, frac)
-    assert set(k for k in metrics if k.startswith("routing/")) == {
+    want_bins = bin_reference(tie["batch"], own, engine_routes)
+    got_bins = {k: v for k, v in metrics.items() if k.startswith("routing/entropy_bin/")}
+    assert got_bins.keys() == want_bins.keys() and len(want_bins) >= 2, (got_bins, want_bins)
+    assert all(abs(got_bins[k] - want_bins[k]) < 1e-12 for k in want_bins), (got_bins, want_bins)
+    assert set(k for k in metrics if k.startswith("routing/") and k not in got_bins) == {
         "routing/disagree_frac", "routing/disagree_frac/layer0", "routing/disagree_frac/layer1"}
+    mask = batch.loss_mask_T
+    delta = (logprobs_off.double() - batch.behaviour_logprobs_T.double())[mask]
+    k3_off = (torch.expm1(delta) - delta).mean().item()
+    assert metrics["mismatch_unreplayed/tokens"] == int(mask.sum())
+    assert abs(metrics["mismatch_unreplayed/k3"] - k3_off) <= 1e-6 * k3_off, (metrics["mismatch_unreplayed/k3"], k3_off)
+    assert metrics["mismatch_unreplayed/k3"] > 1000 * metrics["mismatch/k3"], metrics
+    for label, (lo, hi) in zip(entropy_bin_labels(DEFAULT_ENTROPY_BIN_EDGES),
+                               zip(DEFAULT_ENTROPY_BIN_EDGES[:-1], DEFAULT_ENTROPY_BIN_EDGES[1:])):
+        d = [x for x, h in zip(delta.tolist(), entropy_off[mask].tolist()) if lo <= h < hi]
+        want_k3 = sum(math.expm1(x) - x for x in d) / max(len(d), 1)
+        assert abs(metrics[f"mismatch_unreplayed/entropy_bin/{label}/k3"] - want_k3) <= 1e-6 * want_k3 + 1e-12, label
     print(f"  ok near tie: {disagree} (token, layer) routes flipped ({frac:.3f}), log-prob gap without "
           f"replay {gap:.2e}", flush=True)
 
@@ -221,23 +248,33 @@ def _two_ranks(rank, world, cases):
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
-    tie = cases["tie"]
-    # (d) EP=2 (and TP=2 with sequence parallelism, PP=2: each stage its own layers).
-    for layout in (dict(ep=2), dict(tp=2), dict(pp=2)):
-        chunks, groups = build(tie, "r3", **layout)
-        _, logprobs, want = score(tie, chunks, groups)
+    # (d) EP=2 (and TP=2 with sequence parallelism; PP=2 x VPP=2 of the 4-layer model: each
+    # chunk its own layer).
+    for case, layout in ((cases["tie"], dict(ep=2)), (cases["tie"], dict(tp=2)), (cases["tie4"], dict(pp=2, vpp=2))):
+        chunks, groups = build(case, "r3", **layout)
+        _, logprobs, want = score(case, chunks, groups)
         if groups.is_last_stage():
             close(logprobs, want, f"near tie r3 {layout} vs engine", tol=0, atol=TOL)
-        metrics = train_metrics(chunks, groups, split_for_dp(tie["batch"], groups), "r3")
+        metrics = train_metrics(chunks, groups, case["batch"], "r3")
         assert metrics["routing/disagree_frac"] > 0, (layout, metrics)
         if dist.get_rank() == 0:
             print(f"  ok r3 {layout}: disagree_frac {metrics['routing/disagree_frac']:.3f}", flush=True)
 
 
-def split_for_dp(batch, groups):
-    from entr_megatron.learner.batching import split_for_data_parallel
-
-    return split_for_data_parallel(batch, groups.dp_size)[groups.dp_rank]
+def bin_reference(batch, own, engine_routes):
+    """routing/entropy_bin/<label>/disagree_frac by loops: (policy token, layer) pairs binned by
+    the engine's entropy at the token's target position, own vs engine expert sets."""
+    edges, labels = DEFAULT_ENTROPY_BIN_EDGES, entropy_bin_labels(DEFAULT_ENTROPY_BIN_EDGES)
+    counts: dict[int, list[int]] = {}
+    for j, (policy, h) in enumerate(zip(batch.loss_mask_T.tolist(), batch.rollout_entropy_T.tolist())):
+        if not policy:
+            continue
+        b = next(i for i in range(len(edges) - 1) if edges[i] <= h < edges[i + 1])
+        for layer in range(engine_routes.shape[1]):
+            n_d = counts.setdefault(b, [0, 0])
+            n_d[0] += 1
+            n_d[1] += set(own[j, layer].tolist()) != set(engine_routes[j, layer].tolist())
+    return {f"routing/entropy_bin/{labels[b]}/disagree_frac": d / n for b, (n, d) in counts.items()}
 
 
 def test_r3_replays_engine_routes_on_one_rank(cases):

@@ -1,12 +1,13 @@
-"""On-policy consistency in every learner layout: `train` in sync mode, step 1.
+"""On-policy consistency across learner layouts: `train` in sync mode, step 1.
 
 Engine and learner start from the same fp32 weights (the run's random init), so the
 behaviour log-probs the embedded engine (HF transformers) reports and the learner's
 log-probs of the same tokens (Megatron, vocab-parallel) must agree to fp32 rounding:
 mismatch/k3 ~ delta^2 / 2 <= 1e-6 and ENTR masks nothing. The vocabulary has 59 rows
-(the tokenizer's 58 plus one), divisible by neither 2 nor 4: Megatron pads it to the TP
-size, and a padded column that entered the learner's softmax would bias every delta by
-about log(60 / 59) (k3 ~ 1e-4), so the check also covers the true-vocabulary handling.
+(the tokenizer's 58 plus one), not divisible by 2: Megatron pads it to the TP size, and a
+padded column that entered the learner's softmax would bias every delta by about log(60 / 59)
+(k3 ~ 1e-4), so the check also covers the true-vocabulary handling. The MoE layout replays the
+engine's routes (R3) and scores the learner's own routing as well (measure_unreplayed).
 """
 
 from __future__ import annotations
@@ -26,22 +27,23 @@ ARCH = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num
 MOE_ARCH = {**ARCH, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
             "moe_intermediate_size": 32, "decoder_sparse_step": 1, "norm_topk_prob": True, "mlp_only_layers": []}
 
-# (name, parallel section, learner ranks, architecture)
-# TP=1: test_train.py's sync-mode run asserts the same bound at every step.
+R3 = {"routing_replay": "r3", "measure_unreplayed": True}
+
+# (name, parallel section, learner ranks, architecture, algorithm fields)
+# TP=1: test_train.py's sync-mode run asserts the same bound at every step. TP=4 and the other
+# layouts of the learner alone: tests/distributed (test_learner_step, test_megatron_model).
 LAYOUTS = [
-    ("tp2", {"tp": 2}, 2, ARCH),
-    ("tp4", {"tp": 4}, 4, ARCH),
-    ("pp2", {"pp": 2}, 2, ARCH),
-    ("ep2_moe", {"ep": 2}, 2, MOE_ARCH),
+    ("tp2_pp2", {"tp": 2, "pp": 2}, 4, ARCH, {}),
+    ("ep2_moe_r3", {"ep": 2}, 2, MOE_ARCH, R3),
 ]
 K3_BOUND = 1e-6
 
 
-def consistency_config(run_dir: Path, parallel: dict, ranks: int, arch: dict) -> dict:
+def consistency_config(run_dir: Path, parallel: dict, ranks: int, arch: dict, algorithm: dict) -> dict:
     return {
         "model": {"architecture": arch, "max_prompt_len": 16, "max_seq_len": 32},
         "parallel": parallel,
-        "algorithm": {"correction": "entr", "tau": 0.5},
+        "algorithm": {"correction": "entr", "tau": 0.5, **algorithm},
         "learner": {"optim": {"lr": 1.0e-4}},
         "rollout": {"prompts_per_step": 2, "sampling": {"max_new_tokens": 6, "n": 4},
                     "embedded": {"num_threads": 1, "max_batch_size": 32}},
@@ -59,11 +61,11 @@ def train(config: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, parallel, ranks, arch", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
-def test_sync_step_one_is_on_policy(tmp_path, name, parallel, ranks, arch):
+@pytest.mark.parametrize("name, parallel, ranks, arch, algorithm", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_sync_step_one_is_on_policy(tmp_path, name, parallel, ranks, arch, algorithm):
     run_dir = tmp_path / name
     config = tmp_path / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(consistency_config(run_dir, parallel, ranks, arch)))
+    config.write_text(yaml.safe_dump(consistency_config(run_dir, parallel, ranks, arch, algorithm)))
     train(config)
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "mismatch/k3" in r]
     assert rows, f"{name}: no training step in metrics.jsonl"
@@ -73,3 +75,6 @@ def test_sync_step_one_is_on_policy(tmp_path, name, parallel, ranks, arch):
     assert first["mismatch/tokens"] > 0
     assert 0.0 <= first["mismatch/k3"] <= K3_BOUND, f"{name}: k3 {first['mismatch/k3']} at step 1"
     assert first["entr/mask_fraction"] == 0.0, f"{name}: ENTR masked on-policy tokens"
+    if algorithm.get("measure_unreplayed"):  # the learner's own routing scored too, same tokens
+        assert first["mismatch_unreplayed/tokens"] == first["mismatch/tokens"]
+        assert 0.0 <= first["mismatch_unreplayed/k3"] and "routing/disagree_frac" in first, first

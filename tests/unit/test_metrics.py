@@ -44,6 +44,7 @@ def test_hand_case():
     b = "entropy_bin/0.01-0.1/"
     assert m[b + "count"].item() == 2
     assert m[b + "mean_abs_delta"].item() == pytest.approx(0.6)
+    assert m[b + "k3"].item() == pytest.approx((math.exp(-0.2) + 0.2 - 1 + math.exp(1.0) - 2) / 2)
     assert m[b + "mean_score"].item() == pytest.approx((0.04 / 0.06 + 1.0 / 0.06) / 2)
     assert m[b + "mask_fraction"].item() == 1.0
     assert m[b + "low_prob_share"].item() == 1.0
@@ -87,6 +88,7 @@ def _loop_reference(lp, mu, H, mask, keep, weight, edges, eps=0.01):
         out[f"entropy_bin/{label}/count"] = c
         div = max(c, 1)
         out[f"entropy_bin/{label}/mean_abs_delta"] = sum(abs(d[k]) for k in members) / div
+        out[f"entropy_bin/{label}/k3"] = sum(math.exp(d[k]) - 1 - d[k] for k in members) / div
         out[f"entropy_bin/{label}/mean_score"] = sum(d[k] ** 2 / (H[k[0]][k[1]] + eps) for k in members) / div
         out[f"entropy_bin/{label}/mask_fraction"] = sum(not keep[k[0]][k[1]] for k in members) / div
         out[f"entropy_bin/{label}/low_prob_share"] = sum(math.exp(mu[k[0]][k[1]]) < 1e-3 for k in members) / div
