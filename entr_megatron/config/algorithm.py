@@ -194,7 +194,9 @@ class AlgorithmConfig:
     its first optimizer step, in which the learner routes every token itself, logging the
     mismatch replay removes in the same run: mismatch_unreplayed/{k3, mean_abs_delta, tokens}
     and mismatch_unreplayed/entropy_bin/<lo>-<hi>/k3, beside the replayed step's mismatch/k3
-    and entropy_bin/<lo>-<hi>/k3. Costs one forward of the batch per step."""
+    and entropy_bin/<lo>-<hi>/k3. Costs one forward of the batch per step. Nothing with
+    routing_replay 'off' (its mismatch/k3 is the unreplayed one), so that a study can grid over
+    routing_replay with this on."""
 
     def __post_init__(self) -> None:
         choice(self, "advantage_estimator", AdvantageEstimator)
@@ -209,9 +211,6 @@ class AlgorithmConfig:
             object.__setattr__(self, "routing_replay", "off")
         choice(self, "routing_replay", RoutingReplay)
         boolean(self, "measure_unreplayed")
-        if self.measure_unreplayed and self.routing_replay == "off":
-            raise bad(self, "measure_unreplayed", True, "set routing_replay to 'r2' or 'r3', or this to false",
-                      when="routing_replay='off': every forward is unreplayed already")
         if self.correction_mode == "mask_only" and self.correction == "tis":
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",

@@ -163,3 +163,19 @@ def test_sigterm_starts_no_more_cells_and_a_failure_does_not_stop_the_others(tmp
     monkeypatch.setattr(runner, "_cell_attempt", lambda d: rerun_calls.append(d) or {"returncode": 0, "wall_s": 0.1})
     again = runner.run_study(spec, tmp_path / "out", jobs=2)
     assert len(again["skipped"]) == 1 and len(rerun_calls) == 3 and not again["interrupted"]  # the failed one retried
+
+
+def test_the_shipped_moe_replay_study_grids_over_routing_replay():
+    """examples/studies/moe_replay.yaml: routing replay is a grid axis like any field; every
+    cell is a valid MoE run (EP=2), R3 cells record and replay routes and measure without."""
+    from pathlib import Path
+
+    spec = load_spec(Path(__file__).parents[2] / "examples" / "studies" / "moe_replay.yaml")
+    cells = {c.id: c.config for c in spec.cells()}
+    assert sorted(cells) == ["routing_replay=off,inter_lag=0,seed=0", "routing_replay=off,inter_lag=4,seed=0",
+                             "routing_replay=r3,inter_lag=0,seed=0", "routing_replay=r3,inter_lag=4,seed=0"]
+    for cell_id, cfg in cells.items():
+        assert cfg.parallel.ep == 2 and cfg.model.architecture["model_type"] == "qwen3_moe"
+        assert cfg.algorithm.routing_replay == ("r3" if "r3" in cell_id else "off")
+        assert cfg.algorithm.measure_unreplayed and cfg.controller.mode == "fixed_lag"
+        assert cfg.controller.inter_lag == (4 if "inter_lag=4" in cell_id else 0)
