@@ -45,6 +45,13 @@ def entropy_bin_labels(edges: tuple[float, ...]) -> list[str]:
     return [f"{lo:g}-{hi:g}" for lo, hi in zip(edges[:-1], edges[1:])]
 
 
+def entropy_bin_index(entropy: Tensor, edges: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES) -> Tensor:
+    """The bin of each entropy: i where edges[i] <= H < edges[i+1] (below the first edge: bin 0,
+    above the last: the last bin), int64, the shape of `entropy`."""
+    inner_edges = torch.tensor(edges[1:-1], dtype=entropy.dtype, device=entropy.device)
+    return torch.bucketize(entropy, inner_edges, right=True)
+
+
 def mismatch_metric_stats(
     logprobs_BT: Tensor,
     behaviour_logprobs_BT: Tensor,
@@ -109,8 +116,7 @@ def _entropy_bin_sums(
     """Sum of each per-token statistic within each entropy bin, keyed
     'entropy_bin/<label>/<stat>'; vectorised with index_add over every token's bin index."""
     labels = entropy_bin_labels(edges)
-    inner_edges = torch.tensor(edges[1:-1], dtype=entropy_BT.dtype, device=entropy_BT.device)
-    bin_idx = torch.bucketize(entropy_BT, inner_edges, right=True).flatten()
+    bin_idx = entropy_bin_index(entropy_BT, edges).flatten()
     sums = {}
     for stat, values_BT in per_token.items():
         binned = values_BT.new_zeros(len(labels)).index_add_(0, bin_idx, values_BT.flatten())

@@ -31,7 +31,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor
 
-from entr_megatron.algorithm.metrics import DEFAULT_ENTROPY_BIN_EDGES, entropy_bin_labels
+from entr_megatron.algorithm.metrics import DEFAULT_ENTROPY_BIN_EDGES, entropy_bin_index, entropy_bin_labels
 from entr_megatron.learner.batching import OLD_POLICY_ROUTES, MicroBatch
 from entr_megatron.learner.hf_load import unwrap_chunk
 from entr_megatron.types import ENGINE_ROUTES, NO_ROUTE, TrainBatch
@@ -147,8 +147,7 @@ class ReplayStep:
         # position j shapes the distribution of target j): None without the rollout entropy.
         self.bin_of = None
         if batch.rollout_entropy_T is not None:
-            inner = torch.tensor(DEFAULT_ENTROPY_BIN_EDGES[1:-1], dtype=torch.float64)
-            bins = torch.bucketize(batch.rollout_entropy_T.double(), inner, right=True)
+            bins = entropy_bin_index(batch.rollout_entropy_T.double())
             self.bin_of = torch.where(batch.loss_mask_T.bool(), bins, -1)
         self.bin_disagree = torch.zeros(len(DEFAULT_ENTROPY_BIN_EDGES) - 1, dtype=torch.float64)
         self.bin_counted = torch.zeros_like(self.bin_disagree)
@@ -210,11 +209,11 @@ class ReplayStep:
                 self.disagree[layer.moe_index] += differs.sum()
                 self.counted[layer.moe_index] += given.sum()
                 if self.bin_of is not None:
-                    bins = torch.full_like(src, -1)
-                    bins[real] = self.bin_of[src[real]]
+                    bins = torch.where(real, self.bin_of[src.clamp(min=0)], -1)
                     policy = given & (bins >= 0)
-                    self.bin_disagree.index_add_(0, bins[policy], differs[policy].double())
-                    self.bin_counted.index_add_(0, bins[policy], torch.ones(int(policy.sum()), dtype=torch.float64))
+                    n = self.bin_counted.numel()
+                    self.bin_disagree += torch.bincount(bins[policy], weights=differs[policy].double(), minlength=n)
+                    self.bin_counted += torch.bincount(bins[policy], minlength=n)
             layer.clear_indices()
             layer.given = None
             layer.clear_router_replay_action()

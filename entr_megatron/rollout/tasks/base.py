@@ -6,8 +6,9 @@
 
 Single-turn tasks hand prompts straight to a `RolloutEngine`; multi-turn tasks
 (tools) also return an `Environment` from `new_environment()`, whose episodes
-`rollout.episodes.EpisodeEngine` drives (`train` wraps the engines in one). `prompts` is a pure function of (split, n, seed), so
-a run that resumes at step k asks for `seed=k` and gets the same problems.
+`rollout.episodes.EpisodeEngine` drives (`train` wraps the engines in one). `prompts`
+is a pure function of (split, n, seed), so a run that resumes at step k asks for
+`seed=k` and gets the same problems.
 """
 
 from __future__ import annotations
