@@ -6,7 +6,8 @@
       cells/<cell id>/
         cell.json                  its axes and config hash (what it computes)
         cell.yaml                  its config, as `train --config` reads it
-        status.json                pending | running | done | failed, error, wall_s, attempts
+        status.json                pending | running | done | failed, error, wall_s, attempts,
+                                   ran_on (the last attempt's launcher, host and process)
         train.log                  the train command's output (appended per attempt)
         metrics.jsonl, eval.json, checkpoints/, ...   the train run directory
 
@@ -30,6 +31,7 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -124,11 +126,13 @@ class StopRequest:
 
 
 def _cell_attempt(cell_dir: str) -> dict[str, Any]:
-    """One attempt at a cell: `train` on its directory (resuming it). Runs in a thread or a Ray task."""
+    """One attempt at a cell: `train` on its directory (resuming it). Runs in a thread or a Ray task;
+    the outcome names the host and the process that ran it."""
     t0 = time.time()
     code, last = run_command(["train", "--config", str(Path(cell_dir) / "cell.yaml"), "--run-dir", cell_dir],
                              str(Path(cell_dir) / "train.log"))
-    out: dict[str, Any] = {"returncode": code, "wall_s": time.time() - t0}
+    out: dict[str, Any] = {"returncode": code, "wall_s": time.time() - t0, "host": socket.gethostname(),
+                           "pid": os.getpid()}
     if code == 0:
         try:
             out["result"] = json.loads(last)
@@ -307,7 +311,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
         interrupted = outcome["returncode"] == 0 and not ok
         state = "done" if ok else "pending" if interrupted else "failed"
         status.update(state=state, error=None if ok or interrupted else outcome.get("error"),
-                      wall_s=(status.get("wall_s") or 0.0) + outcome["wall_s"], result=outcome.get("result"))
+                      wall_s=(status.get("wall_s") or 0.0) + outcome["wall_s"], result=outcome.get("result"),
+                      ran_on={"launcher": launcher, "host": outcome.get("host"), "pid": outcome.get("pid")})
         _write_json(cell_dir / "status.json", status)
         if state != "pending":
             result[state].append(cell.id)

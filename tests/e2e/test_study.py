@@ -1,10 +1,12 @@
 """`entr-megatron study run | report` end to end: a 2-method x 2-lag x 1-seed study of 4 steps per
-cell (fixed_lag, a shared SFT warm-up), killed mid-way with SIGKILL, rerun (finished cells are
-skipped, the interrupted one resumes from its checkpoint, no step trained twice), reported
+cell (fixed_lag, a shared SFT warm-up), killed mid-way with SIGKILL, rerun on a local Ray cluster
+(`--launcher ray`: finished cells are skipped, the interrupted one resumes from its checkpoint in a
+Ray task, no step trained twice), reported
 (table, plots), and rerun once more when finished (seconds, nothing run)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -77,8 +79,10 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
     assert killed_steps and killed_steps[-1] < 3, killed_steps  # killed mid-way
     first_done = {d.name: status(d)["attempts"] for d in cells.iterdir() if status(d).get("state") == "done"}
 
-    # 2. rerun: finished cells skipped, the killed one resumed, every cell done, no step twice
-    proc = study("run", str(tmp_path / "spec.yaml"), "--out", str(out), "--jobs", "2")
+    # 2. rerun, as Ray tasks on a local Ray cluster: finished cells skipped, the killed one resumed,
+    # every cell done, no step twice
+    launcher = ["--launcher", "ray"] if importlib.util.find_spec("ray") else []
+    proc = study("run", str(tmp_path / "spec.yaml"), "--out", str(out), "--jobs", "2", *launcher)
     stdout, stderr = proc.communicate(timeout=900)
     assert proc.returncode == 0, stderr[-4000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
@@ -89,6 +93,9 @@ def test_study_runs_resumes_after_kill_and_reports(tmp_path):
         assert [r["step"] for r in read_metrics(d / "metrics.jsonl")] == [0, 1, 2, 3], d.name
         if d.name in first_done:
             assert st["attempts"] == first_done[d.name]
+            assert st["ran_on"]["launcher"] == "local"
+        elif launcher:  # run by a Ray worker process, not by the study's own
+            assert st["ran_on"]["launcher"] == "ray" and st["ran_on"]["pid"] != proc.pid, st["ran_on"]
     assert status(victim)["attempts"] == 2
     assert "resum" in (victim / "train.log").read_text().lower()
     lag2 = next(d for d in cells.iterdir() if "inter_lag=2" in d.name)
