@@ -14,6 +14,8 @@ TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 ArithmeticOperation = Literal["+", "-", "*"]
 ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+SearchWorld = Literal["fixed", "per_episode"]
+"""Where the search task's questions are asked: one fixed corpus, or a new small world per question."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,16 @@ class SearchTaskConfig:
 
     SECTION = "task.search"
 
+    world: SearchWorld = "fixed"
+    """'fixed': one corpus of num_entities entities that every question is asked of (a tiny model
+    memorises its facts instead of learning to read: README, "The CPU agent demo"). 'per_episode':
+    every question its own world of num_entities entities, drawn from the question text and
+    corpus_seed (rollout/tasks/search_worlds.py), so an answer can only be read, never recalled;
+    held-out questions never share a world with training ones."""
+
     num_entities: int = 48
-    """Invented entities in the corpus (one document each). >= 8."""
+    """Invented entities in the corpus, one document each (world 'per_episode': in each question's
+    world, e.g. 8, two of each kind). >= 8."""
 
     hops: int = 2
     """Searches a question needs (2 or 3)."""
@@ -121,7 +131,8 @@ class SearchTaskConfig:
     """Passages one search returns. >= 1."""
 
     corpus_seed: int = 0
-    """Which corpus (the same seed, the same documents and questions). >= 0."""
+    """Which corpus (the same seed, the same documents and questions; world 'per_episode': the same
+    questions and worlds). >= 0."""
 
     python_tool: bool = False
     """Also offer a sandboxed `python` tool (rollout/tools/sandbox.py: its own process, CPU-time,
@@ -130,15 +141,20 @@ class SearchTaskConfig:
 
     sft_questions: int | None = None
     """Training questions with a demonstration (the SFT warm-up's expert traces: a fixed subset); RL
-    draws from every training question. None: all of them. >= 1."""
+    draws from every training question. None: all of them (the only choice with world 'per_episode',
+    where every question is new). >= 1."""
 
     fuzzy_search: bool = False
     """Index words and their character trigrams: a misspelt name still finds its document (exact
     words only when false)."""
 
     def __post_init__(self) -> None:
+        choice(self, "world", SearchWorld)
         integer(self, "num_entities", low=8, high=2000)
         integer(self, "sft_questions", low=1, optional=True)
+        if self.world == "per_episode" and self.sft_questions is not None:
+            raise bad(self, "sft_questions", self.sft_questions, "must be null (every question is new)",
+                      when="world='per_episode'")
         boolean(self, "fuzzy_search")
         integer(self, "hops", low=2, high=3)
         integer(self, "top_k", low=1, high=10)

@@ -1,4 +1,5 @@
-"""The search task: its invented corpus, BM25 retrieval, questions, expert traces, reward and ToolEnv."""
+"""The search task: its invented corpus, BM25 retrieval, questions, expert traces, reward and ToolEnv;
+per-episode worlds (`task.search.world: per_episode`, rollout/tasks/search_worlds.py)."""
 
 import itertools
 import re
@@ -13,7 +14,10 @@ from entr_megatron.rollout.engine import EngineHealth, GenerateResult, SamplingP
 from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
 from entr_megatron.rollout.tasks.environment import Environment, Episode, run_episodes  # noqa: E402
 from entr_megatron.rollout.tasks.search import SearchTask, search_tokenizer  # noqa: E402
-from entr_megatron.rollout.tasks.search_corpus import Corpus  # noqa: E402
+from entr_megatron.rollout.tasks.search_corpus import KINDS, Corpus  # noqa: E402
+from entr_megatron.rollout.tasks.search_worlds import (  # noqa: E402
+    WorldEnv, draw_question, follow, parse_question, question_text, world_entities,
+)
 from entr_megatron.rollout.tasks.tool_env import ToolEnv  # noqa: E402
 from entr_megatron.rollout.tools import (  # noqa: E402
     TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, ToolRunner, format_tool_call, parse_tool_calls,
@@ -29,6 +33,17 @@ def task():
 @pytest.fixture(scope="module")
 def task3():
     return SearchTask(hops=3, corpus_seed=3)
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """Every question in its own world of 8 entities (the CPU agent demo's setting)."""
+    return SearchTask(num_entities=8, world="per_episode")
+
+
+@pytest.fixture(scope="module")
+def worlds3():
+    return SearchTask(num_entities=12, hops=3, corpus_seed=5, world="per_episode")
 
 
 def sample_of(prompt_ids, response_ids):
@@ -98,13 +113,15 @@ def follow_question(corpus, text):
     return relations, chain
 
 
-@pytest.mark.parametrize("which", ["task", "task3"])
+@pytest.mark.parametrize("which", ["task", "task3", "worlds", "worlds3"])
 def test_every_gold_chain_is_answerable_by_its_searches(which, request):
     task = request.getfixturevalue(which)
-    corpus, tok = task.corpus, task.tokenizer
+    tok = task.tokenizer
     for split in ("train", "test"):
         for (prompt, target, mask), p in zip(task.sft_examples(split, 40, seed=1), task.problems(split, 40, seed=1)):
-            relations, chain = follow_question(corpus, tok.decode(prompt, skip_special_tokens=True))
+            question = tok.decode(prompt, skip_special_tokens=True)
+            corpus = task.world(question)  # the fixed corpus, or the question's own world
+            relations, chain = follow_question(corpus, question)
             assert len(relations) == task.hops and p.answer == chain[-1] and len(set(chain)) == len(chain)
             text = tok.decode(target, skip_special_tokens=False)
             calls = parse_tool_calls(text)
@@ -131,24 +148,29 @@ def test_train_and_test_questions_are_disjoint_and_prompts_pure(task):
 
 # --- reward and sft ---------------------------------------------------------------------------
 
-def test_reward_of_gold_wrong_and_unended_traces(task):
+@pytest.mark.parametrize("which", ["task", "worlds"])
+def test_reward_of_gold_wrong_and_unended_traces(which, request):
+    task = request.getfixturevalue(which)
     (prompt, target, _), = task.sft_examples("train", 1, seed=2)
     (_, answer), = task.prompts("train", 1, seed=2)
     eos = task.tokenizer.eos_token_id
     assert task.reward(sample_of(prompt, target), answer) == 1.0
     assert task.reward(sample_of(prompt, target + ids_of(task, "junk")), answer) == 1.0  # after EOS: ignored
     body = target[:-1 - len(ids_of(task, answer))]
-    wrong = next(n for n in task.corpus.entities if n != answer)
+    world = task.world(task.tokenizer.decode(prompt, skip_special_tokens=True))
+    wrong = next(n for n in world.entities if n != answer)
     assert task.reward(sample_of(prompt, body + ids_of(task, wrong) + [eos]), answer) == 0.0
     assert task.reward(sample_of(prompt, target[:-1]), answer) == 0.0  # no EOS
     assert task.reward(sample_of(prompt, body + ids_of(task, answer + "x") + [eos]), answer) == 0.0
     assert task.reward(sample_of(prompt, ids_of(task, f" {answer} ") + [eos]), answer) == 1.0  # no tool needed
 
 
-def test_sft_masks_exactly_the_observation_tokens(task3):
-    tok = task3.tokenizer
+@pytest.mark.parametrize("which", ["task3", "worlds"])
+def test_sft_masks_exactly_the_observation_tokens(which, request):
+    task = request.getfixturevalue(which)
+    tok = task.tokenizer
     open_id, close_id = (tok.convert_tokens_to_ids(t) for t in (TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE))
-    for _, target, mask in task3.sft_examples("train", 20, seed=0):
+    for _, target, mask in task.sft_examples("train", 20, seed=0):
         assert len(mask) == len(target)
         inside, expected = False, []
         for t in target:
@@ -158,8 +180,10 @@ def test_sft_masks_exactly_the_observation_tokens(task3):
         assert mask == expected and mask.count(False) > 0 and mask[-1] is True
 
 
-def test_run_episodes_reproduces_the_expert_trace(task):
+@pytest.mark.parametrize("which", ["task", "worlds"])
+def test_run_episodes_reproduces_the_expert_trace(which, request):
     """An engine that plays the expert's turns through the real agent loop gets the same sample."""
+    task = request.getfixturevalue(which)
     examples = task.sft_examples("test", 3, seed=0)
     answers = [a for _, a in task.prompts("test", 3, seed=0)]
 
@@ -189,9 +213,13 @@ def test_run_episodes_reproduces_the_expert_trace(task):
         def health(self):
             return EngineHealth(alive=True, weight_version=0)
 
-    env = task.new_environment()
-    assert isinstance(env, Environment)
-    episodes = [Episode(env, p, a) for (p, _, _), a in zip(examples, answers)]  # one env, shared: stateless
+    if task.corpus is not None:
+        env = task.new_environment()
+        assert isinstance(env, Environment)
+        episodes = [Episode(env, p, a) for (p, _, _), a in zip(examples, answers)]  # one env, shared: stateless
+    else:  # per_episode: an environment per episode, which takes the world of its prompt's question
+        episodes = [Episode(task.new_environment(), p, a) for (p, _, _), a in zip(examples, answers)]
+        assert all(isinstance(ep.env, WorldEnv) and isinstance(ep.env, Environment) for ep in episodes)
     samples = run_episodes(Replay(), episodes, SamplingParams(max_new_tokens=200), max_turns=4,
                            max_response_tokens=400)
     for s, (_, target, mask), a in zip(samples, examples, answers):
@@ -287,16 +315,20 @@ def test_demonstrations_cover_only_sft_questions_while_rl_draws_every_training_q
         SearchTask(num_entities=48, sft_questions=10_000)
 
 
-def test_train_sets_the_tool_limits_of_rollout_agent():
+@pytest.mark.parametrize("world", ["fixed", "per_episode"])
+def test_train_sets_the_tool_limits_of_rollout_agent(world):
     from entr_megatron.config import load_config
     from entr_megatron.controller.model_init import build_task
 
     cfg = load_config(None, ["task.name=search", "task.search.num_entities=16", "task.search.python_tool=true",
+                             f"task.search.world={world}",
                              "rollout.agent.tool_timeout_s=2.5", "rollout.agent.max_tool_output_chars=7"])
     t = build_task(cfg, search_tokenizer())
+    assert t.world_kind == world
     assert [tool.name for tool in t.tools] == ["search", "open", "python"]
     assert t.tools[-1].sandbox.limits.wall_s == pytest.approx(2.0)  # the sandbox stops before the runner gives up
     env = t.new_environment()
+    env.reset(t.tokenizer.encode(t.problems("train", 1, 0)[0].text), None)  # the world t.documents come from
     step = env.step(ids_of(t, format_tool_call(ToolCall("search", {"query": t.documents[0].title}))))
     response = t.tokenizer.decode(step.observation_ids)
     assert response == f"{TOOL_RESPONSE_OPEN}{t.documents[0].doc_id} {t.documents[0].text}"[:len(TOOL_RESPONSE_OPEN) + 7] \
@@ -318,3 +350,138 @@ def test_fuzzy_search_finds_a_misspelt_name_and_exact_search_does_not():
         hits += bool(found) and found[0].doc_id == doc.doc_id
         assert fuzzy.corpus.search(doc.title, 1)[0].doc_id == doc.doc_id  # exact names still rank first
     assert hits >= 0.8 * len(exact.documents), hits
+
+
+# --- per-episode worlds -----------------------------------------------------------------------
+
+def test_parse_question_inverts_question_text_and_refuses_anything_else():
+    assert question_text("velora", ("founder", "home")) == "q: home of founder of velora?"
+    assert parse_question("q: home of founder of velora?") == ("velora", ("founder", "home"))
+    assert parse_question("q: leader of country of base of kesa?") == ("kesa", ("base", "country", "leader"))
+    rng = __import__("random").Random(0)
+    for hops in (2, 3):
+        for _ in range(200):
+            start, relations = draw_question(rng, hops)
+            assert len(relations) == hops and re.fullmatch(r"[a-z]{4,6}", start)
+            assert parse_question(question_text(start, relations)) == (start, relations)
+    for bad in ("q: home of velora", "home of founder of velora?", "q: velora?", "q: wife of velora?"):
+        with pytest.raises(ValueError, match="question|relation"):
+            parse_question(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_question("q: country of founder of velora?")  # a founder is a person: no country
+
+
+# Hand-checked: the documents of these two worlds were read and each chain followed by eye.
+HAND_CHECKED = {
+    "q: home of founder of velora?": (
+        ["d0 velora: founder nunul, base satobo.", "d1 nunul: home robosu, employer velora.",
+         "d2 satobo: country lipan.", "d3 lipan: leader dinin.", "d4 robosu: country lipan.",
+         "d5 gedara: founder dinin, base robosu.", "d6 duzir: leader dinin.",
+         "d7 dinin: home robosu, employer gedara."],
+        ["velora", "nunul", "robosu"]),
+    "q: employer of leader of tarnis?": (
+        ["d0 tarnis: leader dadi.", "d1 dunu: leader dezasi.", "d2 dezasi: home kusu, employer zavon.",
+         "d3 fazar: country tarnis.", "d4 zavon: founder dadi, base fazar.", "d5 kusu: country dunu.",
+         "d6 dube: founder dezasi, base fazar.", "d7 dadi: home fazar, employer dube."],
+        ["tarnis", "dadi", "dube"]),
+}
+
+
+@pytest.mark.parametrize("text", sorted(HAND_CHECKED))
+def test_a_world_is_drawn_from_its_question_and_answered_through_the_real_bm25_tool(text, worlds):
+    documents, chain = HAND_CHECKED[text]
+    corpus = worlds.world(text)
+    assert [f"{d.doc_id} {d.text}" for d in corpus.documents] == documents
+    assert Corpus.of_entities(world_entities(text, 8, seed=0)).documents == corpus.documents  # pure
+    start, relations = parse_question(text)
+    assert follow(corpus.entities, start, relations) == chain
+    # The expert's trace through a WorldEnv, whose search tool is BM25 over these 8 documents.
+    problem = problem_of(worlds, text)
+    assert problem.answer == chain[-1] and list(problem.chain) == chain
+    target, mask = worlds.expert_trace(problem)
+    trace = worlds.tokenizer.decode(target, skip_special_tokens=False)
+    first, second = (d for c in chain[:-1] for d in documents if d.split(" ")[1] == f"{c}:")
+    assert trace == (f'<tool_call>{{"name":"search","arguments":{{"query":"{chain[0]}"}}}}</tool_call>'
+                     f"<tool_response>{first}</tool_response>"
+                     f'<tool_call>{{"name":"search","arguments":{{"query":"{chain[1]}"}}}}</tool_call>'
+                     f"<tool_response>{second}</tool_response>{chain[2]}</s>")
+    prompt = worlds.tokenizer.encode(text)
+    assert worlds.reward(sample_of(prompt, target), chain[-1]) == 1.0
+
+
+def problem_of(task, text):
+    """The task's problem whose question is `text` (built the way `problems` builds them)."""
+    from entr_megatron.rollout.tasks.search import SearchProblem
+
+    start, relations = parse_question(text)
+    chain = follow(task.world(text).entities, start, relations)
+    return SearchProblem(text, chain[-1], tuple(chain), relations)
+
+
+@pytest.mark.parametrize("which", ["worlds", "worlds3"])
+def test_worlds_hold_their_question_two_of_each_kind_and_differ_by_seed(which, request):
+    task = request.getfixturevalue(which)
+    for p in task.problems("train", 50, seed=3):
+        corpus = task.world(p.text)
+        kinds = [e.kind for e in corpus.entities.values()]
+        assert len(corpus.entities) == task.num_entities and all(kinds.count(k) >= 2 for k in KINDS)
+        start = corpus.entities[p.chain[0]]
+        assert start.kind == {"founder": "company", "base": "company", "home": "person", "employer": "person",
+                              "country": "city", "leader": "country"}[p.relations[0]]
+        assert len(set(p.chain)) == len(p.chain)  # the answer is never an entity already visited
+        other = Corpus.of_entities(world_entities(p.text, task.num_entities, seed=task.corpus_seed + 1))
+        assert [d.text for d in other.documents] != [d.text for d in corpus.documents]
+
+
+def test_per_episode_splits_share_no_question_and_no_world_and_prompts_are_pure(worlds):
+    train = worlds.problems("train", 3000, seed=0)
+    test = worlds.problems("test", 1000, seed=0)
+    assert len({p.text for p in train}) == 3000 and len({p.text for p in test}) == 1000  # distinct per call
+    assert not {p.text for p in train} & {p.text for p in test}
+    world_of = lambda p: tuple(d.text for d in worlds.world(p.text).documents)  # noqa: E731
+    assert not {world_of(p) for p in train} & {world_of(p) for p in test}
+    # training questions come from a stream of millions: another seed, (almost) other questions
+    assert len({p.text for p in worlds.problems("train", 1000, seed=1)} & {p.text for p in train[:1000]}) < 20
+    assert worlds.prompts("train", 8, seed=5) == worlds.prompts("train", 8, seed=5)
+    assert SearchTask(num_entities=8, world="per_episode").prompts("test", 8, seed=0) == worlds.prompts("test", 8, 0)
+    assert worlds.prompts("test", 8, seed=0) != SearchTask(num_entities=8, corpus_seed=1, world="per_episode").prompts(
+        "test", 8, seed=0)
+
+
+def test_world_env_takes_the_world_of_its_prompt_and_a_fresh_one_resumes_the_same(worlds):
+    (p1, a1), (p2, a2) = worlds.prompts("train", 2, seed=7)
+    env1, env2 = worlds.new_environment(), worlds.new_environment()
+    assert env1 is not env2 and env1.stop_token_ids == (worlds.tokenizer.convert_tokens_to_ids("</tool_call>"),)
+    with pytest.raises(AssertionError, match="before reset"):
+        env1.step(ids_of(worlds, "x</tool_call>"))
+    assert env1.reset(p1, None) == p1 and env2.reset(p2, None) == p2  # the controller passes no reference
+    q1, q2 = (worlds.tokenizer.decode(p, skip_special_tokens=True) for p in (p1, p2))
+    start1 = parse_question(q1)[0]
+    turn = ids_of(worlds, format_tool_call(ToolCall("search", {"query": start1})))
+    doc = worlds.world(q1).document_of(start1)
+    assert worlds.tokenizer.decode(env1.step(turn).observation_ids) == (
+        f"{TOOL_RESPONSE_OPEN}{doc.doc_id} {doc.text}{TOOL_RESPONSE_CLOSE}")
+    # the other episode's world does not hold that name (a fresh one each question)
+    assert start1 not in worlds.world(q2).entities
+    assert worlds.tokenizer.decode(env2.step(turn).observation_ids) == f"{TOOL_RESPONSE_OPEN}no results{TOOL_RESPONSE_CLOSE}"
+    resumed = worlds.new_environment()  # an episode paused and continued gets a new env, reset with its prompt
+    resumed.reset(p1, None)
+    assert resumed.step(turn).observation_ids == env1.step(turn).observation_ids
+    with pytest.raises(ValueError, match="not a search question"):
+        worlds.new_environment().reset(ids_of(worlds, "hello"), None)
+
+
+def test_per_episode_config_and_constructor_validate_world_and_sft_questions():
+    from entr_megatron.config.task import SearchTaskConfig
+    from entr_megatron.config.validate import FieldError
+
+    assert SearchTaskConfig().world == "fixed"
+    with pytest.raises(FieldError, match=r"task\.search\.world='mixed'.*fixed, per_episode"):
+        SearchTaskConfig(world="mixed")
+    with pytest.raises(FieldError, match=r"task\.search\.sft_questions=10 is not valid with world='per_episode'"):
+        SearchTaskConfig(world="per_episode", sft_questions=10)
+    with pytest.raises(ValueError, match="world must be one of"):
+        SearchTask(world="mixed")
+    with pytest.raises(ValueError, match="sft_questions"):
+        SearchTask(num_entities=8, world="per_episode", sft_questions=5)
+    assert SearchTask(num_entities=8, world="per_episode").corpus is None

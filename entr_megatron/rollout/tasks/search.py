@@ -4,6 +4,7 @@
     task.prompts("train", 4, seed=0)                    # [([<s> q : ...], "dunmore"), ...]
     env = task.new_environment()                        # ToolEnv with `search` and `open`
     task.sft_examples("train", 64, seed=0)              # expert traces for a warm-up
+    SearchTask(num_entities=8, world="per_episode")     # every question in its own world of 8 entities
 
 A question composes `hops` relations from a start entity ("q: home of founder of velora?":
 the founder of the company velora, then where that person lives). Each document states only
@@ -20,21 +21,32 @@ prompt + ~104 policy + ~70 observation tokens (~205 in all), a 3-hop one ~41 + ~
 Reward: 1.0 iff the text after the last `</tool_response>`, up to EOS, is the answer and EOS
 was written; the env gives none.
 
-Splits: the corpus is shared; each question belongs to train or test by a hash of its
-text (`base.split_of`), so the splits never share a question, though they share
-documents and sub-chains (what transfers is the skill of following links by search).
+Worlds (`world`): "fixed", one corpus of `num_entities` entities that every question is asked
+of; "per_episode", every question its own world of `num_entities` entities drawn from the
+question text (`search_worlds.py`: a fresh start name, new links, nothing to memorise), indexed
+by BM25 on first use and kept in a cache of `WORLD_CACHE` worlds.
+
+Splits: each question belongs to train or test by a hash of its text (`base.split_of`), so the
+splits never share a question. On the fixed corpus they share documents and sub-chains (what
+should transfer is the skill of following links by search, though a tiny model memorises the
+training chains instead); with per-episode worlds they share no world.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from entr_megatron.config.task import SearchWorld
 from entr_megatron.rollout.tasks.base import answer_after, check_split, final_answer_reward, split_of
 from entr_megatron.rollout.tasks.search_corpus import (
     MAX_ENTITIES, MIN_ENTITIES, RELATIONS, Corpus, OpenTool, SearchTool,
+)
+from entr_megatron.rollout.tasks.search_worlds import (
+    WorldEnv, draw_question, follow, question_text, world_entities,
 )
 from entr_megatron.rollout.tasks.tool_env import ToolEnv
 from entr_megatron.rollout.tools.calls import (
@@ -42,10 +54,15 @@ from entr_megatron.rollout.tools.calls import (
 )
 from entr_megatron.types import Sample
 
-__all__ = ["EXTRA_CHARS", "HOPS", "MAX_TOP_K", "SearchProblem", "SearchTask", "final_answer", "search_tokenizer"]
+__all__ = ["EXTRA_CHARS", "HOPS", "MAX_TOP_K", "WORLDS", "WORLD_CACHE", "SearchProblem", "SearchTask",
+           "final_answer", "question_text", "search_tokenizer"]
 
 HOPS = (2, 3)
 MAX_TOP_K = 10
+WORLDS: tuple[str, ...] = get_args(SearchWorld)
+WORLD_CACHE = 4096
+"""Per-episode worlds kept built (index and tools): a training step asks for a few, an evaluation for
+task.eval_size; one costs ~5 ms to build at 8 entities."""
 EXTRA_CHARS = '{}"_[]\'\n' + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Characters beyond the base character set: JSON of the calls, the truncation mark, newlines between
 search results, and the capitals and quotes of error messages ("LookupError: no document 'd99'")."""
@@ -68,11 +85,6 @@ class SearchProblem:
     """The entities from the start to the answer (hops + 1 names): the expert searches all but the last."""
     relations: tuple[str, ...]
     """The relation followed at each hop."""
-
-
-def question_text(start: str, relations: tuple[str, ...]) -> str:
-    """ "q: home of founder of velora?" for relations ("founder", "home") from "velora"."""
-    return "q: " + " of ".join(reversed(relations)) + f" of {start}?"
 
 
 def all_problems(corpus: Corpus, hops: int) -> list[SearchProblem]:
@@ -132,17 +144,21 @@ class SearchTask:
         sft_questions: int | None = None,
         fuzzy_search: bool = False,
         tokenizer: Any = None,
+        world: str = "fixed",
     ):
-        """num_entities: corpus size (a quarter each companies, people, cities, countries);
-        hops: searches a question needs (2 or 3); top_k: documents per search answer;
-        corpus_seed: which world; test_fraction / split_seed: which questions are held out;
+        """num_entities: corpus size (a quarter each companies, people, cities, countries; per_episode:
+        the size of each question's world); hops: searches a question needs (2 or 3); top_k: documents
+        per search answer; corpus_seed: which world (per_episode: which family of worlds and questions);
+        test_fraction / split_seed: which questions are held out;
         tool_timeout_s / max_tool_output_chars: the `ToolRunner` limits of each call;
         python_tool: also offer `python` (rollout.tools.sandbox.PythonTool: code in a sandboxed process);
         sft_questions: demonstrations (`sft_examples`) exist for only this many training questions (a
-        fixed subset); RL still draws from all of them. None: every training question has one;
+        fixed subset); RL still draws from all of them. None: every training question has one (the
+        only choice with per_episode worlds);
         fuzzy_search: BM25 over words and their character trigrams (a misspelt name still finds its
         document; `search_corpus.index_terms`);
-        tokenizer: an HF tokenizer with the Hermes markers as single tokens (default `search_tokenizer()`)."""
+        tokenizer: an HF tokenizer with the Hermes markers as single tokens (default `search_tokenizer()`);
+        world: "fixed" (one corpus) or "per_episode" (one world per question: module docstring)."""
         _check_int("num_entities", num_entities, MIN_ENTITIES, MAX_ENTITIES)
         if hops not in HOPS or isinstance(hops, bool):
             raise ValueError(f"hops must be one of {HOPS}, got {hops!r}")
@@ -151,63 +167,107 @@ class SearchTask:
         _check_int("split_seed", split_seed, 0, math.inf)
         if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-        if isinstance(tool_timeout_s, bool) or not isinstance(tool_timeout_s, (int, float)) or not (
-            0 < tool_timeout_s < math.inf
-        ):
-            raise ValueError(f"tool_timeout_s must be a finite number > 0, got {tool_timeout_s!r}")
-        _check_int("max_tool_output_chars", max_tool_output_chars, 1, math.inf)
+        if world not in WORLDS:
+            raise ValueError(f"world must be one of {WORLDS}, got {world!r}")
+        if world == "per_episode" and sft_questions is not None:
+            raise ValueError(f"sft_questions must be None with world='per_episode' (every question is new), "
+                             f"got {sft_questions!r}")
         self.num_entities, self.hops, self.top_k, self.corpus_seed = num_entities, hops, top_k, corpus_seed
-        self.test_fraction, self.split_seed = float(test_fraction), split_seed
+        self.test_fraction, self.split_seed, self.world_kind = float(test_fraction), split_seed, world
+        self.fuzzy_search, self.python_tool = bool(fuzzy_search), bool(python_tool)
         self.tokenizer = search_tokenizer() if tokenizer is None else tokenizer
-        self.corpus = Corpus(num_entities, corpus_seed, fuzzy=bool(fuzzy_search))
-        self._tools: tuple[Tool, ...] = (SearchTool(self.corpus, top_k), OpenTool(self.corpus))
-        if python_tool:
-            from entr_megatron.rollout.tools.sandbox import PythonTool
-
-            self._tools += (PythonTool(_sandbox_limits(tool_timeout_s)),)
-        self._runner = ToolRunner(self._tools, timeout_s=tool_timeout_s, max_output_chars=max_tool_output_chars)
-        ToolEnv(self.tokenizer, self._runner)  # the markers must be single tokens: fail here, not mid-run
+        ToolEnv(self.tokenizer, ToolRunner(()))  # the markers must be single tokens: fail here, not mid-run
+        self.corpus = None if world == "per_episode" else Corpus(num_entities, corpus_seed, fuzzy=self.fuzzy_search)
+        self.set_tool_limits(tool_timeout_s, max_tool_output_chars)  # validates them
+        self.sft_questions = sft_questions
+        if self.corpus is None:
+            return
         pool = all_problems(self.corpus, hops)
         self._pools = {s: [p for p in pool if split_of(p.text, self.test_fraction, split_seed) == s]
                        for s in ("train", "test")}
         if sft_questions is not None:
             _check_int("sft_questions", sft_questions, 1, len(self._pools["train"]))
-        self.sft_questions = sft_questions
         self._demonstrated = self._pools["train"] if sft_questions is None else random.Random(
             f"search-sft:{corpus_seed}").sample(self._pools["train"], sft_questions)
 
     def set_tool_limits(self, timeout_s: float, max_output_chars: int) -> None:
         """The `ToolRunner` limits of every call from now on (`train` sets rollout.agent's); the python
         tool's sandbox ends its process at the same wall-clock limit."""
-        tools = list(self._tools)
-        if tools[-1].name == "python":
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise ValueError(f"tool_timeout_s must be a finite number > 0, got {timeout_s!r}")
+        _check_int("max_tool_output_chars", max_output_chars, 1, math.inf)
+        self._timeout_s, self._max_output_chars = float(timeout_s), max_output_chars
+        self._python: Tool | None = None
+        if self.python_tool:
             from entr_megatron.rollout.tools.sandbox import PythonTool
 
-            tools[-1] = PythonTool(_sandbox_limits(timeout_s))
-        self._tools = tuple(tools)
-        self._runner = ToolRunner(self._tools, timeout_s=timeout_s, max_output_chars=max_output_chars)
+            self._python = PythonTool(_sandbox_limits(timeout_s))
+        if self.corpus is not None:
+            self._runner = self._runner_of_corpus(self.corpus)
+        # per-episode worlds are built on use, with the limits of that moment: none is kept from before
+        self._world = functools.lru_cache(maxsize=WORLD_CACHE)(self._build_world)
+
+    def _runner_of_corpus(self, corpus: Corpus) -> ToolRunner:
+        tools: tuple[Tool, ...] = (SearchTool(corpus, self.top_k), OpenTool(corpus))
+        if self._python is not None:
+            tools += (self._python,)
+        return ToolRunner(tools, timeout_s=self._timeout_s, max_output_chars=self._max_output_chars)
+
+    def _build_world(self, text: str) -> tuple[Corpus, ToolRunner]:
+        corpus = Corpus.of_entities(world_entities(text, self.num_entities, self.corpus_seed), self.fuzzy_search)
+        return corpus, self._runner_of_corpus(corpus)
+
+    def world(self, text: str) -> Corpus:
+        """The corpus question `text` is asked of: the fixed corpus, or (per_episode) its own world."""
+        return self.corpus if self.corpus is not None else self._world(text)[0]
+
+    def _runner_of_question(self, text: str) -> ToolRunner:
+        return self._runner if self.corpus is not None else self._world(text)[1]
 
     @property
     def documents(self) -> list:
-        """The corpus's documents (`search_corpus.Document`: doc_id, title, text), by doc id order."""
-        return self.corpus.documents
+        """The corpus's documents (`search_corpus.Document`: doc_id, title, text), by doc id order;
+        per_episode: those of the first training question's world."""
+        return self.world(self._first_question()).documents
 
     @property
     def tools(self) -> tuple[Tool, ...]:
-        """The `search` and `open` tools (for `rollout.tools.tool_schema`, or a chat template)."""
-        return self._tools
+        """The `search` and `open` tools (for `rollout.tools.tool_schema`, or a chat template); per_episode:
+        those of the first training question's world (every world's have the same names and schemas)."""
+        return tuple(self._runner_of_question(self._first_question()).tools.values())
+
+    def _first_question(self) -> str:
+        return "" if self.corpus is not None else self.problems("train", 1, 0)[0].text
 
     def problems(self, split: str, n: int, seed: int, *, demonstrated: bool = False) -> list[SearchProblem]:
         """`n` questions of `split` (distinct when the split holds `n`), a pure function of the arguments;
         `demonstrated`: of the training questions that have demonstrations (`sft_questions`)."""
         check_split(split)
         _check_int("n", n, 0, math.inf)
+        if self.corpus is None:
+            return self._fresh_problems(split, n, seed)
         pool = self._demonstrated if demonstrated and split == "train" else self._pools[split]
         if not pool:
             raise ValueError(f"the {split!r} split has no questions (num_entities={self.num_entities}, "
                              f"test_fraction={self.test_fraction})")
         rng = random.Random(f"search:{split}:{seed}")
         return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
+
+    def _fresh_problems(self, split: str, n: int, seed: int) -> list[SearchProblem]:
+        """per_episode: `n` distinct new questions of `split` (drawn, then kept when their text hashes to
+        `split`), each answered in its own world."""
+        rng = random.Random(f"search-worlds:{self.corpus_seed}:{split}:{seed}")
+        out: list[SearchProblem] = []
+        seen: set[str] = set()
+        while len(out) < n:
+            start, relations = draw_question(rng, self.hops)
+            text = question_text(start, relations)
+            if text in seen or split_of(text, self.test_fraction, self.split_seed) != split:
+                continue
+            seen.add(text)
+            chain = follow(self.world(text).entities, start, relations)
+            out.append(SearchProblem(text, chain[-1], tuple(chain), relations))
+        return out
 
     def prompts(self, split: str, n: int, seed: int) -> list[tuple[list[int], str]]:
         """(prompt ids = BOS + question, answer) pairs."""
@@ -221,26 +281,31 @@ class SearchTask:
         """Exact match of the final answer (tool calls and responses before it are skipped)."""
         return self.answer_reward(sample.response_ids, reference)
 
-    def new_environment(self) -> ToolEnv:
-        """A `ToolEnv` with this task's tools (stateless: any episode may use any one)."""
+    def new_environment(self) -> ToolEnv | WorldEnv:
+        """The environment of one episode: a `ToolEnv` with the corpus's tools (stateless: any episode
+        may use any one), or per_episode a `WorldEnv` that takes its question's world at reset."""
+        if self.corpus is None:
+            return WorldEnv(self.tokenizer, self._runner_of_question)
         return ToolEnv(self.tokenizer, self._runner)
 
-    def expert_trace(self, problem: SearchProblem, env: ToolEnv | None = None) -> tuple[list[int], list[bool]]:
+    def expert_trace(self, problem: SearchProblem, env: ToolEnv | WorldEnv | None = None) -> tuple[list[int], list[bool]]:
         """(response ids, loss mask) of the expert on `problem`: a search per hop, run through a real
-        `ToolEnv` (so the observations are what the env returns), then answer + EOS. Mask False on
-        observation tokens."""
+        environment (reset with the problem's prompt, so the observations are what the env returns),
+        then answer + EOS. Mask False on observation tokens."""
         env = env or self.new_environment()
         enc = self.tokenizer.encode
+        env.reset(enc(problem.text), problem.answer)
+        world = self.world(problem.text)
         response: list[int] = []
         mask: list[bool] = []
         for query, nxt in zip(problem.chain[:-1], problem.chain[1:]):
             turn = enc(format_tool_call(ToolCall("search", {"query": query})), add_special_tokens=False)
             step = env.step(turn)
-            doc = self.corpus.document_of(query)
+            doc = world.document_of(query)
             seen = step.tool_outcomes[0].text if len(step.tool_outcomes) == 1 else ""
             if step.done or not seen.startswith(f"{doc.doc_id} {doc.text}"):
                 raise ValueError(f"the expert's search for {query!r} did not rank its document first ({seen!r}); "
-                                 f"is max_tool_output_chars={self._runner.max_output_chars} too small?")
+                                 f"is max_tool_output_chars={self._max_output_chars} too small?")
             response += turn + step.observation_ids
             mask += [True] * len(turn) + [False] * len(step.observation_ids)
         final = enc(problem.answer, add_special_tokens=False) + [self.tokenizer.eos_token_id]
@@ -251,9 +316,8 @@ class SearchTask:
     def sft_examples(self, split: str, n: int, seed: int) -> list[tuple[list[int], list[int], list[bool]]]:
         """(prompt ids, target ids, target mask) of expert traces (`expert_trace`) on `n` questions of
         `split` (of training, only those with demonstrations: `sft_questions`)."""
-        env = self.new_environment()
         out = []
         for p in self.problems(split, n, seed, demonstrated=True):
-            target, mask = self.expert_trace(p, env)
+            target, mask = self.expert_trace(p)
             out.append((self.tokenizer.encode(p.text), target, mask))
         return out

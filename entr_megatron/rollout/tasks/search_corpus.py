@@ -4,14 +4,16 @@
     corpus.entities["velora"]            # Entity(name="velora", kind="company", doc_id="d0",
                                          #        links={"founder": "marek", "base": "dunmore"})
     corpus.search("velora", k=1)         # [Document("d0", "velora", "velora: founder marek, base dunmore.")]
+    Corpus.of_entities(draw_entities(8, rng, anchor=("velora", "company")))   # a small world holding velora
     SearchTool(corpus, top_k=1)(query="velora")   # "d0 velora: founder marek, base dunmore."
     OpenTool(corpus)(doc_id="d0")                 # "velora: founder marek, base dunmore."
 
 Entities are companies, people, cities and countries with invented names (syllables,
 lowercase, at most 6 characters, unique, never a word of the documents), linked by the
 relations of `RELATIONS` (a company's founder is a person, a person lives in a city, ...).
-Everything is drawn from `seed` alone. Documents stay under ~55 characters: the task's
-sequences are tokenized by character for a tiny model.
+Everything is drawn from `seed` alone (`draw_entities`, which also draws the search task's
+per-episode worlds around their question's start entity: `search_worlds.py`). Documents stay
+under ~55 characters: the task's sequences are tokenized by character for a tiny model.
 
 Retrieval is BM25 (`bm25s`, no stemming, no stopwords). A document is indexed with its
 title in front of its text, so the name counts twice there and once in any document that
@@ -25,7 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "RELATIONS", "Corpus", "Document", "Entity", "OpenTool", "Relation", "SearchTool"]
+__all__ = ["KINDS", "RELATIONS", "Corpus", "Document", "Entity", "OpenTool", "Relation", "SearchTool", "draw_entities",
+           "draw_name", "draw_names"]
 
 KINDS = ("company", "person", "city", "country")
 
@@ -93,16 +96,45 @@ def _name(rng: random.Random) -> str:
     return name
 
 
-def draw_names(n: int, rng: random.Random) -> list[str]:
-    """`n` distinct syllable names (4-6 lowercase letters), none a word of the document templates."""
+def draw_name(rng: random.Random) -> str:
+    """One syllable name (4-6 lowercase letters) that is not a word of the document templates."""
+    while True:
+        name = _name(rng)
+        if name not in _TEMPLATE_WORDS:
+            return name
+
+
+def draw_names(n: int, rng: random.Random, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """`n` distinct syllable names (4-6 lowercase letters), none a word of the document templates
+    nor in `exclude`."""
     names: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(exclude)
     while len(names) < n:
         name = _name(rng)
         if name not in seen and name not in _TEMPLATE_WORDS:
             seen.add(name)
             names.append(name)
     return names
+
+
+def draw_entities(num_entities: int, rng: random.Random, anchor: tuple[str, str] | None = None) -> dict[str, Entity]:
+    """`num_entities` entities (kinds in equal shares, shuffled; names from `draw_names`; doc ids d0,
+    d1, ... in order) and their links, each drawn uniformly among the entities of the target kind.
+    anchor: (name, kind) of an entity that must be among them (it takes the first place of its kind)."""
+    names = draw_names(num_entities, rng, frozenset() if anchor is None else frozenset({anchor[0]}))
+    kinds = [KINDS[i % len(KINDS)] for i in range(num_entities)]
+    rng.shuffle(kinds)
+    if anchor is not None:
+        if anchor[1] not in KINDS:
+            raise ValueError(f"anchor kind must be one of {KINDS}, got {anchor[1]!r}")
+        names[kinds.index(anchor[1])] = anchor[0]
+    entities = {name: Entity(name, kind, f"d{i}") for i, (name, kind) in enumerate(zip(names, kinds))}
+    by_kind = {k: [e.name for e in entities.values() if e.kind == k] for k in KINDS}
+    for entity in entities.values():
+        for r in RELATIONS:
+            if r.source == entity.kind:
+                entity.links[r.name] = rng.choice(by_kind[r.target])
+    return entities
 
 
 class Corpus:
@@ -115,18 +147,17 @@ class Corpus:
             MIN_ENTITIES <= num_entities <= MAX_ENTITIES
         ):
             raise ValueError(f"num_entities must be an int in [{MIN_ENTITIES}, {MAX_ENTITIES}], got {num_entities!r}")
-        rng = random.Random(f"search-corpus:{seed}")
-        names = draw_names(num_entities, rng)
-        kinds = [KINDS[i % len(KINDS)] for i in range(num_entities)]
-        rng.shuffle(kinds)
-        self.entities: dict[str, Entity] = {
-            name: Entity(name, kind, f"d{i}") for i, (name, kind) in enumerate(zip(names, kinds))
-        }
-        by_kind = {k: [e.name for e in self.entities.values() if e.kind == k] for k in KINDS}
-        for entity in self.entities.values():
-            for r in RELATIONS:
-                if r.source == entity.kind:
-                    entity.links[r.name] = rng.choice(by_kind[r.target])
+        self._index(draw_entities(num_entities, random.Random(f"search-corpus:{seed}")), fuzzy)
+
+    @classmethod
+    def of_entities(cls, entities: dict[str, Entity], fuzzy: bool = False) -> Corpus:
+        """The corpus of given entities (`draw_entities`; a per-episode world of the search task)."""
+        corpus = cls.__new__(cls)
+        corpus._index(entities, fuzzy)
+        return corpus
+
+    def _index(self, entities: dict[str, Entity], fuzzy: bool) -> None:
+        self.entities = entities
         self.documents = [
             Document(e.doc_id, e.name, DOCUMENT_TEMPLATES[e.kind].format(name=e.name, **e.links))
             for e in self.entities.values()
