@@ -44,10 +44,16 @@ from entr_megatron.models.mapping import (
     hf_names,
     megatron_names,
     megatron_shape,
+    mtp_hf_prefixes,
     to_hf,
     to_hf_state_dict,
 )
-from entr_megatron.models.megatron_config import ACTIVATIONS, gpt_model_kwargs, transformer_config_kwargs
+from entr_megatron.models.megatron_config import (
+    ACTIVATIONS,
+    gpt_model_kwargs,
+    transformer_config_class,
+    transformer_config_kwargs,
+)
 from entr_megatron.models.sharding import (
     LAYOUT_REASONS,
     TP_SPLITS,
@@ -62,7 +68,7 @@ from entr_megatron.models.sharding import (
     tp_split,
     unshard,
 )
-from entr_megatron.models.spec import MegatronNaming, ModelSpec
+from entr_megatron.models.spec import LatentAttention, MegatronNaming, ModelSpec, YarnRope
 
 __all__ = [
     "ACTIVATIONS",
@@ -70,11 +76,13 @@ __all__ = [
     "HF_LAYOUTS",
     "LAYOUT_REASONS",
     "TP_SPLITS",
+    "LatentAttention",
     "LayoutConflict",
     "MegatronNaming",
     "ModelFamily",
     "ModelSpec",
     "TpSplit",
+    "YarnRope",
     "architecture_fields",
     "architecture_hf_config",
     "check_architecture",
@@ -92,6 +100,7 @@ __all__ = [
     "megatron_names",
     "megatron_shape",
     "merge_gated",
+    "mtp_hf_prefixes",
     "model_spec",
     "offset_layer",
     "pad_vocab_rows",
@@ -102,6 +111,7 @@ __all__ = [
     "tp_split",
     "to_hf",
     "to_hf_state_dict",
+    "transformer_config_class",
     "transformer_config_kwargs",
     "unshard",
 ]

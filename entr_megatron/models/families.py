@@ -18,7 +18,7 @@ import torch
 
 from entr_megatron.models import mapping, megatron_config, tables
 from entr_megatron.models.hf_config import ConfigReader, config_dict, hf_config_fields
-from entr_megatron.models.spec import MegatronNaming, ModelSpec
+from entr_megatron.models.spec import LatentAttention, MegatronNaming, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -30,28 +30,33 @@ class HfDefaults:
     head_dim: int | None  # None: hidden_size // num_attention_heads
 
 
-def _read_dense(r: ConfigReader, defaults: HfDefaults) -> dict[str, Any]:
-    """Fields every family shares (attention, embeddings, dense MLP width, RoPE)."""
+def _read_common(r: ConfigReader, defaults: HfDefaults, **rope: Any) -> dict[str, Any]:
+    """Fields every family shares (embeddings, layers, dense MLP width, norms, RoPE); `rope` goes to
+    `ConfigReader.rope` (partial RoPE, YaRN)."""
     r.refuse_common()
-    hidden = r.positive_int("hidden_size")
-    heads = r.positive_int("num_attention_heads")
-    head_dim_default = defaults.head_dim if defaults.head_dim is not None else hidden // heads
-    theta, llama3_factor = r.rope(defaults.rope_theta)
     return dict(
         num_layers=r.positive_int("num_hidden_layers"),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=r.positive_int("num_key_value_heads"),
-        head_dim=r.positive_int("head_dim", head_dim_default),
+        hidden_size=r.positive_int("hidden_size"),
+        num_attention_heads=r.positive_int("num_attention_heads"),
         ffn_hidden_size=r.positive_int("intermediate_size"),
         vocab_size=r.positive_int("vocab_size"),
         max_position_embeddings=r.positive_int("max_position_embeddings"),
         rms_norm_eps=float(r.get("rms_norm_eps", defaults.rms_norm_eps)),
-        rope_theta=theta,
-        llama3_rope_factor=llama3_factor,
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
         qkv_bias=False,
         qk_norm=False,
+        **r.rope(defaults.rope_theta, **rope),
+    )
+
+
+def _read_dense(r: ConfigReader, defaults: HfDefaults, **rope: Any) -> dict[str, Any]:
+    """`_read_common` and grouped-query attention's shape."""
+    fields = _read_common(r, defaults, **rope)
+    head_dim_default = (defaults.head_dim if defaults.head_dim is not None
+                        else fields["hidden_size"] // fields["num_attention_heads"])
+    return fields | dict(
+        num_query_groups=r.positive_int("num_key_value_heads"),
+        head_dim=r.positive_int("head_dim", head_dim_default),
     )
 
 
@@ -119,6 +124,103 @@ def read_mixtral(r: ConfigReader) -> dict[str, Any]:
     )
 
 
+def _boolean(r: ConfigReader, field: str, default: bool) -> bool:
+    value = r.get(field, default)
+    if not isinstance(value, bool):
+        r.refuse(field, value, "must be a boolean", "true or false")
+    return value
+
+
+def _non_negative_int(r: ConfigReader, field: str, default: int, alias: str | None = None) -> int:
+    value = r.get(field)
+    if value is None and alias is not None:
+        field, value = alias, r.get(alias)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{r.model_type} config: field {field!r} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _read_sigmoid_router(r: ConfigReader, *, groups: tuple[int, int], scaling: float,
+                         first_dense: int) -> dict[str, Any]:
+    """DeepSeek-V3's MoE layers (GLM-4.5's are the same): sigmoid scores, `e_score_correction_bias`
+    added to choose the experts (from the best `topk_group` of `n_group` groups, a group scored by
+    its two best experts), the chosen scores renormalised and multiplied by routed_scaling_factor;
+    a shared expert MLP beside them; the first `first_k_dense_replace` layers dense.
+
+    Megatron's sigmoid router (moe_utils.topk_routing_with_score_function) always renormalises when
+    top-k > 1 and never at top-k = 1, and scores a group by its best top_k // group_topk experts:
+    configs where that differs from HF are refused."""
+    experts = r.positive_int("n_routed_experts", alias="num_local_experts")
+    topk = r.positive_int("num_experts_per_tok")
+    if not _boolean(r, "norm_topk_prob", True):
+        r.refuse("norm_topk_prob", False, "Megatron's sigmoid router always renormalises the top-k weights", "true")
+    if topk == 1:
+        r.refuse("num_experts_per_tok", 1, "Megatron's sigmoid router does not renormalise a single expert's "
+                 "weight, HF does (to 1)", ">= 2")
+    n_group, topk_group = r.positive_int("n_group", groups[0]), r.positive_int("topk_group", groups[1])
+    if experts % n_group or experts // n_group < 2:
+        r.refuse("n_group", n_group, f"must split n_routed_experts={experts} into groups of 2 or more experts",
+                 f"a divisor of {experts} at most {experts // 2}")
+    if topk_group > n_group:
+        r.refuse("topk_group", topk_group, f"more groups than n_group={n_group}", f"<= {n_group}")
+    grouped = topk_group < n_group  # choosing every group is no choice
+    if grouped and topk // topk_group != 2:
+        r.refuse("topk_group", topk_group, "HF scores a group by its 2 best experts, Megatron by its best "
+                 f"num_experts_per_tok // topk_group = {topk // topk_group}", f"num_experts_per_tok / 2 = {topk / 2:g}")
+    factor = r.get("routed_scaling_factor", scaling)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        r.refuse("routed_scaling_factor", factor, "must be a positive number", "> 0")
+    return dict(
+        num_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=r.positive_int("moe_intermediate_size"),
+        moe_router_score="sigmoid",
+        moe_expert_bias=True,
+        moe_router_num_groups=n_group if grouped else None,
+        moe_router_group_topk=topk_group if grouped else None,
+        moe_router_scaling_factor=float(factor),
+        moe_shared_expert_size=r.positive_int("moe_intermediate_size") * r.positive_int("n_shared_experts", 1),
+        first_k_dense=_non_negative_int(r, "first_k_dense_replace", first_dense),
+        mtp_layers=_non_negative_int(r, "num_nextn_predict_layers", 1, alias="num_mtp_layers"),
+    )
+
+
+def read_glm4_moe(r: ConfigReader) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 MoE: Llama attention with q/k/v bias (attention_bias), optional per-head q/k
+    RMSNorm (use_qk_norm), partial RoPE (default half of each head), DeepSeek-V3's router."""
+    fields = _read_dense(r, HfDefaults(rms_norm_eps=1e-5, rope_theta=10000.0, head_dim=None), partial_default=0.5)
+    return fields | dict(
+        qkv_bias=_boolean(r, "attention_bias", False),
+        qk_norm=_boolean(r, "use_qk_norm", False),
+    ) | _read_sigmoid_router(r, groups=(1, 1), scaling=1.0, first_dense=1)
+
+
+def read_deepseek_v3(r: ConfigReader) -> dict[str, Any]:
+    """DeepSeek-V3 (and V3-style checkpoints): multi-latent attention (q/kv LoRA ranks, decoupled
+    RoPE dims, interleaved RoPE, YaRN with mscale), DeepSeek's router, dense first layers."""
+    r.require_value("attention_bias", (False,), "Megatron's MLA projections have no biases", False)
+    r.require_value("rope_interleave", (True,), "Megatron's MLA de-interleaves the RoPE dims of q and k "
+                    "(HF rope_interleave=true)", True)
+    eps = float(r.get("rms_norm_eps", 1e-6))
+    if eps != 1e-6:
+        r.refuse("rms_norm_eps", eps, "HF's latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6 whatever "
+                 "rms_norm_eps says, Megatron's use rms_norm_eps", "1e-06")
+    fields = _read_common(r, HfDefaults(rms_norm_eps=1e-6, rope_theta=10000.0, head_dim=None), yarn=True)
+    # q_lora_rank: null in config.json means one q projection (DeepSeek-V2-Lite); absent, transformers' 1536.
+    q_lora = None if "q_lora_rank" in r.cfg and r.cfg["q_lora_rank"] is None else r.positive_int("q_lora_rank", 1536)
+    mla = LatentAttention(
+        q_lora_rank=q_lora,
+        kv_lora_rank=r.positive_int("kv_lora_rank", 512),
+        qk_nope_head_dim=r.positive_int("qk_nope_head_dim", 128),
+        qk_rope_head_dim=r.positive_int("qk_rope_head_dim", 64),
+        v_head_dim=r.positive_int("v_head_dim", 128),
+    )
+    return fields | dict(
+        mla=mla, num_query_groups=fields["num_attention_heads"], head_dim=mla.v_head_dim,
+    ) | _read_sigmoid_router(r, groups=(8, 4), scaling=2.5, first_dense=3)
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One architecture: its config reader and its name tables."""
@@ -173,6 +275,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": ModelFamily("qwen3", read_qwen3, tables.QWEN3),
     "qwen3_moe": ModelFamily("qwen3_moe", read_qwen3_moe, tables.QWEN3_MOE),
     "mixtral": ModelFamily("mixtral", read_mixtral, tables.MIXTRAL),
+    "glm4_moe": ModelFamily("glm4_moe", read_glm4_moe, tables.GLM4_MOE),
+    "deepseek_v3": ModelFamily("deepseek_v3", read_deepseek_v3, tables.DEEPSEEK_V3),
 }
 """The registry: HF `model_type` -> family."""
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
+
+from entr_megatron.models.spec import YarnRope
 
 # Megatron's Llama-3 RoPE scaling (RotaryEmbedding._apply_scaling) hard-codes these;
 # a checkpoint with other values would get different frequencies.
@@ -20,6 +23,13 @@ MEGATRON_LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# HF's YaRN defaults (modeling_rope_utils._compute_yarn_parameters: `beta_fast or 32`, ...).
+HF_YARN_BETA_FAST, HF_YARN_BETA_SLOW = 32.0, 1.0
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature term (the same function in HF and in Megatron)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 # The RoPE spellings of transformers 4.x config files; transformers >= 5 folds them into
 # `rope_parameters` when a config class has that field (PreTrainedConfig.convert_rope_params_to_dict).
 LEGACY_ROPE_FIELDS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
@@ -116,8 +126,12 @@ class ConfigReader:
                 "only 'full_attention'",
             )
 
-    def rope(self, default_theta: float) -> tuple[float, float | None]:
-        """(rope_theta, llama3 scaling factor or None); refuses other RoPE variants."""
+    def rope(self, default_theta: float, *, partial_default: float | None = None, yarn: bool = False) -> dict[str, Any]:
+        """The RoPE fields of a `ModelSpec` (rope_theta, llama3_rope_factor, rotary_percent, yarn).
+
+        partial_default: accept partial_rotary_factor < 1 (the first dims of each head rotate), this
+        being transformers' default when the config omits it; None: refuse it. yarn: accept
+        rope_type 'yarn' (instead of 'llama3': multi-latent attention's RoPE). Anything else is refused."""
         params = self.get("rope_parameters")
         if params is not None:
             where, scaling = "rope_parameters", dict(params)
@@ -125,19 +139,24 @@ class ConfigReader:
         else:
             where, scaling = "rope_scaling", dict(self.get("rope_scaling", {}))
             theta = self.get("rope_theta", default_theta)
-        partial = scaling.get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            self.refuse("partial_rotary_factor", partial, "partial RoPE is not implemented", "1.0")
+        fields: dict[str, Any] = dict(rope_theta=float(theta), llama3_rope_factor=None, rotary_percent=1.0, yarn=None)
+        percent = scaling.get("partial_rotary_factor", self.get("partial_rotary_factor", partial_default or 1.0))
+        if percent != 1.0:
+            if partial_default is None:
+                self.refuse("partial_rotary_factor", percent, "partial RoPE is not implemented for this family", "1.0")
+            if not isinstance(percent, (int, float)) or isinstance(percent, bool) or not 0 < percent < 1:
+                self.refuse("partial_rotary_factor", percent, "must be a fraction of the head dims", "(0, 1]")
+            fields["rotary_percent"] = float(percent)
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        allowed = ("default", "yarn" if yarn else "llama3")
         if rope_type == "default":
-            return float(theta), None
-        if rope_type != "llama3":
-            self.refuse(
-                f"{where}.rope_type",
-                rope_type,
-                "Megatron's GPTModel implements plain RoPE and Llama-3 scaling only",
-                " or ".join(repr(t) for t in SUPPORTED_ROPE_TYPES),
-            )
+            return fields
+        if rope_type not in allowed:
+            reason = ("Megatron's multi-latent attention implements plain RoPE and YaRN only" if yarn
+                      else "Megatron's GPTModel implements plain RoPE and Llama-3 scaling only")
+            self.refuse(f"{where}.rope_type", rope_type, reason, " or ".join(repr(t) for t in allowed))
+        if rope_type == "yarn":
+            return fields | dict(yarn=self._yarn(where, scaling))
         for key, expected in MEGATRON_LLAMA3_ROPE.items():
             if scaling.get(key) != expected:
                 self.refuse(
@@ -149,4 +168,37 @@ class ConfigReader:
         factor = scaling.get("factor")
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
             self.refuse(f"{where}.factor", factor, "Llama-3 RoPE needs a positive factor", "> 0")
-        return float(theta), float(factor)
+        return fields | dict(llama3_rope_factor=float(factor))
+
+    def _yarn(self, where: str, scaling: Mapping) -> YarnRope:
+        """HF's YaRN parameters as Megatron takes them, refusing what Megatron would compute differently."""
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            self.refuse(f"{where}.original_max_position_embeddings", original, "YaRN needs the pre-training length",
+                        "a positive integer")
+        factor = scaling.get("factor")
+        if factor is None:  # HF: the ratio of the lengths (DeepSeek-V3's convention)
+            factor = self.positive_int("max_position_embeddings") / original
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            self.refuse(f"{where}.factor", factor, "YaRN needs a positive factor", "> 0")
+        if scaling.get("truncate", True) is not True:
+            self.refuse(f"{where}.truncate", scaling.get("truncate"),
+                        "Megatron's YaRN always rounds the correction range to integers", "true")
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        # HF's factor on cos/sin (an explicit attention_factor, else from mscale / mscale_all_dim when
+        # both are set, else from the factor alone); Megatron's is always the mscale ratio.
+        hf = scaling.get("attention_factor")
+        if hf is None:
+            hf = (yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                  else yarn_get_mscale(factor))
+        rope = YarnRope(factor=float(factor), original_max_position_embeddings=original,
+                        beta_fast=float(scaling.get("beta_fast") or HF_YARN_BETA_FAST),
+                        beta_slow=float(scaling.get("beta_slow") or HF_YARN_BETA_SLOW),
+                        mscale=float(mscale or 1.0), mscale_all_dim=float(mscale_all_dim or 0.0))
+        megatron = yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        if not math.isclose(hf, megatron, rel_tol=1e-12):
+            field = "attention_factor" if scaling.get("attention_factor") is not None else "mscale"
+            self.refuse(f"{where}.{field}", scaling.get(field),
+                        f"HF scales cos/sin by {hf!r}, Megatron's YaRN by get_mscale(factor, mscale) / "
+                        f"get_mscale(factor, mscale_all_dim) = {megatron!r}", "values that agree")
+        return rope

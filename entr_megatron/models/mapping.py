@@ -21,7 +21,7 @@ import torch
 
 from entr_megatron.models import layouts, tables
 from entr_megatron.models.spec import ModelSpec
-from entr_megatron.models.tables import Layout, Rule
+from entr_megatron.models.tables import LayerKind, Layout, Rule
 from entr_megatron.models.templates import compile_template, resolve
 
 HF_LAYOUTS = ("checkpoint", "transformers")
@@ -41,13 +41,24 @@ _MEGATRON_SHAPES: dict[str, Callable[[ModelSpec], tuple[int, ...]]] = {
     ),
     tables.MEGATRON_QKV_BIAS: lambda s: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim,),
     tables.MEGATRON_PROJ: lambda s: (s.hidden_size, s.num_attention_heads * s.head_dim),
-    tables.MEGATRON_Q_NORM: lambda s: (s.head_dim,),
+    # per head (GQA), or MLA's q latent (the same Megatron name: tables.MEGATRON_MLA_Q_NORM)
+    tables.MEGATRON_Q_NORM: lambda s: (s.mla.q_lora_rank,) if s.mla is not None else (s.head_dim,),
     tables.MEGATRON_K_NORM: lambda s: (s.head_dim,),
     tables.MEGATRON_FC1: lambda s: (2 * s.ffn_hidden_size, s.hidden_size),
     tables.MEGATRON_FC2: lambda s: (s.hidden_size, s.ffn_hidden_size),
     tables.MEGATRON_ROUTER: lambda s: (s.num_experts, s.hidden_size),
     tables.MEGATRON_EXPERT_FC1: lambda s: (2 * s.moe_ffn_hidden_size, s.hidden_size),
     tables.MEGATRON_EXPERT_FC2: lambda s: (s.hidden_size, s.moe_ffn_hidden_size),
+    tables.MEGATRON_EXPERT_BIAS: lambda s: (s.num_experts,),
+    tables.MEGATRON_SHARED_FC1: lambda s: (2 * s.moe_shared_expert_size, s.hidden_size),
+    tables.MEGATRON_SHARED_FC2: lambda s: (s.hidden_size, s.moe_shared_expert_size),
+    tables.MEGATRON_MLA_Q: lambda s: (s.num_attention_heads * s.mla.q_head_dim, s.hidden_size),
+    tables.MEGATRON_MLA_Q_DOWN: lambda s: (s.mla.q_lora_rank, s.hidden_size),
+    tables.MEGATRON_MLA_Q_UP: lambda s: (s.num_attention_heads * s.mla.q_head_dim, s.mla.q_lora_rank),
+    tables.MEGATRON_MLA_KV_DOWN: lambda s: (s.mla.kv_lora_rank + s.mla.qk_rope_head_dim, s.hidden_size),
+    tables.MEGATRON_MLA_KV_NORM: lambda s: (s.mla.kv_lora_rank,),
+    tables.MEGATRON_MLA_KV_UP: lambda s: (
+        s.num_attention_heads * (s.mla.qk_nope_head_dim + s.mla.v_head_dim), s.mla.kv_lora_rank),
 }
 
 
@@ -57,22 +68,37 @@ _MEGATRON_SHAPES: dict[str, Callable[[ModelSpec], tuple[int, ...]]] = {
 @functools.lru_cache(maxsize=64)
 def _rules(spec: ModelSpec) -> tuple[tuple[str, Rule], ...]:
     """(Megatron template in this spec's naming, rule) for every parameter kind present."""
-    renames: dict[str, str] = {}
+    te_renames: dict[str, str] = {}
     if spec.naming.te_fused_norms:
-        renames.update(spec.table.te_fused_norms)
-    if spec.naming.grouped_experts:
-        renames.update(spec.table.grouped_experts)
-    return tuple(
-        (renames.get(rule.megatron, rule.megatron), rule)
-        for rule in spec.table.rules
-        if not (rule.untied_only and spec.tie_word_embeddings)
-    )
+        if spec.table.te_fused_norms is None:
+            raise ValueError(f"{spec.model_type}: the TransformerEngine layer spec is not supported for this "
+                             "family (use the portable spec: te_fused_norms=False)")
+        te_renames.update(spec.table.te_fused_norms)
+    expert_renames = dict(spec.table.grouped_experts) if spec.naming.grouped_experts else {}
+    out = []
+    for rule in spec.table.rules:
+        if rule.untied_only and spec.tie_word_embeddings:
+            continue
+        if rule.when is not None and not getattr(spec, rule.when):
+            continue
+        if not any(_layer_matches(rule, spec, i) for i in range(spec.num_layers)):
+            continue  # e.g. the dense MLP of an MoE model without dense layers
+        name = expert_renames.get(rule.megatron, rule.megatron)
+        if rule.layers is not LayerKind.MOE:  # an MoE layer's pre-MLP norm is not fused (tables.py)
+            name = te_renames.get(name, name)
+        out.append((name, rule))
+    return tuple(out)
 
 
-def _index_sets(template: str, spec: ModelSpec) -> Iterator[dict[str, int]]:
-    """All index assignments of a template: every layer, and every expert."""
+def _layer_matches(rule: Rule, spec: ModelSpec, layer: int) -> bool:
+    return rule.layers is LayerKind.ALL or spec.layer_kind(layer) is rule.layers
+
+
+def _index_sets(template: str, rule: Rule, spec: ModelSpec) -> Iterator[dict[str, int]]:
+    """All index assignments of a template: every layer of the rule's kind, and every expert."""
     fields = compile_template(template).fields
-    ranges = {"layer": range(spec.num_layers), "expert": range(spec.num_experts)}
+    layers = [i for i in range(spec.num_layers) if _layer_matches(rule, spec, i)]
+    ranges = {"layer": layers, "expert": range(spec.num_experts)}
     for values in itertools.product(*(ranges[f] for f in fields)):
         yield dict(zip(fields, values))
 
@@ -87,7 +113,7 @@ def _entries(spec: ModelSpec) -> tuple[tuple[str, Rule, dict[str, int]], ...]:
     """
     keyed = []
     for rule_pos, (mt, rule) in enumerate(_rules(spec)):
-        for idx in _index_sets(mt, spec):
+        for idx in _index_sets(mt, rule, spec):
             if "layer" in idx:
                 key = (1, idx["layer"], rule_pos, idx.get("expert", 0))
             else:
@@ -125,6 +151,12 @@ def hf_names(spec: ModelSpec, layout: str = "checkpoint") -> list[str]:
     if spec.tie_word_embeddings:
         out[HF_TIED_OUTPUT] = None
     return list(out)
+
+
+def mtp_hf_prefixes(spec: ModelSpec) -> tuple[str, ...]:
+    """Name prefixes of the multi-token-prediction layers a checkpoint of this model may carry after
+    its decoder layers (`model.layers.{num_layers + i}.`, HF num_nextn_predict_layers of them)."""
+    return tuple(compile_template(tables.HF_LAYER).format(layer=spec.num_layers + i) for i in range(spec.mtp_layers))
 
 
 def check_hf_keys(
@@ -265,10 +297,11 @@ def _lookup(megatron_name: str, spec: ModelSpec) -> tuple[Rule, dict[str, int]]:
     if found is not None:
         return found
     # Not a parameter of this model: say why.
-    if resolve(megatron_name, tuple(mt for mt, _ in _rules(spec))) is not None:
+    if resolve(megatron_name, tuple(dict.fromkeys(mt for mt, _ in _rules(spec)))) is not None:
         raise ValueError(
-            f"{megatron_name!r}: index out of range (num_layers={spec.num_layers}, "
-            f"num_experts={spec.num_experts}); names must use global indices"
+            f"{megatron_name!r}: no such parameter at these indices (num_layers={spec.num_layers}, "
+            f"num_experts={spec.num_experts}, dense layers first: {spec.first_k_dense}); names must use "
+            "global indices"
         )
     raise ValueError(
         f"{megatron_name!r} is not a parameter of this {spec.model_type} GPTModel "

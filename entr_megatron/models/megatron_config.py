@@ -58,13 +58,47 @@ def transformer_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
             num_moe_experts=spec.num_experts,
             moe_router_topk=spec.moe_router_topk,
             moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-            moe_router_score_function="softmax",
+            moe_router_score_function=spec.moe_router_score,
             moe_router_pre_softmax=spec.moe_router_pre_softmax,
-            moe_router_topk_scaling_factor=None,
-            moe_shared_expert_intermediate_size=None,  # neither family has a shared expert
-            moe_layer_freq=1,  # every layer is MoE
+            moe_router_topk_scaling_factor=spec.moe_router_scaling_factor,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_size or None,
+            # 1: every layer MoE; else a 0/1 list (dense first layers)
+            moe_layer_freq=[int(i in spec.moe_layers) for i in range(spec.num_layers)] if spec.first_k_dense else 1,
         )
+        if spec.moe_router_score == "sigmoid":  # DeepSeek-V3's router (families._read_sigmoid_router)
+            kwargs.update(
+                moe_router_enable_expert_bias=spec.moe_expert_bias,
+                moe_router_num_groups=spec.moe_router_num_groups,
+                moe_router_group_topk=spec.moe_router_group_topk,
+                moe_router_dtype="fp32",  # HF computes the gate in float32 (its weight kept in fp32)
+            )
+    if spec.mla is not None:
+        mla = spec.mla
+        kwargs.update(
+            multi_latent_attention=True,
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_head_dim=mla.qk_nope_head_dim,
+            qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            rotary_base=spec.rope_theta,
+            rotary_percent=spec.rotary_percent,
+        )
+        yarn = spec.yarn
+        if yarn is None:
+            kwargs.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+        else:
+            kwargs.update(rope_type="yarn", rotary_scaling_factor=yarn.factor,
+                          original_max_position_embeddings=yarn.original_max_position_embeddings,
+                          beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, mscale=yarn.mscale,
+                          mscale_all_dim=yarn.mscale_all_dim)
     return kwargs
+
+
+def transformer_config_class(spec: ModelSpec) -> str:
+    """The megatron.core.transformer class `transformer_config_kwargs(spec)` is for:
+    "MLATransformerConfig" for multi-latent attention (its RoPE and rank fields), else "TransformerConfig"."""
+    return "MLATransformerConfig" if spec.mla is not None else "TransformerConfig"
 
 
 def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
@@ -73,13 +107,14 @@ def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
     `vocab_size` is the true HF vocab: the learner pads it for vocab-parallel
     layers (`layouts.padded_vocab_size`) and must mask the padded logits.
     `rope_scaling`/`rope_scaling_factor` select Megatron's Llama-3.1 RoPE scaling,
-    whose other constants the config reader has checked.
+    whose other constants the config reader has checked. With multi-latent attention the
+    attention builds its own RoPE (the `transformer_config_kwargs` fields) and GPTModel none.
     """
     return dict(
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rotary_base=spec.rope_theta,
         rope_scaling=spec.llama3_rope_factor is not None,
         rope_scaling_factor=spec.llama3_rope_factor if spec.llama3_rope_factor is not None else 8.0,

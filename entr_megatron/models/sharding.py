@@ -6,15 +6,18 @@ all of them. TP kinds (for expert parameters read "expert-TP"):
 | kind         | parameters                                  | shard r of the full tensor            |
 |--------------|---------------------------------------------|---------------------------------------|
 | VOCAB        | word embeddings, output layer               | rows r*V/tp .. (r+1)*V/tp             |
-| COLUMN       | linear_qkv weight and bias                  | rows, contiguous chunk r              |
-| GATED_COLUMN | linear_fc1 of a gated MLP (dense or expert) | cat(gate chunk r, up chunk r)         |
+| COLUMN       | linear_qkv weight and bias; MLA q/kv projs  | rows, contiguous chunk r              |
+| GATED_COLUMN | linear_fc1 of a gated MLP (dense, expert,   | cat(gate chunk r, up chunk r)         |
+|              | shared expert)                              |                                       |
 | ROW          | linear_proj, linear_fc2 (dense or expert)   | columns, contiguous chunk r           |
-| REPLICATED   | norms, q/k norms, router                    | the full tensor                       |
+| REPLICATED   | norms, q/k/latent norms, router, its bias   | the full tensor                       |
 
 linear_qkv is a plain contiguous split only because its rows are interleaved per
 query group (`layouts.interleave_qkv`) and Megatron requires num_query_groups to
 be a multiple of the TP size: each rank gets whole groups. linear_fc1 is
 `[gate; up]` on every rank, so the full tensor's two halves are split separately.
+MLA (portable spec): the q and kv down projections are ColumnParallelLinear (their outputs are
+gathered over TP before the latent norms), the up projections split whole heads.
 
 EP: expert e of E lives on EP rank e // (E/ep) as local expert e % (E/ep);
 Megatron's module names carry the local index.
@@ -63,6 +66,15 @@ TP_SPLITS: dict[str, TpSplit] = {
     tables.MEGATRON_EXPERT_FC2: TpSplit.ROW,
     tables.MEGATRON_GROUPED_FC1: TpSplit.GATED_COLUMN,
     tables.MEGATRON_GROUPED_FC2: TpSplit.ROW,
+    tables.MEGATRON_EXPERT_BIAS: TpSplit.REPLICATED,
+    tables.MEGATRON_SHARED_FC1: TpSplit.GATED_COLUMN,
+    tables.MEGATRON_SHARED_FC2: TpSplit.ROW,
+    tables.MEGATRON_MLA_Q: TpSplit.COLUMN,
+    tables.MEGATRON_MLA_Q_DOWN: TpSplit.COLUMN,
+    tables.MEGATRON_MLA_Q_UP: TpSplit.COLUMN,
+    tables.MEGATRON_MLA_KV_DOWN: TpSplit.COLUMN,
+    tables.MEGATRON_MLA_KV_NORM: TpSplit.REPLICATED,
+    tables.MEGATRON_MLA_KV_UP: TpSplit.COLUMN,
 }
 """Megatron name template -> TP split, for every parameter of the supported families."""
 
@@ -208,12 +220,18 @@ def layout_conflicts(
     the dense MLP by tp; layers by pp and by pp * vpp; experts by ep and their MLP by expert_tp.
     Empty: Megatron can build the model on this layout."""
     checks = [("tp", tp, "num_attention_heads", spec.num_attention_heads)]
-    if spec.num_query_groups % tp and tp % spec.num_query_groups:
+    if spec.mla is not None:  # the down projections' outputs are split over TP too
+        if spec.mla.q_lora_rank is not None:
+            checks.append(("tp", tp, "q_lora_rank", spec.mla.q_lora_rank))
+        checks.append(("tp", tp, "kv_lora_rank + qk_rope_head_dim", spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim))
+    elif spec.num_query_groups % tp and tp % spec.num_query_groups:
         # more TP ranks than key/value heads works when they divide evenly (tested at TP=4 with
         # 2 kv heads: tests/e2e/test_on_policy_consistency.py)
         checks.append(("tp", tp, "num_key_value_heads", spec.num_query_groups))
-    if not spec.is_moe:  # every layer of a supported MoE model is MoE: the dense width is unused
+    if spec.has_dense_layers:  # an MoE model without dense layers never uses the dense width
         checks.append(("tp", tp, "intermediate_size", spec.ffn_hidden_size))
+    if spec.shared_expert:
+        checks.append(("tp", tp, "moe_intermediate_size * n_shared_experts", spec.moe_shared_expert_size))
     checks.append(("pp", pp, "num_hidden_layers", spec.num_layers))
     if vpp is not None:
         checks.append(("vpp", pp * vpp, "num_hidden_layers", spec.num_layers))

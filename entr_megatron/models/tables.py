@@ -26,6 +26,14 @@ class Layout(enum.Enum):
     GATED = "gated"  # linear_fc1 <-> (gate_proj, up_proj), concatenated gate first
 
 
+class LayerKind(enum.Enum):
+    """Which decoder layers a rule's `{layer}` ranges over."""
+
+    ALL = "all"
+    DENSE = "dense"  # layers with a dense MLP (every layer of a dense model, the first k of some MoE ones)
+    MOE = "moe"  # layers with a mixture of experts
+
+
 @dataclass(frozen=True)
 class Rule:
     """One Megatron parameter template and the HF template(s) it is made of."""
@@ -34,6 +42,8 @@ class Rule:
     hf: tuple[str, ...]
     layout: Layout = Layout.IDENTITY
     untied_only: bool = False  # exists only when embeddings and output are not tied
+    layers: LayerKind = LayerKind.ALL
+    when: str | None = None  # a boolean ModelSpec attribute the parameter exists under (e.g. "qk_norm")
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,9 @@ class FamilyTable:
     """Everything name-related about one architecture."""
 
     rules: tuple[Rule, ...]
-    te_fused_norms: tuple[tuple[str, str], ...]  # local-spec Megatron name -> TE-spec name
+    te_fused_norms: tuple[tuple[str, str], ...] | None  # local-spec Megatron name -> TE-spec name
+    # (applied to ALL- and DENSE-layer rules: an MoE layer keeps its pre-MLP norm, which the router
+    # and the experts both read); None: the family has no TransformerEngine naming (portable spec only)
     grouped_experts: tuple[tuple[str, str], ...]  # SequentialMLP name -> TEGroupedMLP name
     transformers_renames: tuple[tuple[str, str], ...] = ()  # checkpoint HF -> in-memory HF
     transformers_stacked: tuple[StackedExperts, ...] = ()
@@ -75,6 +87,18 @@ MEGATRON_FC2 = _ML + "mlp.linear_fc2.weight"
 MEGATRON_ROUTER = _ML + "mlp.router.weight"
 MEGATRON_EXPERT_FC1 = _MEXP + "linear_fc1.weight"
 MEGATRON_EXPERT_FC2 = _MEXP + "linear_fc2.weight"
+MEGATRON_EXPERT_BIAS = _ML + "mlp.router.expert_bias"  # a float32 buffer, not a parameter
+MEGATRON_SHARED_FC1 = _ML + "mlp.shared_experts.linear_fc1.weight"
+MEGATRON_SHARED_FC2 = _ML + "mlp.shared_experts.linear_fc2.weight"
+# Multi-latent attention (MLASelfAttention, portable spec: separate q/kv latent norms).
+_MATT = _ML + "self_attention."
+MEGATRON_MLA_Q = _MATT + "linear_q_proj.weight"
+MEGATRON_MLA_Q_DOWN = _MATT + "linear_q_down_proj.weight"
+MEGATRON_MLA_Q_UP = _MATT + "linear_q_up_proj.weight"
+MEGATRON_MLA_Q_NORM = MEGATRON_Q_NORM  # the same module name: MLA's q latent norm (q_lora_rank wide)
+MEGATRON_MLA_KV_DOWN = _MATT + "linear_kv_down_proj.weight"
+MEGATRON_MLA_KV_UP = _MATT + "linear_kv_up_proj.weight"
+MEGATRON_MLA_KV_NORM = _MATT + "kv_layernorm.weight"
 
 # TransformerEngine spec: TELayerNormColumnParallelLinear carries the preceding norm.
 MEGATRON_TE_INPUT_NORM = _ML + "self_attention.linear_qkv.layer_norm_weight"
@@ -97,7 +121,7 @@ GROUPED_EXPERTS = (
 
 # --- HF templates and the per-family tables -----------------------------------------
 
-_HL = "model.layers.{layer}."
+_HL = HF_LAYER = "model.layers.{layer}."
 _HATT = _HL + "self_attn."
 
 _EMBEDDINGS = (
@@ -127,26 +151,75 @@ _QK_NORM = (
     Rule(MEGATRON_K_NORM, (_HATT + "k_norm.weight",)),
 )
 _DENSE_MLP = (
-    Rule(MEGATRON_FC1, (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"), Layout.GATED),
-    Rule(MEGATRON_FC2, (_HL + "mlp.down_proj.weight",)),
+    Rule(MEGATRON_FC1, (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"), Layout.GATED,
+         layers=LayerKind.DENSE),
+    Rule(MEGATRON_FC2, (_HL + "mlp.down_proj.weight",), layers=LayerKind.DENSE),
 )
 
+_MOE = LayerKind.MOE
 _QWEN_EXP = _HL + "mlp.experts.{expert}."
 _QWEN_MOE_MLP = (
-    Rule(MEGATRON_ROUTER, (_HL + "mlp.gate.weight",)),
+    Rule(MEGATRON_ROUTER, (_HL + "mlp.gate.weight",), layers=_MOE),
     Rule(
         MEGATRON_EXPERT_FC1,
         (_QWEN_EXP + "gate_proj.weight", _QWEN_EXP + "up_proj.weight"),
         Layout.GATED,
+        layers=_MOE,
     ),
-    Rule(MEGATRON_EXPERT_FC2, (_QWEN_EXP + "down_proj.weight",)),
+    Rule(MEGATRON_EXPERT_FC2, (_QWEN_EXP + "down_proj.weight",), layers=_MOE),
 )
 # Mixtral checkpoints: w1 = gate, w3 = up, w2 = down.
 _MIX_EXP = _HL + "block_sparse_moe.experts.{expert}."
 _MIXTRAL_MOE_MLP = (
-    Rule(MEGATRON_ROUTER, (_HL + "block_sparse_moe.gate.weight",)),
-    Rule(MEGATRON_EXPERT_FC1, (_MIX_EXP + "w1.weight", _MIX_EXP + "w3.weight"), Layout.GATED),
-    Rule(MEGATRON_EXPERT_FC2, (_MIX_EXP + "w2.weight",)),
+    Rule(MEGATRON_ROUTER, (_HL + "block_sparse_moe.gate.weight",), layers=_MOE),
+    Rule(MEGATRON_EXPERT_FC1, (_MIX_EXP + "w1.weight", _MIX_EXP + "w3.weight"), Layout.GATED, layers=_MOE),
+    Rule(MEGATRON_EXPERT_FC2, (_MIX_EXP + "w2.weight",), layers=_MOE),
+)
+# DeepSeek-V3 / GLM-4.5 MoE layers: Qwen-style experts, a sigmoid gate with its score-correction
+# bias, one shared expert MLP (n_shared_experts of them fused into one wider MLP).
+_SHARED = _HL + "mlp.shared_experts."
+_DEEPSEEK_MOE_MLP = _QWEN_MOE_MLP + (
+    Rule(MEGATRON_EXPERT_BIAS, (_HL + "mlp.gate.e_score_correction_bias",), layers=_MOE),
+    Rule(MEGATRON_SHARED_FC1, (_SHARED + "gate_proj.weight", _SHARED + "up_proj.weight"), Layout.GATED,
+         layers=_MOE, when="shared_expert"),
+    Rule(MEGATRON_SHARED_FC2, (_SHARED + "down_proj.weight",), layers=_MOE, when="shared_expert"),
+)
+# A model with dense and MoE layers: the pre-MLP norm is one rule per kind, so that the TE naming
+# fuses it into linear_fc1 of the dense layers only.
+_MIXED_ATTENTION_NORMS = (
+    Rule(MEGATRON_INPUT_NORM, (_HL + "input_layernorm.weight",)),
+    Rule(MEGATRON_PRE_MLP_NORM, (_HL + "post_attention_layernorm.weight",), layers=LayerKind.DENSE),
+    Rule(MEGATRON_PRE_MLP_NORM, (_HL + "post_attention_layernorm.weight",), layers=_MOE),
+)
+# GLM-4.5: Llama attention with optional q/k/v bias and per-head q/k norms.
+_GLM4_ATTENTION = (
+    Rule(
+        MEGATRON_QKV_WEIGHT,
+        (_HATT + "q_proj.weight", _HATT + "k_proj.weight", _HATT + "v_proj.weight"),
+        Layout.QKV,
+    ),
+    Rule(MEGATRON_PROJ, (_HATT + "o_proj.weight",)),
+    Rule(
+        MEGATRON_QKV_BIAS,
+        (_HATT + "q_proj.bias", _HATT + "k_proj.bias", _HATT + "v_proj.bias"),
+        Layout.QKV,
+        when="qkv_bias",
+    ),
+    Rule(MEGATRON_Q_NORM, (_HATT + "q_norm.weight",), when="qk_norm"),
+    Rule(MEGATRON_K_NORM, (_HATT + "k_norm.weight",), when="qk_norm"),
+)
+# DeepSeek-V3 multi-latent attention: every projection keeps its HF layout (q_b_proj rows are
+# per head [nope; rope], kv_b_proj rows per head [k_nope; v], kv_a_proj rows [latent; rope]: what
+# MLASelfAttention splits them by).
+_MLA = (
+    Rule(MEGATRON_MLA_Q, (_HATT + "q_proj.weight",), when="q_full"),
+    Rule(MEGATRON_MLA_Q_DOWN, (_HATT + "q_a_proj.weight",), when="q_lora"),
+    Rule(MEGATRON_MLA_Q_NORM, (_HATT + "q_a_layernorm.weight",), when="q_lora"),
+    Rule(MEGATRON_MLA_Q_UP, (_HATT + "q_b_proj.weight",), when="q_lora"),
+    Rule(MEGATRON_MLA_KV_DOWN, (_HATT + "kv_a_proj_with_mqa.weight",)),
+    Rule(MEGATRON_MLA_KV_NORM, (_HATT + "kv_a_layernorm.weight",)),
+    Rule(MEGATRON_MLA_KV_UP, (_HATT + "kv_b_proj.weight",)),
+    Rule(MEGATRON_PROJ, (_HATT + "o_proj.weight",)),
 )
 
 # transformers >= 5 in memory: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I].
@@ -174,6 +247,20 @@ QWEN3 = FamilyTable(
 QWEN3_MOE = FamilyTable(
     _EMBEDDINGS + _ATTENTION + _QK_NORM + _QWEN_MOE_MLP,
     MOE_TE_NORMS,
+    GROUPED_EXPERTS,
+    transformers_stacked=_QWEN_MOE_STACKED,
+)
+GLM4_MOE = FamilyTable(
+    _EMBEDDINGS + _MIXED_ATTENTION_NORMS + _GLM4_ATTENTION + _DENSE_MLP + _DEEPSEEK_MOE_MLP,
+    DENSE_TE_NORMS,
+    GROUPED_EXPERTS,
+    transformers_stacked=_QWEN_MOE_STACKED,
+)
+# MLA has no TransformerEngine naming here: TE's MLA spec replicates the q/kv down projections over
+# TP (TELinear, duplicated) where the portable spec splits them (ColumnParallelLinear).
+DEEPSEEK_V3 = FamilyTable(
+    _EMBEDDINGS + _MIXED_ATTENTION_NORMS + _MLA + _DENSE_MLP + _DEEPSEEK_MOE_MLP,
+    None,
     GROUPED_EXPERTS,
     transformers_stacked=_QWEN_MOE_STACKED,
 )

@@ -59,6 +59,31 @@ QWEN25_7B = {
     "sliding_window": 131072, "tie_word_embeddings": False, "use_sliding_window": False,
     "vocab_size": 152064,
 }
+# bf16 releases (the original DeepSeek-V3 carries an fp8 quantization_config, refused below).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}
+GLM45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": [151329, 151336, 151338], "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+    "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
+    "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "pad_token_id": 151329,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16",
+    "use_qk_norm": False, "vocab_size": 151552,
+}
 
 DENSE_COMMON = dict(
     normalization="RMSNorm", gated_linear_unit=True, activation_func="silu", add_bias_linear=False,
@@ -130,6 +155,52 @@ def test_mixtral_8x7b():
     assert models.get_family("mixtral").gpt_model_kwargs(MIXTRAL_8X7B)["rotary_base"] == 1e6
 
 
+SIGMOID_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                      moe_router_enable_expert_bias=True, moe_router_dtype="fp32")
+
+
+def test_deepseek_v3():
+    kw = models.get_family("deepseek_v3").transformer_config_kwargs(DEEPSEEK_V3)
+    assert kw == DENSE_COMMON | SIGMOID_ROUTER | dict(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, num_query_groups=128,
+        kv_channels=128, ffn_hidden_size=18432, layernorm_epsilon=1e-6,
+        layernorm_zero_centered_gamma=False, add_qkv_bias=False, qk_layernorm=False,
+        num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+        moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+        moe_shared_expert_intermediate_size=2048, moe_layer_freq=[0, 0, 0] + [1] * 58,
+        multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, rotary_base=10000.0, rotary_percent=1.0, rope_type="yarn",
+        rotary_scaling_factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+        mscale=1.0, mscale_all_dim=1.0,
+    )
+    spec = models.model_spec(DEEPSEEK_V3)
+    assert (spec.mtp_layers, spec.moe_layers[:2], models.transformer_config_class(spec)) == (
+        1, (3, 4), "MLATransformerConfig")
+    assert models.model_spec(DEEPSEEK_V3 | {"q_lora_rank": None}).mla.q_lora_rank is None  # V2-Lite style
+    plain = models.get_family("deepseek_v3").transformer_config_kwargs(DEEPSEEK_V3 | {"rope_scaling": None})
+    assert (plain["rope_type"], plain["rotary_scaling_factor"], plain["mscale_all_dim"]) == ("rope", 1.0, 0.0)
+
+
+def test_glm45_air():
+    kw = models.get_family("glm4_moe").transformer_config_kwargs(GLM45_AIR)
+    assert kw == DENSE_COMMON | SIGMOID_ROUTER | dict(
+        num_layers=46, hidden_size=4096, num_attention_heads=96, num_query_groups=8,
+        kv_channels=128, ffn_hidden_size=10944, layernorm_epsilon=1e-5,
+        layernorm_zero_centered_gamma=False, add_qkv_bias=True, qk_layernorm=False,
+        num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1408,
+        moe_router_num_groups=None, moe_router_group_topk=None,  # one group: no group limit
+        moe_router_topk_scaling_factor=1.0, moe_shared_expert_intermediate_size=1408,
+        moe_layer_freq=[0] + [1] * 45,
+    )
+    gpt = models.get_family("glm4_moe").gpt_model_kwargs(GLM45_AIR)
+    assert (gpt["rotary_percent"], gpt["rotary_base"]) == (0.5, 1e6)
+    # transformers' Glm4MoeConfig rotates half of each head when partial_rotary_factor is absent
+    no_factor = {k: v for k, v in GLM45_AIR.items() if k != "partial_rotary_factor"}
+    assert models.model_spec(no_factor).rotary_percent == 0.5
+    qk_norm = models.get_family("glm4_moe").transformer_config_kwargs(GLM45_AIR | {"use_qk_norm": True})
+    assert qk_norm["qk_layernorm"] is True
+
+
 def test_qwen25_7b_has_qkv_bias_and_unused_window_is_fine():
     kw = models.get_family("qwen2").transformer_config_kwargs(QWEN25_7B)
     assert (kw["add_qkv_bias"], kw["add_bias_linear"]) == (True, False)
@@ -162,6 +233,24 @@ def test_qwen25_7b_has_qkv_bias_and_unused_window_is_fine():
         (QWEN3_8B, {"num_key_value_heads": 7}, "num_key_value_heads"),
         (QWEN3_8B, {"hidden_size": None}, "hidden_size"),
         (QWEN3_8B, {"vocab_size": -1}, "vocab_size"),
+        (DEEPSEEK_V3, {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        (DEEPSEEK_V3, {"rope_interleave": False}, "rope_interleave"),
+        (DEEPSEEK_V3, {"attention_bias": True}, "attention_bias"),
+        (DEEPSEEK_V3, {"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+        (DEEPSEEK_V3, {"norm_topk_prob": False}, "norm_topk_prob"),
+        (DEEPSEEK_V3, {"num_experts_per_tok": 1}, "num_experts_per_tok"),
+        (DEEPSEEK_V3, {"topk_group": 2}, "topk_group"),  # groups scored by top-4 in Megatron, top-2 in HF
+        (DEEPSEEK_V3, {"n_group": 7}, "n_group"),
+        (DEEPSEEK_V3, {"first_k_dense_replace": 61}, "first_k_dense_replace"),
+        (DEEPSEEK_V3, {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
+        (DEEPSEEK_V3, {"rope_scaling": DEEPSEEK_V3["rope_scaling"] | {"mscale": 0.707, "mscale_all_dim": 0}},
+         "rope_scaling.mscale"),
+        (DEEPSEEK_V3, {"rope_scaling": DEEPSEEK_V3["rope_scaling"] | {"truncate": False}}, "rope_scaling.truncate"),
+        (DEEPSEEK_V3, {"rope_scaling": DEEPSEEK_V3["rope_scaling"] | {"attention_factor": 2.0}},
+         "rope_scaling.attention_factor"),
+        (GLM45_AIR, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+        (GLM45_AIR, {"routed_scaling_factor": 0}, "routed_scaling_factor"),
+        (GLM45_AIR, {"use_qk_norm": "yes"}, "use_qk_norm"),
     ],
 )
 def test_unsupported_fields_raise_naming_the_field(base, change, field):
@@ -171,7 +260,7 @@ def test_unsupported_fields_raise_naming_the_field(base, change, field):
 
 
 def test_registry_and_model_type_errors():
-    assert sorted(models.FAMILIES) == ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
+    assert sorted(models.FAMILIES) == ["deepseek_v3", "glm4_moe", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
     with pytest.raises(ValueError, match="'gemma2'.*supported"):
         models.get_family("gemma2")
     with pytest.raises(ValueError, match="model_type='llama'"):
@@ -199,12 +288,14 @@ def test_kwargs_are_megatron_fields():
     root = pathlib.Path(spec.submodule_search_locations[0])
     fields = _dataclass_fields(root / "transformer/transformer_config.py", "TransformerConfig")
     fields |= _dataclass_fields(root / "model_parallel_config.py", "ModelParallelConfig")
+    mla_fields = fields | _dataclass_fields(root / "transformer/transformer_config.py", "MLATransformerConfig")
     gpt_tree = ast.parse((root / "models/gpt/gpt_model.py").read_text())
     gpt_cls = next(n for n in ast.walk(gpt_tree) if isinstance(n, ast.ClassDef) and n.name == "GPTModel")
     init = next(n for n in gpt_cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     gpt_args = {a.arg for a in init.args.args + init.args.kwonlyargs}
-    for cfg in (QWEN3_30B_A3B, LLAMA31_8B, QWEN25_7B):
-        assert set(models.get_family(cfg).transformer_config_kwargs(cfg)) <= fields
+    for cfg in (QWEN3_30B_A3B, LLAMA31_8B, QWEN25_7B, GLM45_AIR, DEEPSEEK_V3):
+        allowed = mla_fields if cfg is DEEPSEEK_V3 else fields
+        assert set(models.get_family(cfg).transformer_config_kwargs(cfg)) <= allowed
         assert set(models.get_family(cfg).gpt_model_kwargs(cfg)) <= gpt_args
 
 
@@ -237,3 +328,23 @@ def test_transformers_config_objects_and_defaults():
         assert from_json.tie_word_embeddings == obj.tie_word_embeddings
         hf_head_dim = getattr(obj, "head_dim", None) or obj.hidden_size // obj.num_attention_heads
         assert from_json.head_dim == hf_head_dim, model_type
+    # DeepSeek-style families: the router, MLA and RoPE defaults of a minimal config.json are
+    # those transformers' config classes fill in.
+    moe = dict(num_experts_per_tok=8, moe_intermediate_size=32)
+    for model_type, cls, extra in (
+        ("glm4_moe", transformers.Glm4MoeConfig, dict(moe, n_routed_experts=8)),
+        ("deepseek_v3", transformers.DeepseekV3Config, dict(moe, n_routed_experts=16, num_hidden_layers=4)),
+    ):
+        obj = cls(**(tiny | extra), max_position_embeddings=4096)
+        minimal = {"model_type": model_type, "max_position_embeddings": 4096, **tiny, **extra}
+        got, want = models.model_spec(minimal), models.model_spec(obj)
+        assert got == want, model_type
+        assert (got.first_k_dense, got.moe_router_scaling_factor, got.mtp_layers) == (
+            obj.first_k_dense_replace, obj.routed_scaling_factor, obj.num_nextn_predict_layers)
+        assert got.moe_shared_expert_size == obj.moe_intermediate_size * obj.n_shared_experts
+        assert got.rotary_percent == obj.rope_parameters.get("partial_rotary_factor", 1.0)
+        assert (got.moe_router_num_groups or 1, got.moe_router_group_topk or 1) == (obj.n_group, obj.topk_group) or \
+            obj.topk_group == obj.n_group
+        if model_type == "deepseek_v3":
+            assert got.mla == models.LatentAttention(obj.q_lora_rank, obj.kv_lora_rank, obj.qk_nope_head_dim,
+                                                     obj.qk_rope_head_dim, obj.v_head_dim)

@@ -24,6 +24,16 @@ FAMILY_CONFIGS = {
     "mixtral": lambda tied: transformers.MixtralConfig(
         **TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=tied
     ),
+    # layer 0 dense, layer 1 MoE with a shared expert and the router's score-correction bias
+    "glm4_moe": lambda tied: transformers.Glm4MoeConfig(
+        **TINY, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, head_dim=16, use_qk_norm=True, attention_bias=True, tie_word_embeddings=tied,
+    ),
+    "deepseek_v3": lambda tied: transformers.DeepseekV3Config(
+        **TINY, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, tie_word_embeddings=tied,
+    ),
 }
 CASES = [(mt, tied) for mt in FAMILY_CONFIGS for tied in (False, True)]
 NAMINGS = [dict(), dict(te_fused_norms=True, grouped_experts=True)]
@@ -48,6 +58,10 @@ def test_in_memory_state_dict_round_trip(model_type, tied, naming):
     cfg, model = tiny_model(model_type, tied)
     sd = model.state_dict()
     spec = models.model_spec(cfg, **naming)
+    if naming and models.get_family(model_type).table.te_fused_norms is None:  # MLA: portable spec only
+        with pytest.raises(ValueError, match="TransformerEngine layer spec is not supported"):
+            models.megatron_names(spec)
+        return
     meg = models.from_hf(sd, spec, layout="auto")
     assert list(meg) == models.megatron_names(spec)
     assert ("output_layer.weight" in meg) == (not tied)
@@ -147,6 +161,13 @@ def test_te_naming_fuses_norms_into_linears_except_moe_pre_mlp():
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in moe
     local = set(models.megatron_names(models.model_spec(moe_cfg)))
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in local
+    # dense first layer, MoE second: only the dense layer's pre-MLP norm is fused
+    glm_cfg, _ = tiny_model("glm4_moe", False)
+    mixed = set(models.megatron_names(models.model_spec(glm_cfg, te_fused_norms=True)))
+    assert {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+            "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"} <= mixed
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" not in mixed
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" not in mixed
 
 
 def test_tied_output_layer_and_vocab_padding():

@@ -15,11 +15,22 @@ QWEN2 = dict(
     model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, intermediate_size=96, vocab_size=128, max_position_embeddings=64,
 )
+GLM4_MOE = dict(
+    model_type="glm4_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=2, vocab_size=128, max_position_embeddings=64, attention_bias=True, use_qk_norm=True,
+)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+    moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=14, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    v_head_dim=16, vocab_size=128, max_position_embeddings=64,
+)
 SPECS = [
     models.model_spec(cfg, **naming)
-    for cfg in (QWEN3_MOE, QWEN2, QWEN2 | {"tie_word_embeddings": True})
+    for cfg in (QWEN3_MOE, QWEN2, QWEN2 | {"tie_word_embeddings": True}, GLM4_MOE)
     for naming in (dict(), dict(te_fused_norms=True, grouped_experts=True))
-]
+] + [models.model_spec(DEEPSEEK_V3), models.model_spec(DEEPSEEK_V3 | {"q_lora_rank": None})]
 
 
 def _full_params(spec):
@@ -59,6 +70,25 @@ def test_split_kinds_cover_every_parameter():
     assert kinds["decoder.layers.0.self_attention.q_layernorm.weight"] is TpSplit.REPLICATED
     assert models.is_expert_param("decoder.layers.1.mlp.experts.linear_fc1.weight0")
     assert not models.is_expert_param("decoder.layers.1.mlp.router.weight")
+    assert kinds["decoder.layers.1.mlp.router.expert_bias"] is TpSplit.REPLICATED
+    assert kinds["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] is TpSplit.GATED_COLUMN
+    assert kinds["decoder.layers.1.mlp.shared_experts.linear_fc2.weight"] is TpSplit.ROW
+    assert not models.is_expert_param("decoder.layers.1.mlp.shared_experts.linear_fc1.weight")  # split by TP
+    mla = "decoder.layers.0.self_attention."
+    for name in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+        assert kinds[mla + name + ".weight"] is TpSplit.COLUMN, name
+    assert kinds[mla + "kv_layernorm.weight"] is TpSplit.REPLICATED
+
+
+def test_latent_attention_and_shared_expert_layout_conflicts():
+    spec = models.model_spec(DEEPSEEK_V3)  # kv_lora_rank + qk_rope_head_dim = 22
+    assert [(c.size, c.field) for c in models.layout_conflicts(spec, tp=4)] == [
+        ("tp", "kv_lora_rank + qk_rope_head_dim")]
+    assert models.layout_conflicts(spec, tp=2, ep=2) == []
+    glm = models.model_spec(GLM4_MOE | {"moe_intermediate_size": 18})  # shared expert 36 wide, experts 18
+    assert [(c.size, c.field) for c in models.layout_conflicts(glm, tp=8, expert_tp=8)] == [
+        ("tp", "num_attention_heads"), ("tp", "moe_intermediate_size * n_shared_experts"),
+        ("expert_tp", "moe_intermediate_size")]
 
 
 def test_fc1_shard_is_cat_of_gate_and_up_shards():
