@@ -19,6 +19,9 @@ An engine that fails (EngineError from submit, poll or abort) is marked `failed`
 more requests; `poll` still returns the other engines' samples and raises only when it has
 none to give. `replace(index, engine)` puts a new engine in its place: the requests that were
 live there are gone (`is_live` says which ids still are; the caller submits them again).
+`park(index)` takes an engine out of service without a replacement (a server given by URL that
+stopped answering): its requests are gone the same way, and it gets no calls at all (no
+requests, polls, pauses; it counts for neither the version nor the health) until `replace`.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class EngineSet:
         self._next_first = 0  # engine that waits first in the next poll (rotates)
         self._closed = False
         self.failed: dict[int, str] = {}
-        """Engines that raised EngineError (index -> the error), until `replace`d."""
+        """Engines that raised EngineError (index -> the error), until `replace`d or `park`ed."""
+        self.parked: set[int] = set()
+        """Engines out of service (`park`), until `replace`d."""
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -90,12 +95,30 @@ class EngineSet:
     def replace(self, index: int, engine: RolloutEngine) -> list[str]:
         """Engine `index` is `engine` from now on (the caller shut the old one down); returns the
         ids of the requests that were live on the old one (lost: none of their samples will come)."""
+        lost = self._forget(index)
+        self.engines[index] = engine
+        self.parked.discard(index)
+        return lost
+
+    def park(self, index: int) -> list[str]:
+        """Take engine `index` out of service (the caller shut it down) until `replace`; returns
+        the ids of the requests that were live on it (lost, as with `replace`)."""
+        lost = self._forget(index)
+        self.parked.add(index)
+        if len(self.parked) == len(self.engines):
+            logger.warning("every engine of the set is out of service")
+        return lost
+
+    def in_service(self) -> list[int]:
+        """Indices of the engines not parked."""
+        return [i for i in range(len(self.engines)) if i not in self.parked]
+
+    def _forget(self, index: int) -> list[str]:
         lost = list(self._outer[index].values())
         for outer in lost:
             del self._routes[outer]
         self._outer[index] = {}
         self._live[index] = 0
-        self.engines[index] = engine
         self.failed.pop(index, None)
         return lost
 
@@ -113,9 +136,10 @@ class EngineSet:
             outer_ids.append(r.request_id)
         planned = list(self._live)
         placement: list[list[int]] = [[] for _ in self.engines]  # per engine: positions in `requests`
-        usable = [i for i in range(len(self.engines)) if i not in self.failed]
+        usable = [i for i in self.in_service() if i not in self.failed]
         if requests and not usable:
-            raise EngineError(f"every engine of the set failed: {self.failed}")
+            raise EngineError(f"every engine of the set failed or is out of service: failed {self.failed}, "
+                              f"out of service {sorted(self.parked)}")
         for pos, r in enumerate(requests):
             target = min(usable, key=lambda i: (planned[i], i))
             placement[target].append(pos)
@@ -174,8 +198,10 @@ class EngineSet:
         return out
 
     def _poll_one(self, index: int, timeout: float) -> list[GenerateResult]:
-        """Engine `index`'s samples; none from a failed one (its error is kept in `failed`)."""
-        if index in self.failed:
+        """Engine `index`'s samples; none from a failed one (its error is kept in `failed`) or a parked one."""
+        if index in self.failed or index in self.parked:
+            if timeout:
+                time.sleep(timeout)  # its turn to wait, as if it had nothing
             return []
         try:
             return self._translate(index, self.engines[index].poll(timeout=timeout))
@@ -226,27 +252,32 @@ class EngineSet:
             if route is not None:
                 per_engine[route.engine].append(route.inner_id)
         for index, inner_ids in enumerate(per_engine):
-            if inner_ids and index not in self.failed:
+            if inner_ids and index not in self.failed and index not in self.parked:
                 self._guard(index, self.engines[index].abort, inner_ids)
 
     # --- engine state --------------------------------------------------------------------
 
     def pause(self) -> None:
-        """Pause every engine; returns once none of them runs a step."""
-        for engine in self.engines:
-            engine.pause()
+        """Pause every engine in service; returns once none of them runs a step."""
+        for index in self.in_service():
+            self.engines[index].pause()
 
     def resume(self) -> None:
-        for engine in self.engines:
-            engine.resume()
+        for index in self.in_service():
+            self.engines[index].resume()
 
     def health(self) -> EngineHealth:
         """One snapshot of the set: alive and paused only if every engine is, the lowest
         weight version, counters summed, the last update and error of the engines that
-        lag (lowest version) or died. Per engine: `health_per_engine()`."""
+        lag (lowest version) or died; of the engines in service (none: not alive). Per engine:
+        `health_per_engine()`."""
+        indices = self.in_service()
+        if not indices:
+            return EngineHealth(alive=False, weight_version=self.weight_version,
+                                error=f"every engine is out of service: {sorted(self.parked)}")
         healths = self.health_per_engine()
         version = min(h.weight_version for h in healths)
-        errors = [f"engine {i}: {h.error or 'not alive'}" for i, h in enumerate(healths) if not h.alive]
+        errors = [f"engine {i}: {h.error or 'not alive'}" for i, h in zip(indices, healths) if not h.alive]
         behind = [h.last_update for h in healths if h.weight_version == version and h.last_update is not None]
         return EngineHealth(
             alive=all(h.alive for h in healths),
@@ -261,12 +292,13 @@ class EngineSet:
         )
 
     def health_per_engine(self) -> list[EngineHealth]:
-        return [engine.health() for engine in self.engines]
+        """The engines in service, in index order."""
+        return [self.engines[i].health() for i in self.in_service()]
 
     @property
     def weight_version(self) -> int:
-        """The oldest weight version any engine samples from."""
-        return min(engine.weight_version for engine in self.engines)
+        """The oldest weight version any engine in service samples from (all parked: of all)."""
+        return min(self.engines[i].weight_version for i in self.in_service() or range(len(self.engines)))
 
     def update_weights(self, weights: WeightSource, version: int) -> WeightUpdateReport:
         raise NotImplementedError(

@@ -13,6 +13,7 @@ from typing import Any
 from entr_megatron.config.rollout import SamplingConfig
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
+from entr_megatron.controller.replacing import Recover, generate_replacing
 from entr_megatron.controller.run_dir import RunPaths, read_eval, save_eval
 from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
 from entr_megatron.utils.seeding import mix_seed
@@ -25,16 +26,17 @@ EVAL_TIMEOUT_S = 3600.0
 
 def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig, seed: int = 0,
              samples_per_problem: int = 4, idle_timeout_s: float | None = None,
-             timeout_s: float = EVAL_TIMEOUT_S, split: str = "test") -> dict[str, float]:
+             timeout_s: float = EVAL_TIMEOUT_S, split: str = "test", recover: Recover | None = None) -> dict[str, float]:
     """Held-out accuracy on `n` problems of the test split: greedy (`eval/accuracy`), and the
     mean over `samples_per_problem` samples drawn as in training (`sampling`: the config's
     temperature, top-p, top-k), i.e. the accuracy of the policy RL optimises
     (`eval/sampled_accuracy`). A sample is correct when its reward is 1.
 
     `idle_timeout_s` (a run's rollout.poll_timeout_s): silence that long gets the engines
-    health-checked, and a dead or stopped one ends the evaluation with EngineError (engines are
-    replaced during RL steps, not during an evaluation: the job stops, and its rerun resumes from
-    the last checkpoint). `split` "train": the same on training problems (what RL optimised)."""
+    health-checked. A dead or stopped engine is replaced by `recover` (a training run's
+    `Controller.recover`) and the pass generated again with the same seeds (replacing.py);
+    without it, it ends the evaluation with EngineError. `split` "train": the same on training
+    problems (what RL optimised)."""
     pairs = task.prompts(split, n, seed=seed)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=sampling.max_new_tokens, n=1)
     sampled = SamplingParams.from_config(sampling, n=samples_per_problem)
@@ -42,7 +44,10 @@ def evaluate(engine: RolloutEngine, task: Any, n: int, sampling: SamplingConfig,
     for name, params in (("accuracy", greedy), ("sampled_accuracy", sampled)):
         requests = [GenerateRequest(ids, dataclasses.replace(params, seed=mix_seed(seed, i)))
                     for i, (ids, _) in enumerate(pairs)]
-        results = generate(engine, requests, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s)
+        if recover is None:
+            results = generate(engine, requests, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s)
+        else:
+            results = generate_replacing(engine, requests, recover, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s)
         refs = [ref for _, ref in pairs for _ in range(params.n)]
         rewards = [float(task.reward(r.to_sample(), ref)) for r, ref in zip(results, refs)]
         out[f"eval/{name}"] = sum(r == 1.0 for r in rewards) / len(rewards)
@@ -53,14 +58,17 @@ class HeldOut:
     """A run's held-out evaluations on `task.eval_size` problems (0: none at all): before RL
     (once per run directory), every `controller.eval_interval` steps, and after the last step."""
 
-    def __init__(self, cfg: RunConfig, task: Any, engine: RolloutEngine, paths: RunPaths):
+    def __init__(self, cfg: RunConfig, task: Any, engine: RolloutEngine, paths: RunPaths,
+                 recover: Recover | None = None):
+        """`recover`: replaces failed engines (the run's `Controller.recover`); None: a failure ends it."""
         self.enabled = cfg.task.eval_size > 0
-        self.task, self.engine, self.paths = task, engine, paths
+        self.task, self.engine, self.paths, self.recover = task, engine, paths, recover
         self.n, self.sampling, self.seed = cfg.task.eval_size, cfg.rollout.sampling, cfg.controller.seed
         self.idle_timeout_s = cfg.rollout.poll_timeout_s
 
     def _evaluate(self) -> dict[str, float]:
-        return evaluate(self.engine, self.task, self.n, self.sampling, self.seed, idle_timeout_s=self.idle_timeout_s)
+        return evaluate(self.engine, self.task, self.n, self.sampling, self.seed, idle_timeout_s=self.idle_timeout_s,
+                        recover=self.recover)
 
     def before_rl(self, fresh: bool) -> dict | None:
         """eval.json's "before_rl", measured now when the run is `fresh` (not resumed) and has none."""

@@ -34,6 +34,9 @@ comes for rollout.poll_timeout_s, the engines are health-checked; dead or silent
 replaced between two engine calls (a new process, the learner's version pushed to it, the
 weight groups rebuilt), and the groups that were in flight on them are submitted again as
 they were (same group id and seed, as on resume), so nothing is lost or trained twice.
+fixed_lag's generate-ahead runs its round again with the same seeds (replacing.py), so the
+batches are those of an undisturbed run. A failed learner (`abandon`): the groups in flight are
+aborted and thrown away; new learner ranks resume from the last checkpoint (controller/job.py).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import RestartsExhausted
 from entr_megatron.controller.interfaces import Learner, PromptStream, PushHandle, WeightPusher
 from entr_megatron.controller.fixed_lag import LagPipeline
+from entr_megatron.controller.replacing import generate_replacing
 from entr_megatron.rollout.engine import (
     EngineError,
     GenerateRequest,
@@ -71,6 +75,9 @@ __all__ = ["CONTROLLER_MODES", "Controller", "ControllerHooks"]
 
 POLL_TIMEOUT_S = 1.0
 """Longest single wait on the engine; the loop re-checks its state between polls."""
+
+ABANDON_TIMEOUT_S = 30.0
+"""`Controller.abandon`: longest wait for the engines to give back the aborted groups."""
 
 GENERATE_AHEAD_TIMEOUT_S = 3600.0
 """fixed_lag: longest wait for one round of segments generated ahead."""
@@ -162,9 +169,12 @@ class Controller:
         for _ in range(num_steps):
             t0 = time.perf_counter()
             metrics = step_fn()
+            if self.recovery is not None and getattr(self.recovery, "returned", lambda: False)():
+                self._readmit()
             metrics["timing/step_s"] = step_s = time.perf_counter() - t0
             metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / step_s if step_s > 0 else 0.0
             metrics["engines/restarts"] = float(self.recovery.restarts if self.recovery is not None else 0)
+            metrics["engines/out_of_service"] = float(len(getattr(self.recovery, "out", ())))
             stop = hooks.should_stop is not None and hooks.should_stop()
             if hooks.on_eval and hooks.eval_interval and self.step % hooks.eval_interval == 0:
                 self.drain()
@@ -219,7 +229,15 @@ class Controller:
             self.version, self.step,
             new_group=lambda: GroupRef(self._new_group_id(), self.prompts.take_index()),
             prompt_of=lambda index: self.prompts.get(index)[0],
-            run=lambda requests: generate(self.engine, requests, timeout_s=GENERATE_AHEAD_TIMEOUT_S))
+            run=self._generate)
+
+    def _generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """One round of requests, every sample; a failed engine replaced and the round generated
+        again with the same seeds (replacing.py), without `recovery` the engine's error raised."""
+        if self.recovery is None:
+            return generate(self.engine, requests, timeout_s=GENERATE_AHEAD_TIMEOUT_S)
+        return generate_replacing(self.engine, requests, self.recover, timeout_s=GENERATE_AHEAD_TIMEOUT_S,
+                                  idle_timeout_s=self.rollout.poll_timeout_s)
 
     # ---- pieces ----------------------------------------------------------------------------------
     @property
@@ -278,7 +296,8 @@ class Controller:
         try:
             ids = self.engine.submit(requests)
         except EngineError as e:
-            return self._recover(e)
+            self.recover(e)
+            return
         for rid, request in zip(ids, requests):
             if rid != request.request_id:  # an engine that numbers requests itself
                 self._inflight[rid] = self._inflight.pop(request.request_id)
@@ -286,15 +305,17 @@ class Controller:
     def _receive(self, timeout: float | None = POLL_TIMEOUT_S) -> None:
         """Polls once; completed groups get their rewards and enter the buffer."""
         if self.recovery is not None and self.engine.failed:  # the others kept it from raising
-            return self._recover(None)
+            self.recover(None)
+            return
         try:
             results = self.engine.poll(timeout=timeout)
         except EngineError as e:
-            return self._recover(e)
+            self.recover(e)
+            return
         if results:
             self._last_sample = time.monotonic()
         elif self.recovery is not None and time.monotonic() - self._last_sample > self.rollout.poll_timeout_s:
-            self._recover(None)  # silent for poll_timeout_s: a health check tells hung from slow
+            self.recover(None)  # silent for poll_timeout_s: a health check tells hung from slow
             self._last_sample = time.monotonic()
         for result in results:
             rid = result.request_id
@@ -303,7 +324,9 @@ class Controller:
                 if not self._ignored[rid]:
                     del self._ignored[rid]
                 continue
-            record = self._inflight[rid]
+            record = self._inflight.get(rid)
+            if record is None:  # a request abandoned by the controller before this one (`abandon`)
+                continue
             record.results[result.sample_index] = result
             if len(record.results) < self.sampling.n:
                 continue
@@ -333,7 +356,7 @@ class Controller:
         try:
             self.engine.abort(doomed)
         except EngineError as e:
-            self._recover(e)
+            self.recover(e)
 
     def _train(self, groups: list[Group]) -> dict:
         samples = [s for g in groups for s in g.samples]
@@ -366,12 +389,12 @@ class Controller:
                 self._push_handle.wait()
                 self._push_handle = None
         except EngineError as e:
-            self._recover(e)
+            self.recover(e)
 
-    def _recover(self, error: EngineError | None) -> None:
+    def recover(self, error: EngineError | None) -> bool:
         """Replaces the engines that failed (`recovery`), which then hold the learner's version,
-        and submits the groups lost with them again; raises `error` when none failed (or
-        without `recovery`), RestartsExhausted past rollout.max_engine_restarts."""
+        and submits the groups lost with them again; True when some were replaced. Raises `error`
+        when none failed (or without `recovery`), RestartsExhausted past rollout.max_engine_restarts."""
         while self.recovery is not None:
             failed = self.recovery.failed()
             if not failed:
@@ -391,9 +414,43 @@ class Controller:
             say(f"step {self.step}: engine(s) {', '.join(str(i) for i, _ in failed)} replaced at weight version "
                 f"{self.version}; {len(refs)} group(s) in flight on them generated again")
             self._submit_refs(refs)
-            return
+            return True
         if error is not None:
             raise error
+        return False
+
+    def _readmit(self) -> None:
+        """Engines that were out of service answer again (SGLang servers given by URL): taken back
+        between two steps, at the learner's version (`recovery.readmit`)."""
+        try:
+            if self._push_handle is not None:
+                self._push_handle.wait()
+                self._push_handle = None
+            self.recovery.readmit(self.version)
+            self._pushed_version = self.version
+        except EngineError as e:
+            self.recover(e)
+
+    def abandon(self, timeout_s: float = ABANDON_TIMEOUT_S) -> None:
+        """The learner failed: every group in flight is aborted and what the engines give back
+        within `timeout_s` thrown away (late samples are ignored by any controller), and the push
+        in flight is given up, so that a controller restored from a checkpoint finds idle engines."""
+        pending, self._push_handle = self._push_handle, None
+        if pending is not None and hasattr(pending, "abandon"):
+            pending.abandon()
+        for rid, record in self._inflight.items():
+            self._ignored[rid] = self.sampling.n - len(record.results)
+        self._inflight.clear()
+        deadline = time.monotonic() + timeout_s
+        try:
+            self.engine.abort(list(self._ignored))
+            while self._ignored and time.monotonic() < deadline:
+                for result in self.engine.poll(timeout=POLL_TIMEOUT_S):
+                    left = self._ignored.pop(result.request_id, 0) - 1
+                    if left > 0:
+                        self._ignored[result.request_id] = left
+        except EngineError:
+            pass  # a failed engine: replaced when the new learner pushes its weights
 
     # ---- checkpoint / resume ---------------------------------------------------------------------
     def drain(self) -> None:

@@ -1,0 +1,88 @@
+"""Generation that survives an engine being replaced: what fixed_lag's generate-ahead and the
+held-out evaluations run (the main loop resubmits its own groups: loop.py `Controller.recover`).
+
+    results = generate_replacing(engine, requests, recover, timeout_s=3600, idle_timeout_s=120)
+
+Like `rollout.engine.generate` (every sample of `requests`, in request order, then sample index),
+except that a failed engine call, or no sample for `idle_timeout_s`, calls `recover(error)`: it
+health-checks the engines and replaces the failed ones (returning True), returns False when every
+engine answered (slow, not hung), and raises when it cannot (no recovery, or the restart budget is
+spent). After a replacement the whole round is generated again, as it was first submitted: every
+request still running is aborted, every sample already received is dropped, and the requests go
+in again in their order with their own prompts and seeds (new request ids). Idle engines then get
+the same batch as in an undisturbed run, so a seeded round (fixed_lag) reproduces its samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+
+__all__ = ["DRAIN_TIMEOUT_S", "generate_replacing"]
+
+DRAIN_TIMEOUT_S = 60.0
+"""Longest wait for the aborted requests of an interrupted round to leave the surviving engines."""
+
+Recover = Callable[[EngineError | None], bool]
+
+
+def generate_replacing(engine: RolloutEngine, requests: Sequence[GenerateRequest], recover: Recover,
+                       timeout_s: float, idle_timeout_s: float | None = None) -> list[GenerateResult]:
+    """Every sample of `requests` (see the module docstring); TimeoutError after `timeout_s` in all."""
+    deadline = time.monotonic() + timeout_s
+    expected = sum(r.params.n for r in requests)
+    while True:
+        round_ = [dataclasses.replace(r, request_id=uuid.uuid4().hex) for r in requests]
+        order = {r.request_id: i for i, r in enumerate(round_)}
+        done: dict[tuple[str, int], GenerateResult] = {}
+        try:
+            engine.submit(round_)
+            last_sample = time.monotonic()
+            while len(done) < expected:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{expected - len(done)} of {expected} samples not finished after {timeout_s:.0f} s")
+                results = engine.poll(timeout=min(left, 1.0, idle_timeout_s or 1.0))
+                for r in results:
+                    if r.request_id in order:
+                        done[(r.request_id, r.sample_index)] = r
+                if results:
+                    last_sample = time.monotonic()
+                elif idle_timeout_s is not None and time.monotonic() - last_sample > idle_timeout_s:
+                    if recover(None):  # a silent engine was replaced
+                        raise _Replaced()
+                    last_sample = time.monotonic()  # every engine answered: slow, not hung
+        except EngineError as e:
+            recover(e)  # raises when no engine failed
+            _abandon(engine, list(order), deadline)
+            continue
+        except _Replaced:
+            _abandon(engine, list(order), deadline)
+            continue
+        return sorted(done.values(), key=lambda r: (order[r.request_id], r.sample_index))
+
+
+class _Replaced(Exception):
+    """An engine was replaced while the round ran: generate it again."""
+
+
+def _abandon(engine: RolloutEngine, request_ids: list[str], deadline: float) -> None:
+    """Abort what is left of an interrupted round on the engines that survived, and wait (bounded)
+    until it has left them, so that the round starts again on idle engines."""
+    is_live = getattr(engine, "is_live", None)
+    if is_live is None:
+        return
+    live = [rid for rid in request_ids if is_live(rid)]
+    if not live:
+        return
+    until = min(deadline, time.monotonic() + DRAIN_TIMEOUT_S)
+    try:
+        engine.abort(live)
+        while any(is_live(rid) for rid in live) and time.monotonic() < until:
+            engine.poll(timeout=0.1)  # their aborted samples, thrown away
+    except EngineError:
+        pass  # another engine failed: the next round's calls find it and replace it

@@ -1,0 +1,275 @@
+"""Engine replacement outside the main loop's groups, and a learner that fails: fixed_lag's
+generate-ahead and the held-out evaluations generate their round again on a new engine with the
+same seeds (controller/replacing.py), so their results equal an undisturbed run's; a failed
+learner's groups in flight are aborted (`Controller.abandon`) and never reach the controller that
+takes over; an EngineSet engine can be parked (out of service) and taken back.
+
+The engines are fakes whose samples are a function of (seed, sample, position, weight version)
+only, so "the same as undisturbed" is checked against a run without any failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
+from entr_megatron.controller.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.evaluation import evaluate
+from entr_megatron.controller.loop import Controller
+from entr_megatron.controller.replacing import generate_replacing
+from entr_megatron.rollout.engine import EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
+
+P, N = 2, 3
+
+
+class Engine:
+    """Finishes one request per poll. Token p of sample i: a function of the request's seed, i, the
+    tokens before it and the weight version; `every` k-th poll only (a slow engine). `fail_after`
+    polls it dies like a killed process, `hang_after` polls it stops answering (a SIGSTOPped one)."""
+
+    def __init__(self, version=0, fail_after=None, hang_after=None, every=1):
+        self.version, self.fail_after, self.hang_after, self.every = version, fail_after, hang_after, every
+        self.live, self.polls, self.error, self.hung, self.killed, self.aborted = {}, 0, None, False, False, []
+
+    @property
+    def weight_version(self):
+        return self.version
+
+    def submit(self, requests):
+        if self.error:
+            raise EngineError(self.error)
+        for r in requests:
+            self.live[r.request_id] = (r, False)
+        return [r.request_id for r in requests]
+
+    def poll(self, timeout=0.0):
+        self.polls += 1
+        if self.fail_after is not None and self.polls > self.fail_after:
+            self.error = self.error or "the engine process exited (exit code -9)"
+        if self.hang_after is not None and self.polls > self.hang_after:
+            self.hung = True
+        if self.error:
+            raise EngineError(self.error)
+        if self.hung or not self.live or self.polls % self.every:
+            return []
+        rid, (r, aborted) = next(iter(self.live.items()))
+        del self.live[rid]
+        so_far = len(r.prompt_ids) - 3
+        out = []
+        for i in range(r.params.n):
+            k = 0 if aborted else r.params.max_new_tokens
+            tokens = [1 + ((r.params.seed or 0) * 7 + i * 31 + (so_far + p) * 5 + self.version * 13) % 50
+                      for p in range(k)]
+            out.append(GenerateResult(rid, i, list(r.prompt_ids), tokens, [-0.25 * (1 + t % 3) for t in tokens],
+                                      [self.version] * k, "abort" if aborted else "length",
+                                      group_id=r.group_id, metadata=dict(r.metadata)))
+        return out
+
+    def abort(self, ids):
+        self.aborted += list(ids)
+        for rid in ids:
+            if rid in self.live:
+                self.live[rid] = (self.live[rid][0], True)
+
+    def health(self, timeout_s=None):
+        alive = self.error is None and not self.hung
+        return EngineHealth(alive=alive, weight_version=self.version, error=None if alive else self.error or "hung")
+
+    def kill(self):
+        self.killed = True
+        self.error = self.error or "killed"
+
+    def shutdown(self):
+        pass
+
+
+class Recovery:
+    """`EngineRecovery`'s contract without processes: a new `Engine` at the learner's version."""
+
+    def __init__(self, engines, limit=3):
+        self.engines, self.limit, self.restarts, self.replaced = engines, limit, 0, []
+
+    def failed(self):
+        out = []
+        for i, e in enumerate(self.engines.engines):
+            if not e.health().alive:
+                e.kill()
+                out.append((i, e.health().error))
+        return out
+
+    def replace(self, failed, version, pending_push=None):
+        if self.restarts + len(failed) > self.limit:
+            raise RestartsExhausted(f"{self.restarts} replaced; {failed[0][1]}")
+        for i, _ in failed:
+            self.engines.replace(i, Engine(version))
+            self.restarts += 1
+            self.replaced.append(version)
+
+
+class Pusher:
+    def __init__(self, engines):
+        self.engines = engines
+
+    def push(self, version):
+        for e in self.engines.engines:
+            e.version = max(e.version, version)
+
+        class Handle:
+            def wait(self):
+                return {}
+
+        return Handle()
+
+
+class Learner:
+    def __init__(self, on_train=None):
+        self.batches, self.on_train = [], on_train
+
+    def train(self, batch, version):
+        self.batches.append(batch)
+        if self.on_train is not None:
+            self.on_train(len(self.batches))
+        return {}
+
+
+class Task:
+    name = "fake"
+
+    def prompts(self, split, n, seed):
+        return [([1 + (seed * n + j) % 97, 2, 3], j % 2) for j in range(n)]
+
+    def reward(self, sample, reference):
+        return float(sum(sample.response_ids) % 2 == reference)
+
+
+def batch_tensors(batch):
+    return (batch.tokens_T.tolist(), batch.behaviour_logprobs_T.tolist(), batch.versions_T.tolist(),
+            batch.advantages_B.tolist())
+
+
+def make(mode="fixed_lag", engines=1, on_train=None, **controller):
+    engine = EngineSet([Engine() for _ in range(engines)])
+    recovery = Recovery(engine)
+    learner = Learner(on_train)
+    rollout = RolloutConfig(prompts_per_step=P, poll_timeout_s=0.05, sampling=SamplingConfig(n=N, max_new_tokens=6))
+    options = dict(inter_lag=1, intra_lag=1, intra_lag_stride=3) if mode == "fixed_lag" else {}
+    ctl = Controller(engine, learner, Pusher(engine), Task(), ControllerConfig(mode=mode, **{**options, **controller}),
+                     rollout, "grpo", recovery=recovery)
+    return ctl, engine, learner, recovery
+
+
+def requests(n=4):
+    return [GenerateRequest([5 + i, 2, 3], SamplingParams(n=N, max_new_tokens=4, seed=100 + i), group_id=i)
+            for i in range(n)]
+
+
+def as_tuples(results):
+    return [(r.sample_index, r.output_ids, r.logprobs, r.versions) for r in results]
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_an_interrupted_round_is_generated_again_with_the_same_seeds(fault):
+    reference = as_tuples(generate_replacing(EngineSet([Engine(), Engine()]), requests(), lambda e: False, 60))
+    engines = EngineSet([Engine(every=3), Engine(**{"fail_after" if fault == "dies" else "hang_after": 0})])
+    recovery = Recovery(engines)
+
+    def recover(error):
+        failed = recovery.failed()
+        if not failed:
+            if error is not None:
+                raise error
+            return False
+        recovery.replace(failed, 0)
+        return True
+
+    got = generate_replacing(engines, requests(), recover, timeout_s=60, idle_timeout_s=0.05)
+    assert as_tuples(got) == reference and recovery.restarts == 1
+    if fault == "dies":  # raised while the slow survivor still ran its part: aborted, generated again
+        assert len(engines.engines[0].aborted) == 2
+
+
+def test_a_failure_nothing_explains_is_raised():
+    engines = EngineSet([Engine(fail_after=1)])
+
+    def recover(error):
+        raise error
+
+    with pytest.raises(EngineError, match="exit code -9"):
+        generate_replacing(engines, requests(), recover, timeout_s=60)
+
+
+def test_fixed_lag_with_an_engine_killed_in_generate_ahead_trains_the_undisturbed_batches():
+    undisturbed, _, reference, _ = make()
+    undisturbed.run(6)
+    ctl, engine, learner, recovery = make()
+    killed = []
+
+    def kill_during_generate_ahead(n):
+        if n == 3:  # the engine dies a poll into the next round of segments
+            engine.engines[0].fail_after = engine.engines[0].polls + 1
+            killed.append(engine.engines[0])
+
+    learner.on_train = kill_during_generate_ahead
+    history = ctl.run(6)
+    assert killed and killed[0].killed and recovery.restarts == 1 and recovery.replaced == [3]
+    assert [m["engines/restarts"] for m in history] == [0, 0, 1, 1, 1, 1]
+    assert [batch_tensors(b) for b in learner.batches] == [batch_tensors(b) for b in reference.batches]
+
+
+def test_fixed_lag_past_the_restart_budget_stops_with_the_engine_error():
+    ctl, engine, learner, recovery = make()
+    recovery.limit = 0
+    learner.on_train = lambda n: n == 2 and setattr(engine.engines[0], "fail_after", engine.engines[0].polls)
+    with pytest.raises(RestartsExhausted, match=r"0 replaced; the engine process exited \(exit code -9\)"):
+        ctl.run(5)
+
+
+def test_an_evaluation_survives_an_engine_killed_mid_pass():
+    sampling = SamplingConfig(n=N, max_new_tokens=4)
+    reference = evaluate(EngineSet([Engine()]), Task(), 6, sampling, seed=3)
+    ctl, engine, _, recovery = make("sync")
+    engine.engines[0].fail_after = 2
+    got = evaluate(engine, Task(), 6, sampling, seed=3, idle_timeout_s=0.05, recover=ctl.recover)
+    assert got == reference and recovery.restarts == 1
+    with pytest.raises(EngineError, match="exit code -9"):  # without a recovery it ends the evaluation
+        evaluate(EngineSet([Engine(fail_after=2)]), Task(), 6, sampling, seed=3)
+
+
+def test_a_failed_learners_groups_are_aborted_and_never_reach_the_next_controller():
+    ctl, engine, _, _ = make("fully_async", engines=2, max_policy_lag=2)
+    ctl.run(2)
+    inflight = set(ctl._inflight)
+    assert inflight
+    ctl.abandon(timeout_s=0)  # nothing waited for: their aborted samples are still on the engines
+    assert not ctl._inflight
+    assert set(sum((e.aborted for e in engine.engines), [])) == inflight
+    learner = Learner()
+    nxt = Controller(engine, learner, Pusher(engine), Task(), ctl.opt, ctl.rollout, "grpo")
+    nxt.run(3)
+    assert not any(engine.is_live(rid) for rid in inflight)  # they came back, and were thrown away
+    for batch in learner.batches:  # aborted samples have no token: none was trained
+        cu = batch.cu_seqlens.tolist()
+        assert [int(batch.loss_mask_T[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])] == [6] * (P * N)
+
+    ctl, engine, _, _ = make("fully_async", engines=2, max_policy_lag=2)
+    ctl.run(2)
+    ctl.abandon(timeout_s=5)  # waited for: the engines are idle afterwards
+    assert not ctl._ignored and not any(e.live for e in engine.engines)
+
+
+def test_a_parked_engine_gets_no_calls_and_counts_for_nothing_until_replaced():
+    engines = EngineSet([Engine(version=4), Engine(version=2)])
+    ids = engines.submit(requests(2))
+    lost = engines.park(1)
+    assert lost == [ids[1]] and engines.in_service() == [0] and not engines.is_live(ids[1])
+    assert engines.weight_version == 4 and engines.health().alive
+    engines.engines[1].error = "gone"  # never asked: no error from it
+    more = engines.submit(requests(3)[2:])
+    assert engines.live_samples() == [2 * N, 0] and more
+    assert {r.request_id for r in engines.poll(timeout=0.1) + engines.poll(timeout=0.1)} == {ids[0], more[0]}
+    engines.replace(1, Engine(version=4))
+    assert engines.in_service() == [0, 1] and engines.weight_version == 4
+    engines.park(0)
+    engines.park(1)
+    assert not engines.health().alive
+    with pytest.raises(EngineError, match="out of service"):
+        engines.submit(requests(1))
