@@ -179,3 +179,30 @@ def test_the_shipped_moe_replay_study_grids_over_routing_replay():
         assert cfg.algorithm.routing_replay == ("r3" if "r3" in cell_id else "off")
         assert cfg.algorithm.measure_unreplayed and cfg.controller.mode == "fixed_lag"
         assert cfg.controller.inter_lag == (4 if "inter_lag=4" in cell_id else 0)
+
+
+def test_cells_run_with_openmp_threads_that_sleep_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+    """run_command gives each cell OMP_WAIT_POLICY=PASSIVE where unset, and keeps a value the user set."""
+    import subprocess
+
+    from entr_megatron.study import runner
+
+    seen = []
+
+    class Proc:
+        stdout = iter(["{}\n"])
+
+        def __init__(self, args, env=None, **kw):
+            seen.append(env)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("ENTR_TEST_MARKER", "1")
+    assert runner.run_command(["train"], str(tmp_path / "a.log")) == (0, "{}")
+    assert seen[-1]["OMP_WAIT_POLICY"] == "PASSIVE" and seen[-1]["ENTR_TEST_MARKER"] == "1"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    runner.run_command(["train"], str(tmp_path / "b.log"))
+    assert seen[-1]["OMP_WAIT_POLICY"] == "ACTIVE"
