@@ -9,6 +9,7 @@ per head, with
   optional Megatron-style boolean ``attention_mask`` (True = masked out);
 * grouped-query attention: ``num_query_groups < num_attention_heads`` (read from
   the tensor shapes, so it holds per tensor-parallel shard);
+* a value head dim other than the query/key one (multi-latent attention);
 * packed variable-length sequences (``PackedSeqParams`` with
   ``qkv_format='thd'``): each sequence attends only to itself. Sequences are
   processed one by one, which costs ``sum L_i^2`` instead of the ``(sum L_i)^2``
@@ -61,7 +62,8 @@ def packed_attention(q_THD, k_TGD, v_TGD, cu_seqlens_q, cu_seqlens_kv, causal, s
     layout_k = (cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded).tolist()
     lens_q = torch.diff(cu_seqlens_q).tolist()
     lens_k = torch.diff(cu_seqlens_kv).tolist()
-    total, heads, dim = q_THD.shape
+    total, heads = q_THD.shape[:2]
+    dim = v_TGD.shape[-1]  # the output's head dim (MLA: the value dim differs from the query/key dim)
     pieces, at = [], 0
     for start_q, len_q, start_k, len_k in zip(layout_q, lens_q, layout_k, lens_k):
         if start_q > at:  # padding before this sequence
@@ -86,7 +88,7 @@ class SDPACoreAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError(
@@ -99,7 +101,8 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the portable spec (use 'vanilla')")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # MLA passes its own scale (YaRN's mscale included) and its query/key and value head dims.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def _dropout_context(self, dropout_p):
@@ -126,10 +129,10 @@ class SDPACoreAttention(MegatronModule):
                     query, key, value, p.cu_seqlens_q, p.cu_seqlens_kv, causal, self.softmax_scale, dropout_p,
                     p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded,
                 )
-            sq, b, heads, dim = query.shape
+            sq, b, heads = query.shape[:3]
             allowed = None if attention_mask is None else ~attention_mask.bool()
             out = _sdpa(
                 query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
                 allowed, causal, self.softmax_scale, dropout_p,
             )  # [b, heads, sq, dim]
-            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * out.shape[-1])

@@ -74,9 +74,11 @@ def learner_transformer_config(
     balancing loss (a training choice: pass it in `overrides`). `overrides`
     replaces any field last (e.g. `calculate_per_token_loss`, recompute settings).
     `routing_replay` ('off', 'r2', 'r3': `AlgorithmConfig.routing_replay`) other than 'off'
-    turns on `moe_enable_routing_replay` (refused for a dense model).
+    turns on `moe_enable_routing_replay` (refused for a dense model). A router with an expert bias
+    (DeepSeek-V3, GLM-4.5) keeps it as loaded (`moe_router_bias_update_rate=0`: the engines route
+    with the same bias; aux-loss-free balancing is a pre-training device), unless overridden.
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core import transformer
 
     kwargs = models.transformer_config_kwargs(spec)
     kwargs["activation_func"] = models.ACTIVATIONS[kwargs["activation_func"]]
@@ -102,11 +104,13 @@ def learner_transformer_config(
             moe_grouped_gemm=False,  # SequentialMLP: the naming `spec` is built with
             moe_enable_routing_replay=routing_replay != "off",
         )
+        if spec.moe_expert_bias:
+            kwargs.update(moe_router_bias_update_rate=0.0)
     elif routing_replay != "off":
         raise ValueError(f"algorithm.routing_replay={routing_replay!r} needs an MoE model; "
                          f"{spec.model_type} is dense (use 'off')")
     kwargs.update(overrides or {})
-    return TransformerConfig(**kwargs)
+    return getattr(transformer, models.transformer_config_class(spec))(**kwargs)
 
 
 def build_learner_model_from_hf(
@@ -149,8 +153,12 @@ def build_learner_model_from_hf(
     if load_weights and not (isinstance(hf_dir_or_config, (str, os.PathLike)) and os.path.isdir(hf_dir_or_config)):
         raise ValueError("load_weights=True needs an HF model directory (config.json + *.safetensors); "
                          "pass load_weights=False to build a randomly initialised model from a config")
+    has_te_spec = models.get_family(hf_config).table.te_fused_norms is not None
     if use_te is None:
-        use_te = te_available()
+        use_te = te_available() and has_te_spec  # MLA (deepseek_v3) runs on the portable spec
+    elif use_te and not has_te_spec:
+        raise ValueError(f"use_te=True: {hf_config.get('model_type')} has no TransformerEngine layer spec here "
+                         "(the portable spec runs it, on GPU too)")
     spec = models.model_spec(hf_config, te_fused_norms=use_te, grouped_experts=False)
     config = learner_transformer_config(
         spec, groups, dtype=dtype, perform_initialization=not load_weights, overrides=config_overrides,

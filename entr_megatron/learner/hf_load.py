@@ -190,6 +190,13 @@ def check_hf_checkpoint(
     missing, unexpected = expected - keys, keys - expected
     skipped = sorted(k for k in unexpected if any(fnmatch.fnmatchcase(k, p) for p in allow_unmapped))
     unexpected -= set(skipped)
+    mtp = sorted(k for k in unexpected if k.startswith(models.mtp_hf_prefixes(spec)))
+    if mtp:
+        patterns = " ".join(f"--allow-unmapped '{p}*'" for p in models.mtp_hf_prefixes(spec))
+        raise ValueError(
+            f"{ckpt.dir}: the checkpoint holds {len(mtp)} tensors of multi-token-prediction layers "
+            f"(num_nextn_predict_layers={spec.mtp_layers}: {_preview(mtp)}), which are not supported: the learner "
+            f"has no MTP layers (HF transformers ignores them too); to convert without them pass {patterns}")
     if missing or unexpected:
         parts = [f"missing {len(missing)}: {_preview(missing)}"] if missing else []
         parts += [f"unexpected {len(unexpected)}: {_preview(unexpected)}"] if unexpected else []
@@ -227,8 +234,25 @@ def _layer_offset(chunk) -> int:
     return offset
 
 
-def global_param_names(chunk, spec: models.ModelSpec, groups) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(global Megatron name, local name, parameter) for every parameter of a chunk, in module order.
+# Buffers that are weights of the HF model: the router's expert bias (HF e_score_correction_bias),
+# a float32 buffer Megatron keeps beside the router weight.
+_ROUTER_WEIGHT, _EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
+
+
+def _named_weights(chunk) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunk's parameters, each router's `expert_bias` buffer right after its weight."""
+    buffers = dict(chunk.named_buffers())
+    for local, param in chunk.named_parameters():
+        yield local, param
+        if local.endswith(_ROUTER_WEIGHT):
+            bias = local[: -len(_ROUTER_WEIGHT)] + _EXPERT_BIAS
+            if buffers.get(bias) is not None:
+                yield bias, buffers[bias]
+
+
+def global_param_names(chunk, spec: models.ModelSpec, groups) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(global Megatron name, local name, parameter) for every weight of a chunk, in module order:
+    its parameters and the routers' expert-bias buffers (a model weight HF stores).
 
     Global names carry global layer and expert indices, as `models` expects. The
     output layer of a tied model (last stage with PP > 1) is named as the word
@@ -236,7 +260,7 @@ def global_param_names(chunk, spec: models.ModelSpec, groups) -> Iterator[tuple[
     """
     chunk = unwrap_chunk(chunk)
     offset = _layer_offset(chunk)
-    for local, param in chunk.named_parameters():
+    for local, param in _named_weights(chunk):
         name = models.offset_layer(local, offset)
         if models.is_expert_param(name):
             name = models.expert_global_name(name, groups.ep_rank, spec.num_experts, groups.ep_size)

@@ -12,6 +12,8 @@ piece               TransformerEngine spec                        portable spec
 input norm + QKV    ``TELayerNormColumnParallelLinear``            ``PortableNorm`` + ``ColumnParallelLinear``
 core attention      ``TEDotProductAttention``                      ``SDPACoreAttention`` (causal, GQA, thd)
 q/k norm (Qwen3)    ``TENorm`` on each head                        ``PortableNorm`` on each head
+MLA (DeepSeek-V3)   (not used: down projections replicated)        ``MLASelfAttention``: local linears,
+                                                                   ``PortableNorm`` latent norms
 out projection      ``TERowParallelLinear``                        ``RowParallelLinear``
 MLP norm + fc1      ``TELayerNormColumnParallelLinear``            ``PortableNorm`` + ``ColumnParallelLinear``
 MoE                 router, ``TEGroupedMLP``/``SequentialMLP``,    router, ``SequentialMLP``, shared experts
@@ -37,6 +39,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -73,30 +76,55 @@ class _PortableBackend(LocalSpecProvider):
         return super().grouped_mlp_modules(False, False)
 
 
+def _mla_attention() -> ModuleSpec:
+    """Megatron's multi-latent attention from local modules: the q/kv down projections are
+    ColumnParallelLinear (outputs gathered over TP before the latent norms), the latent norms
+    separate modules (TE fuses them into the up projections)."""
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear,
+            linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear,
+            linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear,
+            core_attention=SDPACoreAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=PortableNorm,
+            kv_layernorm=PortableNorm,
+        ),
+    )
+
+
 def portable_layer_spec(config, moe: bool) -> ModuleSpec:
-    """One transformer layer of the portable spec (dense MLP, or MoE when ``moe``)."""
-    if config.multi_latent_attention:
-        raise ValueError("multi_latent_attention=True is not supported by the portable spec")
+    """One transformer layer of the portable spec (dense MLP, or MoE when ``moe``; grouped-query or
+    multi-latent attention)."""
     backend = _PortableBackend()
     qk_norm = PortableNorm if config.qk_layernorm else IdentityOp
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if config.multi_latent_attention:
+        keys_map = {}  # TE's MLA spec keeps the input norm separate
+        attention = _mla_attention()
+    else:
+        attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=ColumnParallelLinear,
+                core_attention=SDPACoreAttention,
+                linear_proj=RowParallelLinear,
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+        )
     if not moe:  # TE fuses the pre-MLP norm into fc1 only for dense MLPs
         keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=PortableNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=SDPACoreAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=PortableNorm,
             mlp=get_mlp_module_spec_for_backend(

@@ -25,6 +25,7 @@ Redirected call sites (megatron-core 0.16.1; 0.17.0 has the same ones):
    tensor_parallel.utils                                 ``gather_split_1d_tensor`` buffer
    transformer.utils                                     ``get_default_causal_mask`` (used by fused_softmax) on "cuda"
    models.common.embeddings.rotary_pos_embedding         RoPE ``inv_freq`` moved to ``current_device()``
+   models.common.embeddings.yarn_rotary_pos_embedding    YaRN (MLA) ``inv_freq_*`` built on and moved to ``current_device()``
    transformer.moe.router                                router weight moved to ``current_device()``
    transformer.moe.experts                               expert weights (GPU init) on ``current_device()``
    transformer.moe.token_dispatcher                      alltoall dispatcher's D2H ``torch.cuda.Stream()``
@@ -55,6 +56,11 @@ Redirected call sites (megatron-core 0.16.1; 0.17.0 has the same ones):
    dispatcher's ``maybe_move_tensor_to_cpu`` also turns CPU split sizes into numpy
    (upstream converts only CUDA tensors).
 
+5. MLA: without TransformerEngine, megatron's ``transformer_engine`` extension defines
+   ``TELinear`` as a ``MagicMock``, yet ``multi_latent_attention.HAVE_TE`` is True (the import
+   of the extension succeeds), so ``MultiLatentAttention.__init__`` calls
+   ``isinstance(linear_proj, TELinear)`` and raises TypeError: ``HAVE_TE`` is set False there.
+
 Traps that no patch can fix (``check_cpu_config`` enforces them):
 
 * Interleaved PP with ``batch_p2p_comm=True`` gives silently WRONG losses on gloo
@@ -78,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 import types
@@ -112,6 +119,7 @@ _PROXIED_MODULES = (
     "tensor_parallel.utils",
     "transformer.utils",
     "models.common.embeddings.rotary_pos_embedding",
+    "models.common.embeddings.yarn_rotary_pos_embedding",
     "transformer.moe.router",
     "transformer.moe.experts",
     "transformer.moe.token_dispatcher",
@@ -380,6 +388,13 @@ def _patch_moe():
     dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+# --- 5. MLA ------------------------------------------------------------------------------
+
+def _patch_mla():
+    if importlib.util.find_spec("transformer_engine") is None:
+        _megatron("transformer.multi_latent_attention").HAVE_TE = False
+
+
 # --- public API --------------------------------------------------------------------------
 
 def check_megatron_version(version: str | None = None) -> None:
@@ -436,6 +451,7 @@ def enable_cpu_compat() -> bool:
     _wrap_method(distrib.DistributedOptimizer, "_build_model_and_main_param_groups")
     _patch_rng()
     _patch_moe()
+    _patch_mla()
     _enabled = True
     logger.info("megatron-core CUDA call sites redirected to CPU")
     return True

@@ -78,11 +78,13 @@ class RouteRecorder:
     """The top-k expert ids HF's router picked in every MoE layer, captured by forward hooks.
 
     An MoE block is a module with a `gate` and `experts` (Qwen3-MoE, Mixtral; transformers
-    4.x and 5.x). A 5.x gate returns `(router_logits, router_scores, router_indices)`: the
-    indices the experts were run with are taken as they are. A 4.x gate is a Linear that
-    returns logits, and the block picks `topk(softmax(logits.float()), k)` (the same rule;
-    `norm_topk_prob` rescales the weights only): that is recomputed here. No hook is
-    installed on a dense model (`num_layers == 0`).
+    4.x and 5.x; GLM-4.5 and DeepSeek-V3, whose dense first layers have none, so the routes'
+    `moe_layers` axis counts the MoE layers only, as the learner's does). A 5.x gate returns
+    `(router_logits, router_scores, router_indices)` (DeepSeek's sigmoid router with its score
+    bias and group limit too): the indices the experts were run with are taken as they are.
+    A 4.x gate is a Linear that returns logits, and the block picks
+    `topk(softmax(logits.float()), k)` (the same rule; `norm_topk_prob` rescales the weights
+    only): that is recomputed here. No hook is installed on a dense model (`num_layers == 0`).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -97,6 +99,8 @@ class RouteRecorder:
     def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         if isinstance(output, tuple) and len(output) == 3:
             indices = output[2]
+        elif isinstance(output, tuple) and len(output) == 2 and not output[0].is_floating_point():
+            indices = output[0]  # transformers 4.x DeepSeek-V3 / GLM-4.5 router: (indices, weights)
         else:
             indices = torch.topk(torch.softmax(output.float(), dim=-1), self.top_k, dim=-1).indices
         self._layers.append(indices.reshape(-1, indices.shape[-1]).to(self.dtype))

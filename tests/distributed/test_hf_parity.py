@@ -6,11 +6,13 @@ reference is HF's forward of each sequence on its own:
 `log_softmax(model(input_ids).logits)` at the next token, and the entropy of
 that distribution. The learner scores the same variable-length sequences packed
 into micro-batches (`score_sequences`) at TP=1 and TP=2 (plus PP=2, interleaved
-PP=2 x VP=2 and EP=2 for some), fp32, atol 1e-4. One launch per world size runs
-every family.
+PP=2 x VP=2, EP=2 and TP=2 x EP=2 for some), fp32, atol 1e-4. One launch per world
+size runs every family.
 
 Weights are perturbed away from HF's init (norm weights of 1, zero biases) so
-that every tensor, the q/k norms and the qkv bias included, matters.
+that every tensor, the q/k norms and the qkv bias included, matters; the DeepSeek-style
+routers' score-correction bias (a buffer HF initialises to 0) is set to random values,
+and HF's own log-probs are checked to change without it and without the group limit.
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             initializer_range=0.3, max_position_embeddings=256)
 
 
+# DeepSeek-style routers: 8 experts in 4 groups, the tokens' experts from the best 2 groups (so
+# that the group limit excludes experts), a shared expert, the first layer dense.
+DEEPSEEK_ROUTER = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4,
+                       n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5)
+
+
 def hf_configs():
     """model_type -> transformers config: tied embeddings (llama), qkv bias and an odd vocab (qwen2:
-    padded at TP=2), q/k norm (qwen3, qwen3_moe), both MoE router normalisations."""
+    padded at TP=2), q/k norm (qwen3, qwen3_moe), both MoE router normalisations; GLM-4.5 (partial
+    RoPE, q/k/v bias and q/k norm) and DeepSeek-V3 (MLA with q LoRA, YaRN with mscale), both with
+    the sigmoid router, its non-zero score-correction bias (`make_case`) and a group limit."""
     return {
         "llama": transformers.LlamaConfig(**TINY, vocab_size=128, intermediate_size=96, tie_word_embeddings=True),
         "qwen2": transformers.Qwen2Config(**TINY, vocab_size=251, intermediate_size=96),
@@ -50,7 +60,55 @@ def hf_configs():
         "mixtral": transformers.MixtralConfig(
             **TINY, vocab_size=256, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2
         ),
+        "glm4_moe": transformers.Glm4MoeConfig(
+            **TINY, **DEEPSEEK_ROUTER, vocab_size=128, head_dim=16, use_qk_norm=True, attention_bias=True,
+            partial_rotary_factor=0.5,
+        ),
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **(TINY | dict(num_key_value_heads=4)), **DEEPSEEK_ROUTER, vocab_size=128, q_lora_rank=32,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32,
+                              beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        ),
     }
+
+
+def _reference(model, seqs):
+    ref_lp, ref_ent = [], []
+    with torch.no_grad():
+        for s in seqs:
+            logp = torch.log_softmax(model(s[None]).logits[0].double(), dim=-1)[:-1]
+            ref_lp.append(logp.gather(-1, s[1:, None])[:, 0])
+            ref_ent.append(-(logp.exp() * logp).sum(-1))
+    return ref_lp, ref_ent
+
+
+def _routers(model):
+    return [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+
+
+def _check_router_paths_matter(model, seqs, ref_lp):
+    """DeepSeek-style routers: the expert bias and the group limit each change HF's log-probs (so
+    that the learner matching them shows it computes both)."""
+    routers = _routers(model)
+    if not routers:
+        return
+    bias = [r.e_score_correction_bias.clone() for r in routers]
+    for r in routers:
+        r.e_score_correction_bias.zero_()
+    without_bias, _ = _reference(model, seqs)
+    for r, b in zip(routers, bias):
+        r.e_score_correction_bias.copy_(b)
+    groups = [r.topk_group for r in routers]
+    for r in routers:
+        assert r.topk_group < r.num_group, "the test config must exclude groups"
+        r.topk_group = r.num_group
+    ungrouped, _ = _reference(model, seqs)
+    for r, k in zip(routers, groups):
+        r.topk_group = k
+    for what, other in (("the expert bias", without_bias), ("the group limit", ungrouped)):
+        delta = max((a - b).abs().max().item() for a, b in zip(ref_lp, other) if a.numel())
+        assert delta > 1e-3, f"{what} does not change HF's log-probs ({delta:.2g}): the test would not see it"
 
 
 def make_case(model_type, cfg, root, name=None):
@@ -62,17 +120,15 @@ def make_case(model_type, cfg, root, name=None):
         for p in model.parameters():
             if p.dim() == 1:  # norms (init 1) and biases (init 0)
                 p.add_(0.2 * torch.randn_like(p))
+        for r in _routers(model):  # HF inits the score-correction bias (a buffer) to 0
+            r.e_score_correction_bias.copy_(0.3 * torch.randn_like(r.e_score_correction_bias))
     path = os.path.join(root, name)
     # qwen3 is written as a sharded checkpoint (index + several files).
     model.save_pretrained(path, max_shard_size="100KB" if model_type == "qwen3" else "1GB")
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in LENGTHS]
-    ref_lp, ref_ent = [], []
-    with torch.no_grad():
-        for s in seqs:
-            logp = torch.log_softmax(model(s[None]).logits[0].double(), dim=-1)[:-1]
-            ref_lp.append(logp.gather(-1, s[1:, None])[:, 0])
-            ref_ent.append(-(logp.exp() * logp).sum(-1))
+    ref_lp, ref_ent = _reference(model, seqs)
+    _check_router_paths_matter(model, seqs, ref_lp)
     return dict(model_type=model_type, path=path, seqs=[s.tolist() for s in seqs], ref_lp=ref_lp, ref_ent=ref_ent)
 
 
@@ -175,6 +231,9 @@ def _two_ranks(rank, world, cases, deep_case, save_dir):
     run_case(by_type["qwen3_moe"], ep=2)
     run_case(by_type["mixtral"], pp=2, round_trip=False)
     run_case(deep_case, pp=2, vpp=2)  # interleaved schedule, tied embeddings
+    for model_type in ("glm4_moe", "deepseek_v3"):  # a dense stage and an MoE stage; experts split
+        run_case(by_type[model_type], pp=2)
+        run_case(by_type[model_type], tp=2, ep=2)
 
 
 def test_learner_matches_hf_at_tp1(cases):

@@ -76,6 +76,44 @@ def test_engine_routes_equal_hf_router_recomputation(model_type):
         assert sample.routed_experts is routes
 
 
+def grouped_sigmoid_routes(model, tokens):
+    """``[L_tokens, moe_layers, k]`` sorted expert ids of DeepSeek's router recomputed from HF's router
+    logits: sigmoid + score-correction bias, the best `topk_group` of `n_group` groups (a group
+    scored by its two best experts), top-k among their experts."""
+    cfg, k = model.config, model.config.num_experts_per_tok
+    gates = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    per_layer = []
+    for logits, gate in zip(out.router_logits, gates, strict=True):
+        scores = logits.float().sigmoid() + gate.e_score_correction_bias
+        per_group = scores.view(len(tokens), cfg.n_group, -1)
+        best_groups = per_group.topk(2, -1).values.sum(-1).topk(cfg.topk_group, -1).indices
+        allowed = torch.zeros(len(tokens), cfg.n_group, dtype=torch.bool).scatter(1, best_groups, True)
+        scores = scores.masked_fill(~allowed.repeat_interleave(per_group.shape[-1], 1), float("-inf"))
+        per_layer.append(scores.topk(k, -1).indices)
+    return torch.stack(per_layer, dim=1).sort(-1).values
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_engine_routes_of_deepseek_style_routers(model_type):
+    """Dense first layer (no route), sigmoid router with a non-zero score bias and a group limit."""
+    router = dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=4,
+                  n_group=4, topk_group=2, first_k_dense_replace=1)
+    cfg = (transformers.Glm4MoeConfig(**TINY, **router, head_dim=8) if model_type == "glm4_moe" else
+           transformers.DeepseekV3Config(**(TINY | dict(num_key_value_heads=4)), **router, q_lora_rank=16,
+                                         kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    for m in model.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.copy_(0.3 * torch.randn_like(m.e_score_correction_bias))
+    for r in generate(model):
+        fed = r.prompt_ids + r.output_ids[:-1]
+        assert tuple(r.routed_experts.shape) == (len(fed), 1, 4)  # one MoE layer of two
+        assert torch.equal(r.routed_experts.long().sort(-1).values, grouped_sigmoid_routes(model, fed)), r.request_id
+
+
 def test_routes_off_or_dense_cost_nothing():
     models = tiny_models()
     assert all(r.routed_experts is None for r in generate(models["qwen3_moe"], record_routes=False))
