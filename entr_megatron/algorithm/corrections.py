@@ -16,12 +16,14 @@ from entr_megatron.algorithm.corrections_ratio import (
     mis_geo_correction,
     mis_seq_correction,
     mis_token_correction,
+    naive_correction,
     none_correction,
     tis_correction,
 )
 
 CORRECTIONS: dict[str, CorrectionFn] = {
     "none": none_correction,
+    "naive": naive_correction,
     "entr": entr_correction,
     "entr_calibrated": entr_calibrated_correction,
     "entr_soft": entr_soft_correction,

@@ -8,6 +8,7 @@ mode the masking ones keep only their rule, judged on pi_theta / mu, on PPO agai
 
 | name      | weight on the PPO term                 | dropped                          | denominator | source |
 |-----------|----------------------------------------|----------------------------------|-------------|--------|
+| naive     | 1 (mu unused)                          | -                                | all tokens  | async GRPO without a rollout correction (verl / slime defaults) |
 | tis       | min(rho, C)                            | -                                | all tokens  | Yao et al. 2025; verl token_is |
 | icepop    | rho inside [lo, hi], else 0            | (weight 0 outside the band)      | all tokens  | Ring-1T (arXiv:2510.18855) |
 | mis_token | rho inside [lo, hi]                    | tokens outside                   | kept only   | verl token IS + token rejection |
@@ -42,6 +43,15 @@ def none_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> Correctio
     """No correction: weight 1, keep every token, plain PPO against mu ("GRPO async")."""
     x = prepare_inputs(inputs, use_old=False)
     return finish("none", x, cfg, torch.ones_like(x.delta_BT), x.valid_BT, x.behaviour_BT)
+
+
+def naive_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """The behaviour policy ignored: weight 1, every token kept, PPO against pi_old (the learner's
+    own recomputed log-probs), as an asynchronous GRPO runs in verl or slime without a rollout
+    correction. Stale or mismatched samples are trained as if they were on-policy: with one
+    optimizer step per batch the ratio is 1 and the update is A grad log pi on every token."""
+    x = prepare_inputs(inputs)
+    return finish("naive", x, cfg, torch.ones_like(x.delta_BT), x.valid_BT, x.ratio_source_BT)
 
 
 def tis_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:

@@ -16,8 +16,8 @@ from entr_megatron.config.validate import bad, boolean, choice, integer, is_numb
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
 Correction = Literal[
-    "none", "entr", "entr_calibrated", "entr_soft", "tis", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop",
-    "m2po", "decoupled",
+    "none", "naive", "entr", "entr_calibrated", "entr_soft", "tis", "mis_token", "mis_seq", "mis_geo", "icepop",
+    "kpop", "m2po", "decoupled",
 ]
 CORRECTION_NAMES: tuple[str, ...] = get_args(Correction)
 PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll"]
@@ -54,7 +54,7 @@ REJECTED_LEAVE_DENOMINATOR = ("mis_token", "mis_seq", "mis_geo")
 
 # Corrections that, as published, run PPO against pi_old (the policy before the rollout
 # batch's first optimizer step) and judge pi_old / mu. The rest compare pi_theta with mu.
-CORRECTIONS_ON_OLD_POLICY = ("tis", "icepop", "mis_token", "mis_seq", "mis_geo", "kpop", "decoupled")
+CORRECTIONS_ON_OLD_POLICY = ("naive", "tis", "icepop", "mis_token", "mis_seq", "mis_geo", "kpop", "decoupled")
 
 # (eps_clip_low, eps_clip_high) used when the config leaves them unset. Each loss
 # has its own scale: GSPO clips a sequence-level ratio, which moves far less than
@@ -88,7 +88,7 @@ class AlgorithmConfig:
     weights pi_old/mu inside its band on PPO against pi_old). 'mask_only': every baseline is
     only its keep rule, judged like ENTR on pi_theta / mu, weight 1, PPO against mu, masked
     tokens in the denominator: ENTR's composition with another rule, to isolate the masks.
-    ENTR and 'none' are the same in both; 'tis' has no mask and refuses 'mask_only'."""
+    ENTR and 'none' are the same in both; 'tis' and 'naive' have no mask and refuse 'mask_only'."""
 
     tau: float = 1.0
     """ENTR threshold: keep a token when delta^2 / (H + entr_eps) <= tau. Also sets the
@@ -211,10 +211,10 @@ class AlgorithmConfig:
             object.__setattr__(self, "routing_replay", "off")
         choice(self, "routing_replay", RoutingReplay)
         boolean(self, "measure_unreplayed")
-        if self.correction_mode == "mask_only" and self.correction == "tis":
+        if self.correction_mode == "mask_only" and self.correction in ("tis", "naive"):
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",
-                when="correction='tis': TIS only weights tokens and has no mask",
+                when=f"correction={self.correction!r}: it has no mask (mask_only would make it 'none')",
             )
         integer(self, "loss_norm_tokens", low=1, optional=True)
         boolean(self, "rejected_in_denominator", optional=True)

@@ -153,3 +153,22 @@ def test_effective_sample_size_uses_the_ratio_that_weights_the_loss():
     direct = mismatch_metrics(behaviour + r.log(), behaviour, torch.ones_like(r), torch.ones_like(r, dtype=torch.bool),
                               weight_BT=r)
     assert direct["is/ess"].item() == pytest.approx(0.3104, abs=1e-4)
+
+
+def test_naive_ignores_mu_and_runs_ppo_against_pi_old():
+    # Whatever mu is (k = pi_old / mu from 0.6 to 4), the first step's gradient is -A / N on every
+    # token: the behaviour policy plays no part, the stale tokens count as on-policy.
+    _, grad, metrics = _loss_grad(AlgorithmConfig(correction="naive"), K)
+    _close(grad, [[-0.25, -0.25, -0.25, -0.25]])
+    assert metrics["naive/mask_fraction"].item() == 0.0
+    # After a step pi_theta / pi_old = e^0.1 (inside PPO's clip) on two tokens and e^0.4 (clipped at
+    # 1.28 for A > 0: no gradient) on the others: -r / 4 where unclipped, against pi_old, not mu.
+    _, grad, _ = _loss_grad(AlgorithmConfig(correction="naive"), K, delta_old=[[0.1, 0.4, 0.1, 0.4]])
+    r = math.exp(0.1)
+    _close(grad, [[-r / 4, 0.0, -r / 4, 0.0]])
+
+
+def test_naive_has_no_mask_and_refuses_mask_only():
+    with pytest.raises(ValueError, match="correction_mode"):
+        AlgorithmConfig(correction="naive", correction_mode="mask_only")
+    assert AlgorithmConfig(correction="naive").uses_old_logprobs

@@ -280,10 +280,10 @@ def _reference(name, lp, mu, H, mask, cfg, old):
             dropped = remaining.pop()  # the largest; among ties the latest token goes first
             keep[dropped] = False
     else:
-        assert name == "none"
+        assert name in ("none", "naive")
     if weighted and name != "mis_seq":
         weight = {k: weight[k] if name == "tis" else math.exp(log_rho[k]) for k in valid}
-    if name in ("tis", "decoupled", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop") and not mask_only:
+    if name in ("naive", "tis", "decoupled", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop") and not mask_only:
         anchor = src
     return weight, keep, anchor
 
@@ -308,7 +308,7 @@ MASKING = {"entr", "entr_calibrated", "entr_soft", "mis_token", "mis_seq", "mis_
 
 
 CASES = [(n, w, m) for n in sorted(CORRECTIONS) for w in (False, True) for m in ("published", "mask_only")
-         if not (n == "tis" and m == "mask_only")]
+         if not (n in ("tis", "naive") and m == "mask_only")]
 
 
 @pytest.mark.parametrize("name, with_old, mode", CASES)
