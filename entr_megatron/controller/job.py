@@ -9,7 +9,10 @@
 exists, RL continues from the newest checkpoint that verifies against its manifest (weights,
 optimizer, data position, staleness buffer, RNG; a damaged or missing one is named and the one
 before used, never a silent fresh start: run_hooks.resume_point); metrics.jsonl drops the lines
-of steps that are redone. One job per run directory (utils/run_lock.py). Ctrl-C or SIGTERM
+of steps that are redone. A learner rank that fails is replaced with the engines kept
+(launcher.max_restarts times: new ranks from the last checkpoint, whose weights are pushed over
+whatever the engines held; `learner_restarts` in the result, learner/restarts in metrics.jsonl).
+One job per run directory (utils/run_lock.py). Ctrl-C or SIGTERM
 finishes the current step, saves a checkpoint and exits 0 (SIGTERM within
 controller.stop_grace_s); a second signal stops at once (console.py).
 """
@@ -35,7 +38,7 @@ from entr_megatron.controller.run_dir import RunPaths, export_final_model, write
 from entr_megatron.controller.run_hooks import RunCheckpoints, check_disk, resume_point, step_recorder
 from entr_megatron.controller.sft import warm_up
 from entr_megatron.controller.sglang_setup import check_launch
-from entr_megatron.controller.wiring import connect, make_engines, with_episodes
+from entr_megatron.controller.wiring import connect, make_engines, relaunch_learner, with_episodes
 from entr_megatron.controller.workers import WorkerError
 from entr_megatron.utils.run_lock import RunLock
 
@@ -131,59 +134,78 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
 
 def _train_restarting(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
                       restart_from_scratch: bool) -> dict:
-    """`_train`, started again from the last checkpoint when a learner rank fails, up to
-    launcher.max_restarts times (torchrun's meaning): every rank and engine is stopped first."""
-    budget, plan, attempt = cfg.launcher.max_restarts, {}, 0
-    while True:
-        try:
-            out = _train(cfg, paths, tokenizer, task, max_steps, restart_from_scratch and attempt == 0, plan)
-            return {**out, "learner_restarts": attempt}
-        except WorkerError as e:
-            if attempt == budget:
-                raise
-            attempt += 1
-            first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-            say(f"a learner rank failed ({first}); restarting every rank and engine from the last checkpoint "
-                f"(launcher.max_restarts: {attempt} of {budget})")
-
-
-def _train(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
-           restart_from_scratch: bool, plan: dict) -> dict:
-    """One start of RL; `plan` keeps the step this job stops at across restarts."""
+    """RL on one set of engines; when a learner rank fails, new ranks take over from the last
+    checkpoint, up to launcher.max_restarts times (torchrun's meaning), the engines kept: the
+    groups in flight are aborted, the weight groups rebuilt with the live engines and the
+    checkpoint's weights pushed over whatever (newer) version they held (wiring.relaunch_learner)."""
     start_dir = _start_model(cfg, paths, tokenizer, task)
     resume_step = resume_point(paths, restart_from_scratch)
     check_disk(paths, start_dir, cfg.controller.keep_last_checkpoints)
+    c, budget = cfg.controller, cfg.launcher.max_restarts
+    done = resume_step or 0
+    until = c.train_steps if max_steps is None else min(c.train_steps, done + max_steps)
+    with ExitStack() as stack:
+        base, learner, pusher = connect(cfg, start_dir, stack, paths.root / "sglang")
+        engine = with_episodes(cfg, task, base)  # tool tasks: samples are whole episodes
+        restarts = 0
+        while True:
+            try:
+                out = _train(cfg, paths, task, start_dir, (engine, learner, pusher), resume_step, until, restarts)
+                return {**out, "learner_restarts": restarts}
+            except WorkerError as e:
+                if restarts == budget:
+                    raise
+                restarts += 1
+                first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                say(f"a learner rank failed ({first}); relaunching the learner ranks from the last checkpoint, "
+                    f"the engines kept (launcher.max_restarts: {restarts} of {budget})")
+                t0 = time.perf_counter()
+                learner, pusher = relaunch_learner(cfg, start_dir, stack, base, pusher)
+                resume_step = resume_point(paths)
+                say(f"learner ranks relaunched in {time.perf_counter() - t0:.1f} s; resuming from "
+                    f"{'step ' + str(resume_step) if resume_step is not None else 'the start (no checkpoint yet)'}")
+
+
+def _train(cfg: RunConfig, paths: RunPaths, task: Any, start_dir: Path, processes: tuple[Any, Any, Any],
+           resume_step: int | None, until: int, learner_restarts: int) -> dict:
+    """RL from `resume_step` (None: the start) to step `until` on `processes` (engine, learner,
+    pusher). A learner failure (WorkerError) aborts the groups in flight before it is raised."""
+    engine, learner, pusher = processes
     c, done = cfg.controller, resume_step or 0
-    until = plan.setdefault("until", c.train_steps if max_steps is None else min(c.train_steps, done + max_steps))
-    remaining = until - done
     out: dict[str, Any] = {"start_step": done}
     with ExitStack() as stack:
-        engine, learner, pusher = connect(cfg, start_dir, stack, paths.root / "sglang")
-        engine = with_episodes(cfg, task, engine)  # tool tasks: samples are whole episodes
-        if resume_step is None and engine.weight_version != 0:  # servers given by URL: the learner's weights
+        if resume_step is None and engine.weight_version != 0:  # servers given by URL, or a relaunched learner
             say("pushing the learner's weights to the engines (version 0)")
             pusher.push(0).wait()
-        held_out = HeldOut(cfg, task, engine, paths)
-        out["eval_before"] = held_out.before_rl(fresh=resume_step is None)
         controller = Controller(engine, learner, pusher, task, c, cfg.rollout,
                                 advantage_fn=cfg.algorithm.advantage_estimator, recovery=pusher.recovery)
+        held_out = HeldOut(cfg, task, engine, paths, recover=controller.recover if pusher.recovery is not None else None)
+        out["eval_before"] = held_out.before_rl(fresh=resume_step is None)
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)
         if resume_step is not None:
             checkpoints.resume(controller, resume_step)
         on_step = step_recorder(cfg, paths.root, stack, pusher, done)
         stop = stack.enter_context(StopFlag(grace_s=c.stop_grace_s))
-        controller.hooks = ControllerHooks(on_step=[on_step], checkpoint_interval=c.checkpoint_interval,
+
+        def count_restarts(metrics: dict) -> None:
+            metrics["learner/restarts"] = float(learner_restarts)
+
+        controller.hooks = ControllerHooks(on_step=[count_restarts, on_step], checkpoint_interval=c.checkpoint_interval,
                                            on_checkpoint=checkpoints.save, eval_interval=c.eval_interval,
                                            on_eval=held_out.during_rl, should_stop=stop)
-        out.update(_run_steps(controller, remaining))
-        if out["steps"] and not stop() and (not c.checkpoint_interval or controller.step % c.checkpoint_interval):
-            controller.drain()
-            checkpoints.save(controller)
-        if controller.step >= c.train_steps and not stop():
-            controller.drain()
-            out["eval_after"] = held_out.after_rl()
-            export_final_model(learner, paths, start_dir)
-            held_out.report(out["eval_before"], out["eval_after"])
+        try:
+            out.update(_run_steps(controller, until - done))
+            if out["steps"] and not stop() and (not c.checkpoint_interval or controller.step % c.checkpoint_interval):
+                controller.drain()
+                checkpoints.save(controller)
+            if controller.step >= c.train_steps and not stop():
+                controller.drain()
+                out["eval_after"] = held_out.after_rl()
+                export_final_model(learner, paths, start_dir)
+                held_out.report(out["eval_before"], out["eval_after"])
+        except WorkerError:
+            controller.abandon()  # the engines idle before new ranks take over
+            raise
         out["stopped"] = stop()
         if stop():
             say(f"stopped at step {controller.step} (checkpoint saved); run the same command to resume")

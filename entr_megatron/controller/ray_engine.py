@@ -54,6 +54,9 @@ class _EngineActor:
     def update_weights(self, weights, version):
         return self.engine.update_weights(weights, version)
 
+    def forget_version(self):
+        self.engine.forget_version()
+
     def shutdown(self):
         self.engine.shutdown()
 
@@ -104,6 +107,10 @@ class RayEngine:
 
     def update_weights(self, weights: Any, version: int) -> WeightUpdateReport:
         return self._get(self._actor.update_weights.remote(weights, version))
+
+    def forget_version(self) -> None:
+        """EmbeddedEngine.forget_version, in the actor."""
+        self._get(self._actor.forget_version.remote(), timeout=60)
 
     def shutdown(self) -> None:
         if self._closed:

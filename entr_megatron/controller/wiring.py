@@ -6,14 +6,21 @@
 | rollout.engine | engine (the controller generates with it)  | pusher (RemotePusher): how the weights get there          |
 |----------------|--------------------------------------------|-----------------------------------------------------------|
 | embedded       | an EngineSet of them (Ray: when several)   | stage broadcast groups; a receiver thread per engine here |
-| sglang         | PushedVersionView over one SGLangEngine    | none here: rank 0's SGLangTransport updates the servers   |
+| sglang         | PushedVersionView over an EngineSet of one | none here: rank 0's SGLangTransport updates the servers   |
+|                | SGLangEngine per server (a router: one)    |                                                           |
 
 The learner (RemoteLearner) and the pusher are two roles of the same learner ranks (one worker group).
 
 Embedded engines on the local launcher can be replaced while the job runs: `pusher.recovery`
 (an `EngineRecovery`) finds the engines that died or stopped answering, starts new ones in
 their place, rebuilds the broadcast groups on a fresh port and pushes the learner's weights
-(the controller resubmits the groups that were lost: controller/loop.py `_recover`).
+(the controller resubmits the groups that were lost: controller/loop.py `Controller.recover`).
+SGLang servers have theirs (`ServerRecovery`, sglang_servers.py: relaunched when launched here,
+set aside and probed when given by URL).
+
+Failed learner ranks are replaced with the engines kept (`relaunch_learner`, called by
+controller/job.py up to launcher.max_restarts times): new ranks, new weight groups with the
+running engines, and the engines told that the next version may be older than theirs.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
+from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, start_servers
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions, sglang_engine
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
@@ -158,18 +166,56 @@ class EngineRecovery:
 
 def connect_sglang(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> Connection:
     """SGLang servers: learner rank 0 updates them itself (SGLangTransport, see sglang_setup.py);
-    a delivered push sets the version the controller sees."""
+    a delivered push sets the version the controller sees. Without a router the controller drives
+    one engine per server, which `pusher.recovery` (a `ServerRecovery`) keeps in service."""
     forget_server_versions(cfg)
-    group, engine = _start_with_learner(cfg, model_dir, stack, lambda: sglang_engine(cfg, model_dir, stack, log_dir))
+    group, servers = _start_with_learner(cfg, model_dir, stack, lambda: start_servers(cfg, model_dir, stack, log_dir))
     address, base_port = _meeting_point(cfg, group)
-    group.call("connect_weight_sync", address, base_port, (), _bucket_bytes(cfg), None, sglang=engine.config,
-               snapshot=cfg.rollout.weight_snapshot)
-    view = PushedVersionView(engine)
-    return view, RemoteLearner(group), RemotePusher(group, on_delivered=view.confirm_version)
+    inner = servers.one_engine() if servers.router_url is not None else servers.engine_set()
+    stack.callback(inner.shutdown)
+    servers.connect_weights(group, address, base_port, range(len(servers.urls)), fresh=True)
+    view = PushedVersionView(inner, servers)
+    pusher = RemotePusher(group, on_delivered=view.confirm_version, push_timeout_s=cfg.rollout.push_timeout_s)
+    if servers.router_url is None:
+        pusher.recovery = ServerRecovery(cfg, servers, inner, pusher, address, stack)
+    return view, RemoteLearner(group), pusher
 
 
 CONNECTORS: dict[str, Callable[..., Connection]] = {"embedded": connect_embedded, "sglang": connect_sglang}
 """rollout.engine -> how its engines and the learner ranks are started and connected."""
+
+
+def relaunch_learner(cfg: RunConfig, model_dir: Path, stack: ExitStack, engine: RolloutEngine,
+                     pusher: RemotePusher) -> tuple[RemoteLearner, RemotePusher]:
+    """New learner ranks in place of `pusher.group`'s (stopped here: a failed rank leaves its peers
+    in a collective), connected to the engines `connect` started (`engine`, as it returned it): the
+    weight groups rebuilt on a fresh port, and the engines told that the next version may be
+    older than the one they hold (the last checkpoint's). The caller has aborted the groups in
+    flight (`Controller.abandon`) and loads the checkpoint into the new ranks."""
+    pusher.group.shutdown()
+    group = learner_group(cfg, model_dir, "rl")
+    stack.callback(group.shutdown)  # before the engines' (registered earlier)
+    address, base_port = _meeting_point(cfg, group)
+    return RemoteLearner(group), RELAUNCHERS[cfg.rollout.engine](cfg, group, address, base_port, engine, pusher)
+
+
+def _reconnect_embedded(cfg: RunConfig, group, address: str, base_port: int, engine: RolloutEngine,
+                        old: RemotePusher) -> RemotePusher:
+    pusher = RemotePusher(group, push_timeout_s=cfg.rollout.push_timeout_s)
+    for e in old.engines:
+        try:
+            e.forget_version()
+        except Exception as err:  # noqa: BLE001 - a dead engine: replaced at the first push
+            say(f"engine {e!r} did not take the version reset ({err}); it is replaced if it failed")
+    _connect_weights(cfg, pusher, address, base_port, old.engines)
+    pusher.recovery = old.recovery
+    if pusher.recovery is not None:
+        pusher.recovery.pusher = pusher
+    return pusher
+
+
+RELAUNCHERS: dict[str, Callable[..., RemotePusher]] = {"embedded": _reconnect_embedded, "sglang": reconnect_sglang}
+"""rollout.engine -> how relaunched learner ranks are connected to the running engines."""
 
 
 def _bucket_bytes(cfg: RunConfig) -> int:

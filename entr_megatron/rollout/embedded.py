@@ -99,6 +99,7 @@ class EmbeddedEngine:
         self._error: str | None = None
         self._closed = False
         self._version = config.initial_version
+        self._any_version = False  # forget_version: the next update may go back
         self._ready = threading.Event()
         self._info: Ready | None = None
         self._on_event = EVENTS.dispatcher({
@@ -212,7 +213,7 @@ class EmbeddedEngine:
         tensors) with the model untouched."""
         with self._update_lock:
             self._check_alive()
-            if version <= self._version:
+            if version <= self._version and not self._any_version:
                 raise ValueError(f"weight version must increase: engine is at {self._version}, got {version}")
             if isinstance(weights, Mapping):
                 self._check_names(weights)
@@ -224,7 +225,13 @@ class EmbeddedEngine:
                 self._send_buckets(call_id, version, t_call, weights)
             report = self._wait(call_id, pending, self.config.update_timeout_s)
             report.total_s = time.time() - t_call
+            self._any_version = False
             return report
+
+    def forget_version(self) -> None:
+        """The learner restarted from an older checkpoint: the next update may carry a version at or
+        below the one held (it replaces the weights all the same); later ones must increase again."""
+        self._any_version = True
 
     def _send_buckets(self, call_id: int, version: int, t_call: float, weights: WeightSource) -> None:
         items = weights.items() if isinstance(weights, Mapping) else weights

@@ -337,6 +337,19 @@ def test_rejected_updates_leave_the_engine_as_it_was(engine, hf_model):
     assert r.output_ids == hf_generate(hf_model, PROMPTS[0], 6) and r.versions == [v] * len(r.output_ids)
 
 
+
+def test_after_forget_version_one_update_may_go_back(engine, hf_model):
+    """A learner relaunched from an older checkpoint pushes a version below the engine's (controller/job.py)."""
+    sd, v = hf_model.state_dict(), engine.weight_version
+    engine.update_weights(sd, version=v + 2)
+    engine.forget_version()
+    engine.update_weights(sd, version=v + 1)
+    assert engine.weight_version == engine.health().weight_version == v + 1
+    with pytest.raises(ValueError, match="must increase"):  # once only
+        engine.update_weights(sd, version=v + 1)
+    [r] = generate(engine, [GenerateRequest(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=6))])
+    assert r.versions == [v + 1] * len(r.output_ids)
+
 # --- in-process: the decoder and the weight stage ----------------------------------------
 
 
@@ -416,6 +429,42 @@ def test_qwen3_moe_batched_greedy_equals_generate():
         decoder.add(GenerateRequest(p, SamplingParams(temperature=0.0, max_new_tokens=8), request_id=str(i)))
     for r in run(decoder):
         assert r.output_ids == hf_generate(model, r.prompt_ids, 8), r.request_id
+
+
+DEEPSEEK_ROUTER = dict(moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                       first_k_dense_replace=1, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_deepseek_style_models_load_and_greedy_equals_generate(model_type, tmp_path):
+    """GLM-4.5 (partial RoPE, q/k/v bias, q/k norms) and DeepSeek-V3 (MLA: the cache holds the
+    compressed latents; YaRN): the engine's loader and batched decoder (left padding, merged caches)
+    give HF generate's tokens; the stage takes exactly the names the learner sends (the router's
+    score-correction bias, a buffer, included)."""
+    from entr_megatron import models
+    from entr_megatron.rollout.hf_model import load_causal_lm
+
+    tiny = {**TINY, "intermediate_size": 96}
+    cfg = (transformers.Glm4MoeConfig(**tiny, **DEEPSEEK_ROUTER, head_dim=16, use_qk_norm=True, attention_bias=True)
+           if model_type == "glm4_moe" else
+           transformers.DeepseekV3Config(**(tiny | dict(num_key_value_heads=4)), **DEEPSEEK_ROUTER, q_lora_rank=32,
+                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                         rope_scaling=dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+                                                           original_max_position_embeddings=256)))
+    torch.manual_seed(6)
+    reference = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    for name, b in reference.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn_like(b))
+    reference.save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path))
+    decoder = BatchDecoder(model, max_batch_size=3, eos_token_ids=())
+    for i, p in enumerate(PROMPTS[:4]):
+        decoder.add(GenerateRequest(p, SamplingParams(temperature=0.0, max_new_tokens=6), request_id=str(i)))
+    for r in run(decoder):
+        assert r.output_ids == hf_generate(reference, r.prompt_ids, 6), r.request_id
+    spec = models.model_spec(cfg)
+    assert set(WeightStage(model).specs) == set(models.hf_names(spec, "transformers"))
 
 
 def test_config_errors_name_the_field(tmp_path):

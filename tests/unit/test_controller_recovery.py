@@ -221,3 +221,49 @@ def test_engine_set_keeps_the_live_engines_results_and_replace_names_the_lost_re
     with pytest.raises(EngineError, match="exit code -9"):
         while True:
             engines.poll(timeout=0.1)
+
+
+class Group:
+    """A learner worker group, faked: records calls and whether it was shut down."""
+
+    def __init__(self, name):
+        self.name, self.calls, self.down = name, [], False
+
+    def wait_ready(self):
+        return self
+
+    def call(self, method, *args, **kwargs):
+        self.calls.append((method, args))
+        return ["127.0.0.1"] if method == "master_address" else [True]
+
+    def shutdown(self):
+        self.down = True
+
+
+def test_relaunched_learner_ranks_get_the_running_engines_and_may_push_an_older_version(monkeypatch):
+    from entr_megatron.controller import wiring
+    from entr_megatron.controller.remote import RemotePusher
+
+    forgotten = []
+
+    class Forgetful(Engine):
+        def forget_version(self):
+            forgotten.append(self)
+
+    cfg = load_config(None, [])
+    engines = EngineSet([Forgetful(version=9), Forgetful(version=9)])
+    old = RemotePusher(Group("old"))
+    old.engines = list(engines.engines)
+    recovery = Recovery(engines)
+    old.recovery = recovery
+    monkeypatch.setattr(wiring, "learner_group", lambda cfg, model_dir, phase: Group("new"))
+    with ExitStack() as stack:
+        learner, pusher = wiring.relaunch_learner(cfg, "model", stack, engines, old)
+        assert old.group.down and not pusher.group.down
+        assert learner.group is pusher.group and pusher.group.name == "new"
+        assert forgotten == engines.engines  # the checkpoint's version goes over their 9
+        assert pusher.engines == engines.engines and len(pusher.receivers) == 2
+        method, args = pusher.group.calls[-1]
+        assert method == "connect_weight_sync" and args[2] == (1, 1)  # one receiving rank per engine
+        assert pusher.recovery is recovery and recovery.pusher is pusher
+    assert pusher.group.down  # stopped with the job
