@@ -119,6 +119,15 @@ class SGLangConfig:
     retry_backoff_s: float = 0.5
     """Wait before the first retry, doubled for each next one (at most 30 s). Positive, finite."""
 
+    probe_interval_s: float = 5.0
+    """A server given by `urls` that failed is set aside and its /health asked again after this
+    many seconds, then after twice as long each time (at most 60 s); it is taken back, with the
+    learner's weights, once it answers. Positive, finite."""
+
+    server_wait_s: float = 600.0
+    """Seconds the run waits for a server given by `urls` to answer again when none is left in
+    service; past it the run stops, naming each server and its error. Positive, finite."""
+
     urls: tuple[str, ...] | None = None
     """Already running servers (http:// or https://host:port), one per engine (rollout.num_engines
     of them): `train` launches nothing and drives these, and tp_size, mem_fraction_static,
@@ -151,7 +160,7 @@ class SGLangConfig:
                       "must be null or the name of an environment variable ([A-Za-z_][A-Za-z0-9_]*) that holds the key, "
                       "not the key")
         for name in ("startup_timeout_s", "request_timeout_s", "generate_timeout_s", "weight_update_timeout_s",
-                     "retry_backoff_s"):
+                     "retry_backoff_s", "probe_interval_s", "server_wait_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
         integer(self, "http_retries", low=0)
 
@@ -257,18 +266,21 @@ class RolloutConfig:
     memory and CPU time), and the learner never waits for the wire."""
 
     max_engine_restarts: int = 3
-    """Embedded engines (launcher.kind 'local') that died or stopped answering and were replaced by
-    a new one during one `train` job (the learner's weights pushed to it, its groups generated
-    again); one more failure ends the job with the engine's last error. 0: none. >= 0."""
+    """Engines that died or stopped answering and were replaced during one `train` job: embedded
+    engines on the local launcher (a new process) and SGLang servers `train` launched (relaunched
+    on their port); the learner's weights are pushed to it and its groups generated again. One
+    more failure ends the job with the engine's last error. Servers given by rollout.sglang.urls
+    are not restarted but set aside and probed (rollout.sglang.probe_interval_s). 0: none. >= 0."""
 
     push_timeout_s: float = 600.0
-    """Seconds a weight push may take to reach every embedded engine; past it the engines are
-    health-checked and an unresponsive one replaced (max_engine_restarts). Positive, finite."""
+    """Seconds a weight push may take to reach every engine (embedded engines, SGLang servers);
+    past it the engines are health-checked and an unresponsive one replaced (max_engine_restarts).
+    Positive, finite."""
 
     poll_timeout_s: float = 120.0
     """Seconds the controller waits without any finished sample before it health-checks the
-    embedded engines (rollout.embedded.health_timeout_s); engines that answer keep generating.
-    Positive, finite."""
+    engines (embedded: rollout.embedded.health_timeout_s; SGLang: /model_info within
+    rollout.sglang.request_timeout_s); engines that answer keep generating. Positive, finite."""
 
     record_routes: bool = False
     """Return, with each sample, the experts every MoE layer routed each token to (free for dense

@@ -203,11 +203,21 @@ class LearnerWorker:
         self._push = self.sync.push(version)
         return self._push.report.blocked_s
 
-    def wait_push(self, timeout_s: float | None = None) -> dict[str, float]:
-        """Waits for the last push; its report (the senders' `transfer_s` and GB/s)."""
+    def wait_push(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Waits for the last push; its report (the senders' `transfer_s` and GB/s). A push that did
+        not reach the engines this rank updates itself (SGLang servers: an EngineError, or no end
+        within `timeout_s`) is reported as {"engine_error": message}, not raised: the rank is
+        fine, and the driver replaces the engine (controller/remote.py)."""
+        from entr_megatron.rollout.engine import EngineError
+
         if self._push is None:
             return {}
-        report = self._push.wait(timeout_s)
+        try:
+            report = self._push.wait(timeout_s)
+        except (EngineError, TimeoutError) as e:
+            if self._sglang is None:
+                raise
+            return {"engine_error": f"{type(e).__name__}: {e}"}
         return {"blocked_s": report.blocked_s, "transfer_s": report.transfer_s, "bytes": float(report.num_bytes),
                 "gbytes_per_s": report.gbytes_per_s, "sender": float(report.sender)}
 

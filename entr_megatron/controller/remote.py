@@ -19,7 +19,9 @@ pusher gets no engines, and `on_delivered` hears of each version they hold.
 `push_timeout_s` bounds `wait`. The engines' side is waited first: when an engine failed
 (or did not finish in time) the ranks are not asked, so a broken wire never fails a call
 on the learner ranks (their group stays usable); the push is then the caller's to
-`abandon` once the engine is dealt with (controller/wiring.py `EngineRecovery`).
+`abandon` once the engine is dealt with (controller/wiring.py `EngineRecovery`). Engines the
+ranks update themselves (SGLang) report a failed push in rank 0's answer (`engine_error`),
+raised here as EnginePushError (controller/sglang_servers.py `ServerRecovery`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class RemotePush:
         else:  # the engines hold the version: the senders are done or about to be
             left = max(deadline - time.monotonic(), 1.0)
             rank_reports = self.pusher.group.call_async("wait_push", left).result(left + 30)
+        broken = [r["engine_error"] for r in rank_reports if "engine_error" in r]
+        if broken:
+            raise EnginePushError(f"weight version {self.version} did not reach every engine: {broken[0]}")
         senders = [r for r in rank_reports if r.get("sender")]
         engine = [u.report for u in self.updates if u.report is not None]
         self.report = {

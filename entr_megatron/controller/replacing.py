@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from entr_megatron.controller.console import say
 from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, RolloutEngine
 
 __all__ = ["DRAIN_TIMEOUT_S", "generate_replacing"]
@@ -58,12 +59,13 @@ def generate_replacing(engine: RolloutEngine, requests: Sequence[GenerateRequest
                     last_sample = time.monotonic()  # every engine answered: slow, not hung
         except EngineError as e:
             recover(e)  # raises when no engine failed
-            _abandon(engine, list(order), deadline)
-            continue
         except _Replaced:
-            _abandon(engine, list(order), deadline)
-            continue
-        return sorted(done.values(), key=lambda r: (order[r.request_id], r.sample_index))
+            pass
+        else:
+            return sorted(done.values(), key=lambda r: (order[r.request_id], r.sample_index))
+        _abandon(engine, list(order), deadline)
+        say(f"a round of {len(requests)} request(s) interrupted by the engine replacement is generated again "
+            "(same seeds)")
 
 
 class _Replaced(Exception):

@@ -26,9 +26,9 @@ import json
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 from entr_megatron.config.run import RunConfig
-from entr_megatron.controller.console import say
 from entr_megatron.rollout.engine import (
     EngineHealth,
     GenerateRequest,
@@ -37,8 +37,7 @@ from entr_megatron.rollout.engine import (
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.sglang import RouteLayout, SGLangEngine, SGLangEngineConfig
-from entr_megatron.utils.spawn import free_port
+from entr_megatron.rollout.sglang import RouteLayout, SGLangEngine
 
 __all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "records_routes",
            "route_layout", "sglang_engine", "sglang_wire_dtype"]
@@ -87,47 +86,13 @@ def route_layout(model_dir: Path) -> RouteLayout | None:
 
 def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:
     """One SGLangEngine over the run's servers (launched here on `rollout.sglang.host`, with a router
-    when asked, or given by `rollout.sglang.urls`); their shutdown on `stack`. With
-    `rollout.sglang.api_key_env` the servers, the router and every client get the key. Recording
-    routes (`records_routes`) of an MoE model, the servers launched here get
+    when asked, or given by `rollout.sglang.urls`: sglang_servers.start_servers); their shutdown on
+    `stack`. With `rollout.sglang.api_key_env` the servers, the router and every client get the key.
+    Recording routes (`records_routes`) of an MoE model, the servers launched here get
     --enable-return-routed-experts and the engine asks for the routes (`route_layout`)."""
-    from entr_megatron.rollout.sglang import (
-        RouterConfig,
-        SGLangServerConfig,
-        launch_router,
-        launch_servers,
-        terminate_all,
-    )
+    from entr_megatron.controller.sglang_servers import start_servers
 
-    r, s = cfg.rollout, cfg.rollout.sglang
-    log_dir = Path(log_dir) if log_dir is not None else Path(cfg.logging.run_dir) / "sglang"
-    routes = route_layout(model_dir) if records_routes(cfg) else None
-    if s.urls is None:
-        check_launch(cfg)
-        first_gpu = cfg.launcher.nproc_per_node  # the local learner ranks hold GPUs 0 .. nproc_per_node - 1
-        configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, host=s.host, tp_size=s.tp_size, dtype=r.dtype,
-                                      mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
-                                      random_seed=cfg.controller.seed + i, return_routed_experts=routes is not None,
-                                      extra_args=s.extra_args,
-                                      api_key_env=s.api_key_env)
-                   for i in range(r.num_engines)]
-        say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
-        servers = launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s)
-        stack.callback(terminate_all, servers)
-        urls, tp_sizes = tuple(p.url for p in servers), (s.tp_size,) * len(servers)
-    else:
-        urls, tp_sizes = tuple(s.urls), None  # the engine asks each server its tp_size
-    router_url = None
-    if s.router:
-        router = launch_router(RouterConfig(worker_urls=urls, host=s.host, port=free_port(), policy=s.router_policy,
-                                            api_key_env=s.api_key_env),
-                               log_dir / "router.log")
-        stack.callback(router.terminate)
-        router_url = router.url
-    config = SGLangEngineConfig.from_config(r, urls, router_url=router_url, tp_sizes=tp_sizes,
-                                            weight_dtype=sglang_wire_dtype(cfg), routes=routes,
-                                            vocab_size=model_vocab_size(model_dir))
-    engine = SGLangEngine(config)
+    engine = start_servers(cfg, model_dir, stack, log_dir).one_engine()
     stack.callback(engine.shutdown)
     return engine
 
@@ -166,15 +131,26 @@ def forget_server_versions(cfg: RunConfig) -> None:
 class PushedVersionView:
     """The controller's `RolloutEngine` over SGLang servers that learner rank 0 updates: requests,
     aborts and pauses go to `engine`; `weight_version` is the last version a push delivered
-    (`confirm_version`), `engine`'s own until the first (see the module docstring)."""
+    (`confirm_version`), `engine`'s own until the first (see the module docstring). `servers`:
+    the run's `SGLangServers` (sglang_servers.py); other attributes are `engine`'s (an EngineSet's
+    `failed`, `is_live`, ...)."""
 
-    def __init__(self, engine: RolloutEngine):
-        self.engine = engine
+    def __init__(self, engine: RolloutEngine, servers: Any = None):
+        self.engine, self.servers = engine, servers
         self._pushed: int | None = None
 
     def confirm_version(self, version: int) -> None:
         """Every server holds `version` (the pusher's `on_delivered`)."""
         self._pushed = version if self._pushed is None else max(self._pushed, version)
+
+    def reset_version(self, version: int) -> None:
+        """The servers were relabelled `version` (new learner ranks push an older version next)."""
+        self._pushed = version
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
     @property
     def weight_version(self) -> int:

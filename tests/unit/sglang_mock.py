@@ -16,6 +16,9 @@ weight-sync step joins the gloo group and receives the broadcast.
         SGLangClient(server.url).generate({...})
         server.calls          # [(method, path, payload), ...]
 
+`crash()` (or `crash_after` /generate calls) makes it die like a killed server: open connections
+dropped without an answer, new ones refused; a new server on the same port is its restart.
+
 With `api_key` it checks `Authorization: Bearer <key>` on every endpoint but /health*,
 /ready and /metrics, answering 401 {"error": "Unauthorized"} as SGLang's
 add_api_key_middleware does. `tamper` rewrites /generate answers and `truncate_next`
@@ -171,6 +174,10 @@ class MockSGLangServer:
         self.on_init_group: Callable[[dict], None] = lambda payload: None
         self.on_update_weights: Callable[[dict], None] = lambda payload: None
         self.on_destroy_group: Callable[[dict], None] = lambda payload: None
+        self.crash_after: int | None = None
+        """Die (`crash`) on the /generate call after this many (None: never)."""
+        self.crashed = False
+        self.generates = 0
         self.groups: set[str] = set()
         self.session_open = False
         self.paused: str | None = None  # pause mode while paused
@@ -198,6 +205,11 @@ class MockSGLangServer:
             self.cond.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def crash(self) -> None:
+        """Die like a killed server: every open connection dropped without an answer, none accepted."""
+        self.crashed = True
+        threading.Thread(target=self.stop, daemon=True).start()  # also from a handler thread
 
     def __enter__(self) -> MockSGLangServer:
         return self.start()
@@ -228,6 +240,10 @@ class MockSGLangServer:
         unknown = set(body) - GENERATE_FIELDS
         if unknown:
             return 400, _error_response(f"mock: unexpected /generate fields {sorted(unknown)}")
+        self.generates += 1
+        if self.crash_after is not None and self.generates > self.crash_after:
+            self.crash()
+            return 500, None  # never sent
         ids, rid, sps = body.get("input_ids"), body.get("rid"), body.get("sampling_params") or {}
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         prompts = ids if batch else [ids]
@@ -447,6 +463,9 @@ def _make_handler(server: MockSGLangServer) -> type[BaseHTTPRequestHandler]:
             else:
                 data, ctype = json.dumps(body).encode(), "application/json"
             cut = server.truncate_next.pop(path, None)
+            if server.crashed:  # a dead server answers nothing
+                self.close_connection = True
+                return
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
