@@ -38,9 +38,10 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             initializer_range=0.3, max_position_embeddings=256)
 
 
-# DeepSeek-style routers: 8 experts in 4 groups, the tokens' experts from the best 2 groups (so
-# that the group limit excludes experts), a shared expert, the first layer dense.
-DEEPSEEK_ROUTER = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=4,
+# DeepSeek-style routers: 16 experts in 4 groups, a token's 4 experts chosen among the 8 of its best
+# 2 groups (the group limit excludes experts, and the choice inside the groups is not all of
+# them), a shared expert, the first layer dense.
+DEEPSEEK_ROUTER = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
                        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5)
 
 

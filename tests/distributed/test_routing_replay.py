@@ -312,3 +312,68 @@ def test_embedded_engine_returns_the_routes_of_its_samples(cases):
     samples = [r.to_sample() for r in results]
     batch = TrainBatch.from_samples(samples, torch.zeros(len(samples)))
     assert tuple(batch.extras[ENGINE_ROUTES].shape) == (batch.tokens_T.numel(), CONFIG["num_hidden_layers"], 2)
+
+
+# --- DeepSeek's router (GLM-4.5 MoE: sigmoid, score bias, group limit, a dense first layer) ------
+
+GLM_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  initializer_range=0.3, max_position_embeddings=128, vocab_size=128, intermediate_size=96,
+                  moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                  first_k_dense_replace=1, routed_scaling_factor=2.5)
+
+
+GLM_TOL = 1e-4
+"""The engine's gate row 1 is 1e-6 larger: its sigmoid weight differs too, not only the choice (with
+logits of ~10 the log-probs move by ~2e-5; a different expert moves them by > 1e-2)."""
+
+
+@pytest.fixture(scope="module")
+def glm_tie(tmp_path_factory):
+    """The near tie in GLM-4.5's one MoE layer (layer 1): experts 0 and 1 (one group) have equal gate
+    rows and score biases in the learner's weights, row 1 times (1 + 1e-6) in the engine's."""
+    torch.manual_seed(8)
+    tied = transformers.AutoModelForCausalLM.from_config(transformers.Glm4MoeConfig(**GLM_CONFIG)).eval()
+    gate = tied.model.layers[1].mlp.gate
+    with torch.no_grad():
+        for p in tied.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+        gate.e_score_correction_bias.copy_(0.3 * torch.randn_like(gate.e_score_correction_bias))
+        gate.weight[1] = gate.weight[0]
+        gate.e_score_correction_bias[1] = gate.e_score_correction_bias[0]
+    engine = copy.deepcopy(tied)
+    with torch.no_grad():
+        engine.model.layers[1].mlp.gate.weight[1] *= 1 + TIE_EPS
+    path = str(tmp_path_factory.mktemp("routing_replay_glm") / "tie")
+    tied.save_pretrained(path)
+    batch, want = batch_of(*engine_samples(engine))
+    return dict(path=path, batch=batch, want=want)
+
+
+def _glm_one_rank(rank, world, case):
+    from entr_megatron.learner.batching import ENGINE_ROUTES, OLD_POLICY_ROUTES
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    engine_routes = case["batch"].extras[ENGINE_ROUTES].long()
+    assert engine_routes.shape[1:] == (1, 4)  # the dense first layer has no route
+    valid = engine_routes[:, 0, 0] >= 0
+    chunks, groups = build(case, "r2")
+    batch, logprobs_off, want = score(case, chunks, groups)
+    disagree = set_disagreement(batch.extras[OLD_POLICY_ROUTES].long(), engine_routes, valid)
+    gap = (logprobs_off.double() - want).abs().max().item()
+    assert disagree > 0 and gap > 100 * GLM_TOL, (disagree, gap)
+    chunks, groups = build(case, "r3")
+    maps = routing_maps(chunks)
+    _, logprobs, _ = score(case, chunks, groups)
+    close(logprobs, want, "glm4_moe near tie r3 vs engine", tol=0, atol=GLM_TOL)
+    (layer_number,) = maps  # Megatron's layer 2 is the routes' MoE layer 0
+    used = maps[layer_number].nonzero()[:, 1].view(-1, 4)
+    assert layer_number == 2 and set_disagreement(used, engine_routes[:, 0], valid) == 0
+    err = (logprobs.double() - want).abs().max().item()
+    print(f"  ok glm4_moe near tie: {disagree} routes flipped, gap without replay {gap:.2e}, with r3 {err:.2e}",
+          flush=True)
+
+
+def test_r3_replays_the_routes_of_deepseek_style_routers(glm_tie):
+    run_gloo(_glm_one_rank, 1, glm_tie, timeout_s=200)

@@ -98,7 +98,7 @@ def grouped_sigmoid_routes(model, tokens):
 @pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
 def test_engine_routes_of_deepseek_style_routers(model_type):
     """Dense first layer (no route), sigmoid router with a non-zero score bias and a group limit."""
-    router = dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=4,
+    router = dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
                   n_group=4, topk_group=2, first_k_dense_replace=1)
     cfg = (transformers.Glm4MoeConfig(**TINY, **router, head_dim=8) if model_type == "glm4_moe" else
            transformers.DeepseekV3Config(**(TINY | dict(num_key_value_heads=4)), **router, q_lora_rank=16,
