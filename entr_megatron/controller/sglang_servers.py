@@ -2,7 +2,7 @@
 
     servers = start_servers(cfg, model_dir, stack, log_dir)      # launched here, or rollout.sglang.urls
     engines = servers.engine_set()                               # EngineSet: one SGLangEngine per server
-    servers.connect_weights(group, address, port, servers.in_service(engines))   # rank 0's weight group
+    servers.connect_weights(group, address, port, range(len(servers.urls)), fresh=True)  # rank 0's weight group
     recovery = ServerRecovery(cfg, servers, engines, pusher, address, stack)     # the controller's `recovery`
 
 The controller generates through an `EngineSet` of one `SGLangEngine` per server (without a router),
@@ -12,11 +12,11 @@ for rollout.poll_timeout_s, `ServerRecovery.failed` asks every server in service
 /model_info (rollout.sglang.request_timeout_s, http_retries); those that do not answer (or whose
 process exited) are handled by `replace`:
 
-| server                      | what happens                                                                     |
-|-----------------------------|----------------------------------------------------------------------------------|
-| launched by `train`         | its process group killed, a new server started on the same port (its log appended), counted in `engines/restarts` (at most rollout.max_engine_restarts) |
+| server                       | what happens                                                                     |
+|------------------------------|----------------------------------------------------------------------------------|
+| launched by `train`          | its process group killed, a new server started on the same port (its log appended), counted in `engines/restarts` (at most rollout.max_engine_restarts) |
 | given by rollout.sglang.urls | set aside (not ours to restart); its /health probed with backoff (rollout.sglang.probe_interval_s, doubled up to PROBE_MAX_INTERVAL_S) and, once it answers, taken back between two steps (`readmit`) with the learner's weights |
-| none left in service        | wait up to rollout.sglang.server_wait_s for one to answer again, then stop naming each server and its error (RestartsExhausted) |
+| none left in service         | wait up to rollout.sglang.server_wait_s for one to answer again, then stop naming each server and its error (RestartsExhausted) |
 
 After each change the weight-update group is rebuilt over the servers in service: they are paused
 (retract), their weight version relabelled -1 (learner rank 0's engine requires one version on every
@@ -243,10 +243,10 @@ class ServerRecovery:
             url, why = self.servers.urls[index], _first_line(error)
             self.engines.engines[index].shutdown()
             if self.servers.launch[index] is not None:
-                say(f"SGLang server {url} failed ({why}): relaunching it (relaunch {self.restarts + 1} of at most {limit})")
+                self.restarts += 1  # counted before it starts: a server that never comes up spends the budget
+                say(f"SGLang server {url} failed ({why}): relaunching it (relaunch {self.restarts} of at most {limit})")
                 self.servers.relaunch(index)
                 self.engines.replace(index, SGLangEngine(self.servers.engine_config([index])))
-                self.restarts += 1
             else:
                 s = self.cfg.rollout.sglang
                 say(f"SGLang server {url} (rollout.sglang.urls) failed ({why}): going on without it, probing "

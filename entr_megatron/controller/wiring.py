@@ -140,11 +140,11 @@ class EngineRecovery:
         if pending_push is not None:
             pending_push.abandon()
         for index, error in failed:
+            self.restarts += 1  # counted before it starts: an engine that never comes up spends the budget
             say(f"embedded engine {index} failed ({error.strip().splitlines()[-1] if error.strip() else error}): "
-                f"starting a new one (replacement {self.restarts + 1} of at most {limit})")
+                f"starting a new one (replacement {self.restarts} of at most {limit})")
             self.engines.engines[index].shutdown()
             self.engines.replace(index, self._new_engine(index))
-            self.restarts += 1
         everyone = list(self.engines.engines)
         behind = [e for e in everyone if e.weight_version < version]
         if behind:

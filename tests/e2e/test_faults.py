@@ -17,8 +17,11 @@ once afterwards:
     read-only run directory               exit 2 naming it, before anything starts
     kill -9, then SIGSTOP of the engine   each replaced by a new engine (the learner's weights, the lost
                                           groups again; engines/restarts 1, then 2), exit 0
-    kill -9 of learner rank 0             with launcher.max_restarts 1: all restarted from the last
-                                          checkpoint, exit 0
+    kill -9 of learner rank 0             with launcher.max_restarts 1: new ranks from the last checkpoint,
+                                          the engine kept (the same process), exit 0
+    an SGLang server given by URL dies    set aside, the run goes on with the other; restarted on its port:
+                                          taken back with the learner's weights, exit 0
+(a kill -9 of the engine in fixed_lag mode: tests/e2e/test_train.py, metrics equal to an undisturbed run's)
 
 The tiny model trains from random weights (no warm-up: rewards need not vary for these checks).
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 
 from test_train import base_config, cli
@@ -225,10 +229,10 @@ def _engine_of(job: subprocess.Popen) -> psutil.Process:
     return engines[0]
 
 
-def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_job(tmp_path):
+def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_learner(tmp_path):
     """One job, three faults: kill -9 of the engine, SIGSTOP of its replacement (both replaced, the
-    job goes on), then kill -9 of learner rank 0 (launcher.max_restarts 1: every process started
-    again from the last checkpoint)."""
+    job goes on), then kill -9 of learner rank 0 (launcher.max_restarts 1: new ranks from the last
+    checkpoint, the engine kept: the same process before and after)."""
     steps, kill_after, stop_after = 14, 3, 6
     cfg, run_dir = config(tmp_path, "faults", train_steps=steps)  # checkpoints every CKPT_EVERY steps
     data = yaml.safe_load(cfg.read_text())  # a SIGSTOPped engine: silent for 5 s, no health answer in 3 s
@@ -240,7 +244,8 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 400
-        killed = stopped = replaced_at = None
+        killed = stopped = replaced_at = rank_killed = engine = None
+        times = {}  # fault -> seconds until the first step row that counts its replacement
         while job.poll() is None:
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
                 if (run_dir / "metrics.jsonl").exists() else []
@@ -248,20 +253,29 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
             if killed is None and len(rows) >= kill_after:
                 killed = _engine_of(job)
                 killed.kill()  # SIGKILL
+                times["kill"] = time.monotonic()
+            elif "kill" in times and "killed" not in times and rows and rows[-1]["engines/restarts"] == 1:
+                times["killed"] = time.monotonic() - times["kill"]
             elif stopped is None and killed is not None and len(rows) >= stop_after:
                 stopped = _engine_of(job)
                 assert stopped.pid != killed.pid
                 stopped.suspend()  # SIGSTOP: alive, silent
+                times["stop"] = time.monotonic()
             elif stopped is not None and replaced_at is None and rows and rows[-1]["engines/restarts"] == 2:
-                replaced_at = len(rows)
-            elif replaced_at is not None and (run_dir / "checkpoints" / "latest").exists() \
+                replaced_at, times["stopped"] = len(rows), time.monotonic() - times["stop"]
+            elif replaced_at is not None and rank_killed is None and (run_dir / "checkpoints" / "latest").exists() \
                     and int((run_dir / "checkpoints" / "latest").read_text()) > replaced_at:
                 # the checkpoint the restart resumes from holds steps trained after both replacements
                 ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
                          if p.name() == "entr-rank0" and p.parent().name() != "entr-rank0"]
                 # (not the writer processes Megatron's async save forks from rank 0, under its name)
                 assert len(ranks) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
+                engine = _engine_of(job)
                 ranks[0].kill()  # SIGKILL
+                rank_killed = (time.monotonic(), len(rows))
+            elif rank_killed is not None and rows and rows[-1].get("learner/restarts") == 1:
+                recovered_s = time.monotonic() - rank_killed[0]
+                assert _engine_of(job).pid == engine.pid  # the engine kept through the learner's restart
                 break
             time.sleep(0.2)
         out, err = job.communicate(timeout=600)
@@ -269,13 +283,89 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, err[-4000:]
-    assert replaced_at is not None, "the job ended before the rank was killed"
+    assert rank_killed is not None, "the job ended before the rank was killed"
     assert "embedded engine 0 failed (the engine process exited (exit code -9))" in err, err[-4000:]
     assert "a learner rank failed" in err and "(launcher.max_restarts: 1 of 1)" in err, err[-4000:]
+    assert "the engines kept" in err and "starting a new one (replacement 3" not in err, err[-4000:]
     assert json.loads(out.strip().splitlines()[-1])["learner_restarts"] == 1
     assert_every_step_once(run_dir, steps)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    restarts = [row["engines/restarts"] for row in rows[:replaced_at]]  # the first start's steps
+    restarts = [row["engines/restarts"] for row in rows]
     assert restarts[:kill_after] == [0] * kill_after and restarts[-1] == 2 and restarts == sorted(restarts), restarts
+    resumed = int(err.split("resuming from step ")[1].split()[0])  # the redone steps were written again
+    assert [row["learner/restarts"] for row in rows] == [0] * resumed + [1] * (steps - resumed)
     for p in (killed, stopped):
         assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    print(f"\nengine kill -9: replaced, its step's row {times.get('killed', float('nan')):.1f} s after the kill; "
+          f"SIGSTOP: {times['stopped']:.1f} s")
+    print(f"learner rank 0 killed after step {rank_killed[1] - 1}: resumed from step {resumed}, "
+          f"{rank_killed[1] - resumed} step(s) redone, first step after the restart {recovered_s:.1f} s after the kill")
+
+
+def test_an_sglang_server_given_by_url_that_dies_is_set_aside_and_taken_back_when_it_returns(tmp_path):
+    """Two mock SGLang servers given by URL (tests/e2e/test_train_sglang.py's, joining the weight
+    group over gloo); one dies on a /generate call (every connection dropped), the run goes on with
+    the other, and when a server is started again on its port it is taken back with the learner's
+    weights (it holds the final weights at the end)."""
+    from test_train_sglang import GlooServer, MockSGLangServer, final_weights, vocab_size, write_run
+
+    steps = 8
+    v = vocab_size()
+    servers = [MockSGLangServer(vocab_size=v, weight_version="0").start() for _ in range(2)]
+    gloo = [GlooServer(s) for s in servers]
+    servers[1].crash_after = 5  # its 6th /generate: in step 2 or 3 (4 prompts a step over 2 servers)
+    crash, times = servers[1].crash, {}
+    servers[1].crash = lambda: times.setdefault("crash", time.monotonic()) and crash()
+    port = int(servers[1].url.rsplit(":", 1)[1])
+    cfg, run_dir = write_run(tmp_path, "sglang", [s.url for s in servers], "sync", poll_timeout_s=10.0,
+                             sglang={"urls": [s.url for s in servers], "request_timeout_s": 2.0, "http_retries": 1,
+                                     "retry_backoff_s": 0.1, "probe_interval_s": 0.5})
+    data = yaml.safe_load(cfg.read_text())
+    data["controller"]["train_steps"] = steps
+    data["task"]["eval_size"] = 0
+    cfg.write_text(yaml.safe_dump(data))
+    job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    back = None
+    try:
+        deadline = time.monotonic() + 600
+        while job.poll() is None and back is None:
+            assert time.monotonic() < deadline, job.communicate()[1][-3000:]
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+                if (run_dir / "metrics.jsonl").exists() else []
+            if rows and rows[-1]["engines/out_of_service"] == 1:
+                down_at, times["aside"] = len(rows), time.monotonic()
+                back = MockSGLangServer(port=port, vocab_size=v, weight_version="default").start()  # restarted
+                gloo.append(GlooServer(back))
+                times["back"] = time.monotonic()
+            time.sleep(0.2)
+        while job.poll() is None and "readmitted" not in times:
+            if back.calls_to("/update_weights_from_distributed"):
+                times["readmitted"] = time.monotonic()
+            time.sleep(0.05)
+        out, err = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for s in servers + ([back] if back is not None else []):
+            if not s.crashed:
+                s.stop()
+    assert job.returncode == 0, err[-4000:]
+    assert back is not None, "the server's failure was never noticed"
+    assert f"SGLang server {servers[1].url} (rollout.sglang.urls) failed" in err and "going on without it" in err
+    assert f"SGLang server {servers[1].url} answers again: taken back at weight version" in err, err[-4000:]
+    assert_every_step_once(run_dir, steps)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out_of_service = [row["engines/out_of_service"] for row in rows]
+    first_down = out_of_service.index(1)
+    assert out_of_service == [0] * first_down + [1] * (out_of_service.count(1)) + [0] * (steps - first_down -
+                                                                                        out_of_service.count(1))
+    assert out_of_service[-1] == 0 and down_at >= first_down + 1
+    assert all(row["engines/restarts"] == 0 for row in rows)  # not ours to restart
+    expected = final_weights(run_dir)  # the returned server holds the learner's final weights
+    assert back.weight_version == str(steps) and gloo[-1].versions()
+    for name, t in expected.items():
+        torch.testing.assert_close(gloo[-1].held[name], t.float(), rtol=0, atol=0, msg=name)
+    assert back.calls_to("/generate"), "it served rollouts again"
+    print(f"\nSGLang server died: its step's row out of service {times['aside'] - times['crash']:.1f} s later; "
+          f"restarted: weights pushed to it {times['readmitted'] - times['back']:.1f} s later")

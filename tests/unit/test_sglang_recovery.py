@@ -4,10 +4,13 @@ stopped with SIGSTOP like a real server:
 
 - a server `train` launched is relaunched on its port (a new process), the weight group rebuilt
   over the servers in service (each relabelled -1 first) and the learner's version pushed; past
-  rollout.max_engine_restarts the error names the server and the count;
+  rollout.max_engine_restarts the error names the server and the count (a relaunch that fails
+  counts too);
 - a server given by URL is set aside (its requests lost, the others keep generating), probed, and
   taken back with the learner's version once it answers again; with none left the run waits
-  rollout.sglang.server_wait_s, then stops naming each server.
+  rollout.sglang.server_wait_s, then stops naming each server;
+- relaunched learner ranks reach the servers in service, which are relabelled so that the
+  checkpoint's (older) version is pushed first.
 
 The learner side is a fake: its "push" relabels the servers of the last weight group (the real
 handshake is tests/e2e/test_train_sglang.py's)."""
@@ -230,3 +233,44 @@ def test_with_no_server_left_the_run_waits_then_names_each_server(stack):
     threading.Timer(1.0, lambda: restarted.append(mock_process(port))).start()
     recovery.replace(failed, version=3)
     assert engines.in_service() == [0] and version_of(url) == "3" and restarted
+
+
+def test_relaunched_learner_ranks_reach_the_servers_in_service_and_push_first(stack):
+    from entr_megatron.controller.sglang_servers import reconnect_sglang
+
+    with sglang_mock.MockSGLangServer(weight_version="9") as a, sglang_mock.MockSGLangServer(weight_version="9") as b:
+        cfg = run_config(f"rollout.sglang.urls=[{a.url},{b.url}]", "rollout.num_engines=2")
+        servers = SGLangServers(cfg, [a.url, b.url], {}, [None, None], [None, None])
+        engines = servers.engine_set()
+        view = PushedVersionView(engines, servers)
+        view.confirm_version(9)
+        old = Pusher(Group())
+        old.recovery = ServerRecovery(cfg, servers, engines, old, "127.0.0.1", stack)
+        old.recovery.out[1] = None  # b is out of service
+        group = Group()
+        pusher = reconnect_sglang(cfg, group, "127.0.0.1", 4321, view, old)
+        assert group.connects == [(a.url,)] and a.weight_version == "-1" and b.weight_version == "9"
+        assert view.weight_version == -1  # the controller pushes the checkpoint's version first
+        assert pusher.recovery is old.recovery and old.recovery.pusher is pusher
+        assert pusher.on_delivered == view.confirm_version and pusher.push_timeout_s == cfg.rollout.push_timeout_s
+        old.recovery.out.clear()
+
+
+def test_a_relaunch_that_fails_spends_the_budget(tmp_path, stack):
+    import dataclasses
+
+    from entr_megatron.rollout.sglang import SGLangError
+
+    cfg = run_config("rollout.max_engine_restarts=1", "rollout.sglang.startup_timeout_s=30", "launcher.device=cuda",
+                     "launcher.gpus_per_node=2")
+    config = SGLangServerConfig("m", port=free_port(), command_prefix=MOCK)
+    servers = SGLangServers(cfg, [config.url], {}, [config], launch_servers([config], tmp_path), tmp_path)
+    stack.callback(servers.terminate)
+    recovery = ServerRecovery(cfg, servers, servers.engine_set(), Pusher(Group()), "127.0.0.1", stack)
+    servers.launch[0] = dataclasses.replace(config, extra_args=("--mock-exit-code", "3"))  # it will not come up
+    servers.processes[0].proc.kill()
+    servers.processes[0].proc.wait(10)
+    with pytest.raises(SGLangError, match="exited with code 3 before it was healthy"):
+        recovery.replace(recovery.failed(), version=1)
+    with pytest.raises(RestartsExhausted, match=r"1 server\(s\) were already relaunched"):
+        recovery.replace(recovery.failed(), version=1)
