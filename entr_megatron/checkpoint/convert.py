@@ -41,11 +41,19 @@ ASSET_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.jso
 # max |delta log-prob| a faithful conversion stays under: fp32 differs by reduction order only; bf16
 # weights round each parameter (~3 significant digits), a wrong layout moves log-probs by O(1).
 VERIFY_TOLERANCE = {"fp32": 1e-4, "bf16": 0.25}
-# ModelSpec fields that config.json spells differently.
+# ModelSpec fields that config.json spells differently (the family tables of every model_type).
 _HF_KEY = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value_heads",
            "ffn_hidden_size": "intermediate_size", "moe_router_topk": "num_experts_per_tok",
            "moe_ffn_hidden_size": "moe_intermediate_size", "llama3_rope_factor": "rope_scaling.factor",
-           "moe_router_pre_softmax": "norm_topk_prob (negated)", "num_experts": "num_experts / num_local_experts"}
+           "moe_router_pre_softmax": "norm_topk_prob (negated)",
+           "num_experts": "num_experts / num_local_experts / n_routed_experts",
+           "qkv_bias": "attention_bias", "qk_norm": "use_qk_norm", "rotary_percent": "partial_rotary_factor",
+           "first_k_dense": "first_k_dense_replace", "moe_router_num_groups": "n_group",
+           "moe_router_group_topk": "topk_group", "moe_router_scaling_factor": "routed_scaling_factor",
+           "moe_shared_expert_size": "moe_intermediate_size * n_shared_experts",
+           "mtp_layers": "num_nextn_predict_layers", "yarn": "rope_scaling", "mla": "the MLA dims"}
+# Fields of the nested records (ModelSpec.mla, .yarn): config.json keys of the same name, or under rope_scaling.
+_NESTED_PREFIX = {"mla": "", "yarn": "rope_scaling."}
 
 
 def compare_model_configs(a: Mapping, b: Mapping, a_name: str, b_name: str) -> None:
@@ -60,6 +68,12 @@ def compare_model_configs(a: Mapping, b: Mapping, a_name: str, b_name: str) -> N
         if f.name in ("table", "naming"):
             continue
         va, vb = getattr(spec_a, f.name), getattr(spec_b, f.name)
+        if va != vb and f.name in _NESTED_PREFIX and va is not None and vb is not None:
+            for sub in dataclasses.fields(va):  # name the one differing key
+                sa, sb = getattr(va, sub.name), getattr(vb, sub.name)
+                if sa != sb:
+                    raise ValueError(f"config mismatch: {_NESTED_PREFIX[f.name]}{sub.name} is {sa!r} in the "
+                                     f"{a_name}, {sb!r} in the {b_name}")
         if va != vb:
             raise ValueError(f"config mismatch: {_HF_KEY.get(f.name, f.name)} is {va!r} in the {a_name}, "
                              f"{vb!r} in the {b_name}")

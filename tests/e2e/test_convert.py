@@ -1,12 +1,14 @@
-"""`entr-megatron convert`: HF <-> dist checkpoint for the five families, resharded, verified, strict.
+"""`entr-megatron convert`: HF <-> dist checkpoint for the seven families, resharded, verified, strict.
 
 One 1-rank gloo launch converts a tiny random HF model of every family to a dist checkpoint and
-back with the ranks' own functions (no CLI around them): the HF tensors come back bit for bit.
-The CLI then converts a qwen3_moe both ways (verify on: its log-probs under the learner loaded
-at TP=2 x EP=2 match transformers'), `score` reads a converted llama at PP=2 (HF's log-probs
-within 1e-4), and `convert verify` fails on an HF source whose square q_proj was transposed. The
-refusals (truncated / corrupt file, a shard missing from the index, an unknown model_type, a
-dropped tensor, a config mismatch, an existing output) are checked in-process before any rank.
+back with the ranks' own functions (no CLI around them): the HF tensors come back bit for bit
+(GLM-4.5 and DeepSeek-V3 with a dense first layer, a shared expert and the router's non-zero
+score-correction bias). The CLI then converts a qwen3_moe both ways (verify on: its log-probs
+under the learner loaded at TP=2 x EP=2 match transformers'), `score` reads a converted llama at
+PP=2, glm4_moe at PP=2 and deepseek_v3 at TP=2 (HF's log-probs within 1e-4), and `convert
+verify` fails on an HF source whose square q_proj was transposed. The refusals (truncated /
+corrupt file, a shard missing from the index, an unknown model_type, a dropped tensor, MTP
+layers, a config mismatch, an existing output) are checked in-process before any rank.
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             initializer_range=0.3, max_position_embeddings=256)
 
 
+ROUTER = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+              topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5)
+
+
 def hf_configs():
-    """Tied embeddings (llama), qkv bias and an odd vocabulary (qwen2), q/k norms (qwen3, qwen3_moe), experts."""
+    """Tied embeddings (llama), qkv bias and an odd vocabulary (qwen2), q/k norms (qwen3, qwen3_moe), experts;
+    GLM-4.5 (partial RoPE, q/k/v bias, q/k norms) and DeepSeek-V3 (MLA, YaRN) with DeepSeek's router."""
     return {
         "llama": transformers.LlamaConfig(**TINY, vocab_size=128, intermediate_size=96, tie_word_embeddings=True),
         "qwen2": transformers.Qwen2Config(**TINY, vocab_size=251, intermediate_size=96),
@@ -40,6 +47,13 @@ def hf_configs():
                                                  head_dim=16, norm_topk_prob=False),
         "mixtral": transformers.MixtralConfig(**TINY, vocab_size=128, intermediate_size=32, num_local_experts=4,
                                               num_experts_per_tok=2),
+        "glm4_moe": transformers.Glm4MoeConfig(**TINY, **ROUTER, vocab_size=128, head_dim=16, use_qk_norm=True,
+                                               attention_bias=True, partial_rotary_factor=0.5),
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **(TINY | dict(num_key_value_heads=4)), **ROUTER, vocab_size=128, q_lora_rank=32, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0,
+                              mscale_all_dim=1.0)),
     }
 
 
@@ -62,6 +76,9 @@ def hf_models(tmp_path_factory):
             for p in model.parameters():
                 if p.dim() == 1:
                     p.add_(0.2 * torch.randn_like(p))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # a weight HF initialises to 0
+                    b.copy_(0.3 * torch.randn_like(b))
         out[model_type] = root / model_type
         model.save_pretrained(out[model_type], max_shard_size="100KB" if model_type == "qwen3" else "1GB")
     return out
@@ -110,7 +127,7 @@ def _cli(capsys, *args):
     return code, captured.out + captured.err
 
 
-def test_round_trip_is_bit_identical_for_five_families(hf_models, converted):
+def test_round_trip_is_bit_identical_for_seven_families(hf_models, converted):
     for model_type, hf_dir in hf_models.items():
         ckpt, back = converted[model_type]
         assert (ckpt / "latest").read_text().strip() == "0" and (ckpt / "model_config.json").is_file()
@@ -119,6 +136,14 @@ def test_round_trip_is_bit_identical_for_five_families(hf_models, converted):
         for name in want:
             assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), f"{model_type} {name}"
         assert (back / "model.safetensors.index.json").is_file(), model_type  # 200 kB shards
+    assert sorted(hf_models) == sorted(models_registry())
+    assert _tensors(hf_models["deepseek_v3"])["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
+
+
+def models_registry():
+    from entr_megatron import models
+
+    return models.FAMILIES
 
 
 def test_cli_qwen3_moe_both_ways_verified_at_tp2_ep2(hf_models, tmp_path, capsys):
@@ -158,6 +183,23 @@ def test_converted_checkpoint_scores_like_hf_at_pp2(hf_models, converted, tmp_pa
     main(["score", "--model", str(ckpt), "--pp", "2", "--input", str(inp), "--output", str(out),
           "--batch-tokens", "16"])
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["llama"]).eval()
+    for ids, row in zip(lines, map(json.loads, out.read_text().splitlines())):
+        ref_lp, _ = hf_scores(model, ids)
+        torch.testing.assert_close(torch.tensor(row["logprobs"], dtype=torch.float64), ref_lp, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("model_type, layout", [("glm4_moe", ("--pp", "2")), ("deepseek_v3", ("--tp", "2"))])
+def test_converted_deepseek_style_checkpoints_score_like_hf(hf_models, converted, tmp_path, model_type, layout):
+    """A dense stage and an MoE stage (PP=2); MLA's projections and the shared expert split over TP=2."""
+    from entr_megatron.cli.main import main
+
+    ckpt, _ = converted[model_type]
+    g = torch.Generator().manual_seed(6)
+    lines = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (13, 6)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in lines))
+    main(["score", "--model", str(ckpt), *layout, "--input", str(inp), "--output", str(out), "--batch-tokens", "16"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_models[model_type]).eval()
     for ids, row in zip(lines, map(json.loads, out.read_text().splitlines())):
         ref_lp, _ = hf_scores(model, ids)
         torch.testing.assert_close(torch.tensor(row["logprobs"], dtype=torch.float64), ref_lp, rtol=0, atol=ATOL)
@@ -218,7 +260,8 @@ def test_model_errors_name_what_is_wrong(hf_models, tmp_path, capsys):
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
     code = _hf_to_megatron(capsys, bad, tmp_path / "out")
-    assert "model_type='gpt2' is not supported; supported: ['llama', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe']" in code
+    assert ("model_type='gpt2' is not supported; supported: ['deepseek_v3', 'glm4_moe', 'llama', 'mixtral', 'qwen2', "
+            "'qwen3', 'qwen3_moe']") in code
 
     bad = _copy(hf_models["qwen2"], tmp_path / "dropped")
     tensors = _tensors(bad)
@@ -253,6 +296,27 @@ def test_unmapped_tensors_are_skipped_only_when_allowed(hf_models):
         assert check_hf_checkpoint(ckpt, spec, ["model.layers.*.extra.*"]) == ["model.layers.0.extra.weight"]
 
 
+def test_mtp_layers_are_refused_naming_the_field(hf_models, tmp_path, capsys):
+    """GLM-4.5 and DeepSeek-V3 checkpoints carry num_nextn_predict_layers MTP layers after the decoder
+    layers (transformers ignores them); they are refused, or skipped when named with --allow-unmapped."""
+    from entr_megatron import models
+    from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
+
+    bad = _copy(hf_models["glm4_moe"], tmp_path / "mtp")
+    tensors = _tensors(bad)
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.enorm.weight"] = torch.ones(64)
+    safetensors_torch.save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    code = _hf_to_megatron(capsys, bad, tmp_path / "out")
+    assert ("2 tensors of multi-token-prediction layers (num_nextn_predict_layers=1: model.layers.2.eh_proj.weight, "
+            "model.layers.2.enorm.weight), which are not supported") in code, code
+    assert "pass --allow-unmapped 'model.layers.2.*'" in code, code
+    spec = models.model_spec(json.loads((bad / "config.json").read_text()))
+    with HfCheckpoint(bad) as ckpt:
+        assert check_hf_checkpoint(ckpt, spec, ["model.layers.2.*"]) == ["model.layers.2.eh_proj.weight",
+                                                                          "model.layers.2.enorm.weight"]
+
+
 def test_checkpoint_of_another_model_is_refused(hf_models, converted, tmp_path, capsys):
     ckpt, _ = converted["llama"]
     code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "o"),
@@ -265,6 +329,17 @@ def test_checkpoint_of_another_model_is_refused(hf_models, converted, tmp_path, 
                    "--hf-config", str(other))
     assert code is not None and "intermediate_size is 96 in the checkpoint's model_config.json, 128" in code, code
     assert not (tmp_path / "o").exists()
+    ds_ckpt, _ = converted["deepseek_v3"]
+    ds = json.loads((hf_models["deepseek_v3"] / "config.json").read_text())
+    for change, message in ((dict(kv_lora_rank=32), "kv_lora_rank is 16 in the checkpoint's model_config.json, 32"),
+                            (dict(routed_scaling_factor=1.0),
+                             "routed_scaling_factor is 2.5 in the checkpoint's model_config.json, 1.0"),
+                            (dict(rope_parameters=ds["rope_parameters"] | dict(factor=8.0)),
+                             "rope_scaling.factor is 4.0 in the checkpoint's model_config.json, 8.0")):
+        other.write_text(json.dumps(ds | change))
+        code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ds_ckpt), "--out", str(tmp_path / "o"),
+                       "--hf-config", str(other))
+        assert code is not None and message in code, (change, code)
 
 
 def test_damaged_checkpoint_is_refused_before_the_ranks(converted, tmp_path, capsys):
