@@ -1,8 +1,8 @@
-"""HF <-> learner checkpoint conversion: the checks and records that need no ranks.
+"""HF <-> learner checkpoint conversion: the checks and records around the streamed conversion.
 
-The ranks' side (build the model, stream tensors in or out, save or load the dist checkpoint) is
-`entr_megatron.cli.convert_ranks`, which may import both `learner` and `checkpoint`; this module
-holds what the command decides before and after them:
+The conversion itself is `dist_convert` (no model); verification loads the checkpoint into the
+learner on ranks (`entr_megatron.cli.convert_ranks`, which may import both `learner` and
+`checkpoint`). This module holds what the command decides before and after them:
 
     compare_model_configs(ckpt_config, hf_config, "checkpoint", "--hf-config")   # field by field
     check_tied_embeddings(files, spec)            # a stored lm_head must equal the tied embedding

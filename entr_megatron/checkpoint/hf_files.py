@@ -2,16 +2,20 @@
 directory that appears only when complete.
 
     files = check_hf_dir(hf_dir)                 # headers only: every file whole, the index consistent
+    tensor = files.get(name)                     # one tensor, read into memory of its own
     with staged_dir(out, overwrite=False) as tmp:   # out appears (renamed) only if the block succeeds
-        writer = ShardWriter(tmp, max_shard_bytes)
-        for name, tensor in tensors: writer.add(name, tensor)   # a shard is written as soon as it is full
-        writer.finish()                          # model.safetensors, or model-0000i-of-0000N + index
+        writer = ShardWriter(tmp, max_shard_bytes, expected=[(name, dtype, shape), ...])
+        for name, tensor in tensors: writer.add(name, tensor)   # its bytes go straight to its shard
+        writer.finish()
+        merge_shards(tmp, ["shard"])             # model.safetensors, or model-0000i-of-0000N + index
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (name -> dtype,
 shape, data_offsets) and the data; `read_header` checks the offsets tile the data exactly and
 the file is as long as the header says, so a truncated or overwritten file is named before a
-rank reads it. Several writers (one per pipeline stage) may write into one directory under
-their own `prefix`; `merge_shards` then gives the files their final names and writes the index.
+tensor is read. The writer knows every tensor (name, dtype, shape) before the first arrives, so
+it writes each shard's header first and then each tensor's bytes as it comes: it holds no
+shard in memory. Several writers may write into one directory under their own `prefix`;
+`merge_shards` then gives the files their final names and writes the index.
 
 Nothing here imports torch.distributed or megatron.
 """
@@ -23,8 +27,8 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +42,11 @@ INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_SAFETENSORS_DTYPES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+_HEADER_ALIGN = 8  # safetensors pads its header with spaces so the data starts 8-byte aligned
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -67,6 +76,8 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0
+    """Where the tensor's bytes start in the file."""
 
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
@@ -100,7 +111,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         if dtype not in _DTYPE_BYTES or end - begin != numel * _DTYPE_BYTES[dtype]:
             raise ValueError(f"{path}: corrupt safetensors header: {name} is {dtype} {list(shape)} but spans "
                              f"{end - begin} bytes")
-        tensors[name] = TensorInfo(path.name, dtype, shape, end - begin)
+        tensors[name] = TensorInfo(path.name, dtype, shape, end - begin, 8 + n + begin)
         spans.append((begin, end, name))
     position = 0
     for begin, end, name in sorted(spans):
@@ -124,6 +135,20 @@ class HfFiles:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its file into memory of its own (no memory map is kept: the pages
+        of every file read so far would stay resident, as much again as the model)."""
+        info = self.tensors[name]
+        dtype = _TORCH_DTYPES.get(info.dtype)
+        if dtype is None:
+            raise ValueError(f"{self.dir / info.file}: {name} is {info.dtype}, which is not read here")
+        data = torch.empty(info.nbytes, dtype=torch.uint8)
+        with open(self.dir / info.file, "rb") as f:
+            f.seek(info.offset)
+            if info.nbytes and f.readinto(memoryview(data.numpy())) != info.nbytes:
+                raise ValueError(f"{self.dir / info.file}: truncated while reading {name}")
+        return data.view(dtype).reshape(info.shape)
 
 
 def check_hf_dir(hf_dir: str | os.PathLike) -> HfFiles:
@@ -188,44 +213,85 @@ def staged_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[P
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@dataclass
 class ShardWriter:
-    """Safetensors shards written into `directory` as tensors arrive: at most one shard of
-    `max_shard_bytes` (or one larger tensor) is held. Files are `<prefix>-<i>.safetensors` until
+    """Safetensors shards written into `directory` as tensors arrive, holding none of them.
+
+    `expected` lists every tensor (name, dtype, shape) in the order `add` will receive them, so the
+    shards are decided up front (a new one when the next tensor would pass `max_shard_bytes`; a
+    larger tensor gets one of its own): each shard's header is written when its first tensor
+    arrives and each tensor's bytes straight after it. A tensor out of order, of another dtype or
+    shape, or one missing at `finish` is a ValueError. Files are `<prefix>-<i>.safetensors` until
     `merge_shards` names them; `finish` returns {file: [tensor names]} and also writes it as
     `<prefix>.json` for `merge_shards`."""
 
-    directory: Path
-    max_shard_bytes: int
-    prefix: str = "shard"
-    files: dict[str, list[str]] = field(default_factory=dict)
-    _pending: dict[str, torch.Tensor] = field(default_factory=dict)
-    _pending_bytes: int = 0
-    written_bytes: int = 0
+    def __init__(self, directory: str | os.PathLike, max_shard_bytes: int,
+                 expected: Sequence[tuple[str, torch.dtype, Sequence[int]]], prefix: str = "shard"):
+        self.directory, self.prefix = Path(directory), prefix
+        self.files: dict[str, list[str]] = {}
+        self.written_bytes = 0
+        self._plan: list[tuple[str, str, tuple[int, ...], int]] = []  # name, safetensors dtype, shape, bytes
+        self._shard_of: list[int] = []
+        size, shard = 0, 0
+        for name, dtype, shape in expected:
+            if dtype not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{name}: dtype {dtype} cannot be written to safetensors")
+            nbytes = _DTYPE_BYTES[_SAFETENSORS_DTYPES[dtype]]
+            for d in shape:
+                nbytes *= int(d)
+            if size and size + nbytes > max_shard_bytes:
+                shard, size = shard + 1, 0
+            self._plan.append((name, _SAFETENSORS_DTYPES[dtype], tuple(int(d) for d in shape), nbytes))
+            self._shard_of.append(shard)
+            size += nbytes
+        assert len({p[0] for p in self._plan}) == len(self._plan), "a tensor name is expected twice"
+        self._next = 0
+        self._file = None
+
+    def _open(self, shard: int) -> None:
+        """Close the current shard and start `shard` with its header."""
+        self._close()
+        entries = [(p, i) for i, p in enumerate(self._plan) if self._shard_of[i] == shard]
+        header, position = {"__metadata__": {"format": "pt"}}, 0
+        for (name, dtype, shape, nbytes), _ in entries:
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+            position += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
+        file = f"{self.prefix}-{shard:05d}.safetensors"
+        self._file = open(self.directory / file, "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self.files[file] = [name for (name, *_), _ in entries]
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue one tensor (a contiguous CPU copy is taken only when it is not one already)."""
-        assert name not in self._pending and all(name not in v for v in self.files.values()), name
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().cpu().contiguous()
-        self._pending_bytes += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        file = f"{self.prefix}-{len(self.files):05d}.safetensors"
-        save_file(self._pending, str(Path(self.directory) / file), metadata={"format": "pt"})
-        self.files[file] = list(self._pending)
-        self.written_bytes += self._pending_bytes
-        self._pending, self._pending_bytes = {}, 0
+        """Write one tensor (the next one `expected` lists) into its shard."""
+        if self._next >= len(self._plan):
+            raise ValueError(f"tensor {name} was not expected (all {len(self._plan)} were written)")
+        want, dtype, shape, nbytes = self._plan[self._next]
+        got = (name, _SAFETENSORS_DTYPES.get(tensor.dtype), tuple(tensor.shape))
+        if got != (want, dtype, shape):
+            raise ValueError(f"tensor {got[0]} ({got[1]}, {list(got[2])}) arrived where {want} ({dtype}, "
+                             f"{list(shape)}) was expected")
+        shard = self._shard_of[self._next]
+        if self._file is None or (self._next and self._shard_of[self._next - 1] != shard):
+            self._open(shard)
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        if nbytes:
+            self._file.write(memoryview(data.view(torch.uint8).numpy()))
+        self.written_bytes += nbytes
+        self._next += 1
 
     def finish(self) -> dict[str, list[str]]:
-        """Write the last shard and the listing; returns {file: [tensor names]}."""
-        if self._pending:
-            self._flush()
-        (Path(self.directory) / f"{self.prefix}.json").write_text(json.dumps(self.files))
+        """Close the last shard and write the listing; returns {file: [tensor names]}."""
+        self._close()
+        missing = [p[0] for p in self._plan[self._next:]]
+        if missing:
+            raise ValueError(f"{len(missing)} expected tensors were never written (e.g. {missing[0]})")
+        (self.directory / f"{self.prefix}.json").write_text(json.dumps(self.files))
         return self.files
 
 

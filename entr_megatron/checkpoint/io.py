@@ -317,7 +317,7 @@ def load_checkpoint(
     metadata = dict(dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {})
     check_loadable(path, info, layout, metadata, optimizer, scheduler)
 
-    same_layout = layout == info["layout"]
+    same_layout = layout == info["layout"]  # None: written by `convert`, no RNG streams
     if "distrib_optim_fully_reshardable_mem_efficient" in metadata:  # interchangeable on load (Megatron)
         metadata["distrib_optim_fully_reshardable_mem_efficient"] = not torch.cuda.is_available()
     sharded = state.model_sharded_state_dict(chunks, metadata)
@@ -327,7 +327,7 @@ def load_checkpoint(
             sharded, is_loading=True, metadata=state.with_groups(metadata, chunks))
     if same_layout:
         sharded[RNG_KEY] = state.rng_sharded_object(state.rng_state())
-    elif dist.get_rank() == 0:
+    elif dist.get_rank() == 0 and info["layout"] is not None:
         logger.warning("checkpoint %s was saved in layout %s, loading into %s: RNG states are not restored "
                        "(current ones kept)", path, info["layout"], layout)
 

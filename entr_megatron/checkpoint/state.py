@@ -12,7 +12,8 @@ rng             per rank: python ``random``, numpy, torch CPU, CUDA (when presen
                 indexed by global rank)
 step, extra     the step and the caller's ``extra_state`` (rank 0's; anything picklable:
                 data position, replay buffer, ...), returned by ``load_checkpoint``
-layout          world size and TP/PP/VPP/CP/EP/expert-TP sizes of the saving run
+layout          world size and TP/PP/VPP/CP/EP/expert-TP sizes of the saving run (None in a
+                checkpoint `convert hf-to-megatron` wrote: weights only, no ranks, no RNG)
 ==============  =======================================================================
 
 Scheduler, step, extra state and layout form the common (rank-0) ``INFO_KEY``

@@ -1,27 +1,34 @@
 """`entr-megatron convert`: HF model directory <-> learner dist checkpoint.
 
     entr-megatron convert hf-to-megatron --hf HF_DIR --out CKPT_ROOT [--dtype fp32|bf16] [--tp N --pp N --ep N]
-    entr-megatron convert megatron-to-hf --ckpt CKPT_ROOT_OR_RUN_DIR [--step N] --out HF_DIR [--max-shard-size 5GB]
+    entr-megatron convert megatron-to-hf --ckpt CKPT_ROOT_OR_RUN_DIR [--step N] --out HF_DIR [--dtype auto|fp32|bf16]
+                                         [--max-shard-size 5GB]
     entr-megatron convert verify --hf HF_DIR --ckpt CKPT_ROOT_OR_RUN_DIR [--step N] [--tp N --pp N --ep N]
 
-hf-to-megatron writes a checkpoint root (`latest`, `model_config.json`, `iter_0000000/` with its
-manifest) holding the weights only (no optimizer state): `entr-megatron score --model CKPT_ROOT`
-and `convert megatron-to-hf` read it at any TP/PP/EP (dist checkpoints reshard). A `train` run
-starts from an HF directory (model.path) and resumes only from its own checkpoints, which hold
-optimizer state: convert back (megatron-to-hf) to start a run from converted weights.
+Both conversions stream in this one process without building the model: one tensor is read,
+converted and written before the next (`checkpoint.dist_convert`), so host memory is about the
+largest tensor, not the model. hf-to-megatron writes a checkpoint root (`latest`,
+`model_config.json`, `iter_0000000/` with its manifest) holding the weights only (no optimizer
+state), as Megatron's own save would at TP=PP=EP=1: `entr-megatron score --model CKPT_ROOT`,
+`convert megatron-to-hf` and `train` (model.path: CKPT_ROOT) read it at any TP/PP/EP (dist
+checkpoints reshard).
 
 megatron-to-hf reads a checkpoint root or a run directory (its checkpoints/), the step `latest`
-names or --step, and writes config.json, generation_config.json, safetensors shards (one at a
-time, as each fills) with model.safetensors.index.json, and the tokenizer files the source has.
+names or --step, saved at any layout (optimizer and RNG state skipped), and writes config.json,
+generation_config.json, safetensors shards (each header first, each tensor's bytes as it is
+converted) with model.safetensors.index.json, and the tokenizer files the source has.
+--dtype auto keeps the dtype the checkpoint stores.
 
 Both are strict: every HF tensor must map to a learner parameter and every parameter be filled
-(--allow-unmapped PATTERN skips matching extra tensors, logged), shapes and the HF config are
-checked field by field, a tied config's stored lm_head must equal the embedding. Verification (on
-by default, --no-verify) forwards a few random token sequences through transformers (float32
-weights, float64 log_softmax) and through the learner model loaded from the converted
-checkpoint (or the source checkpoint, against the written HF directory), and fails when
-max |delta log-prob| exceeds 1e-4 (fp32; bf16: 0.25), printing it and the mean KL.
-`convert verify` runs that check alone on an existing pair (exit status 1 when it fails).
+(--allow-unmapped PATTERN skips matching extra tensors, logged), every tensor of the dist
+checkpoint must be a parameter of its model config, shapes and the HF config are checked field by
+field, a tied config's stored lm_head must equal the embedding. Verification (on by default,
+--no-verify) forwards a few random token sequences through transformers (float32 weights, float64
+log_softmax) and through the learner model loaded from the converted checkpoint at --tp/--pp/--ep
+(or the source checkpoint, against the written HF directory), and fails when max |delta log-prob|
+exceeds 1e-4 (fp32; bf16: 0.25), printing it and the mean KL. It builds the model (and loads
+transformers'), so it takes memory the conversion itself does not. `convert verify` runs that
+check alone on an existing pair (exit status 1 when it fails).
 
 Outputs appear atomically: written into OUT.tmp-<pid>, renamed when complete and verified,
 removed on any failure. An existing non-empty OUT is refused unless --overwrite.
@@ -41,13 +48,12 @@ from pathlib import Path
 from entr_megatron import __version__, models
 from entr_megatron.checkpoint import convert as conv
 from entr_megatron.checkpoint import directory as ckpt_dir
-from entr_megatron.checkpoint.hf_files import INDEX_FILE, check_hf_dir, merge_shards, parse_size, write_json
+from entr_megatron.checkpoint.hf_files import INDEX_FILE, check_hf_dir, parse_size
 from entr_megatron.checkpoint.hf_files import staged_dir
-from entr_megatron.checkpoint.manifest import choose_checkpoint, read_manifest
+from entr_megatron.checkpoint.manifest import read_manifest
 
 __all__ = ["add_parser"]
 
-ASSETS_DIR = "hf_assets"  # in a converted checkpoint root: the source's tokenizer and generation config
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -86,16 +92,19 @@ def _finish_verify(reference, converted, sequences, dtype: str, outcome: str = "
             "positions": result.tokens, "tolerance": result.tolerance, "sequences": len(sequences)}
 
 
-def _run_job(**kwargs) -> dict:
+def _run_verify(**kwargs) -> list:
+    """The learner's log-probs of the verify sequences, the checkpoint loaded on spawned ranks."""
     from entr_megatron.cli.convert_ranks import RankJob, run_ranks, world_size
 
     with tempfile.TemporaryDirectory(prefix="entr-convert-") as results:
         job = RankJob(results_dir=results, **kwargs)
-        _say(f"  on {world_size(job.tp, job.pp, job.ep)} rank(s): tp={job.tp} pp={job.pp} ep={job.ep}")
-        return run_ranks(job)
+        _say(f"  verifying on {world_size(job.tp, job.pp, job.ep)} rank(s): tp={job.tp} pp={job.pp} ep={job.ep}")
+        return run_ranks(job)["verify"]
 
 
 def hf_to_megatron(args) -> None:
+    from entr_megatron.checkpoint.dist_convert import Progress, hf_to_dist
+    from entr_megatron.checkpoint.hf_dir import ASSETS_DIR, DTYPES
     from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
 
     started = time.monotonic()
@@ -113,102 +122,73 @@ def hf_to_megatron(args) -> None:
          f"{len(files.files)} file(s)) -> dist checkpoint {args.out} ({args.dtype})")
     sequences = _verify(args, spec.vocab_size)
     with staged_dir(args.out, overwrite=args.overwrite) as tmp:  # refuses a non-empty OUT first
-        reference = conv.hf_logprobs(hf, sequences) if sequences else None
-        record = _run_job(direction="hf-to-megatron", hf_config=config, ckpt_root=str(tmp), hf_dir=str(hf),
-                          tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                          allow_unmapped=tuple(args.allow_unmapped), verify_sequences=sequences)
-        verified = _finish_verify(reference, record.get("verify"), sequences, args.dtype)
+        progress = Progress("converting")
+        hf_to_dist(files, spec, tmp, hf_config=config, dtype=DTYPES[args.dtype], progress=progress)
+        progress.close()
+        converted_s = time.monotonic() - started
+        verified = None
+        if sequences:
+            learner = _run_verify(hf_config=config, ckpt_root=str(tmp), step=0, tp=args.tp, pp=args.pp, ep=args.ep,
+                                  dtype=args.dtype, verify_sequences=sequences)
+            verified = _finish_verify(conv.hf_logprobs(hf, sequences), learner, sequences, args.dtype)
         (tmp / ASSETS_DIR).mkdir()
         assets = conv.copy_assets(hf, tmp / ASSETS_DIR)
         conv.write_provenance(tmp, {
             "direction": "hf-to-megatron", "entr_megatron_version": __version__, "model_type": spec.model_type,
             "dtype": args.dtype, "source": os.path.abspath(hf), "source_format": "hf-safetensors",
             "source_layout": {"files": len(files.files), "index": (hf / INDEX_FILE).is_file()},
-            "target_layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep, "step": 0},
+            "target_layout": {"saved_as": "tp=pp=ep=1, one process", "step": 0},
+            "verify_layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep} if sequences else None,
             "tensors": len(files.tensors) - len(skipped), "bytes": files.nbytes, "skipped_unmapped": skipped,
             "source_sha256": conv.source_digests(hf, [*files.files, *([INDEX_FILE] if (hf / INDEX_FILE).is_file()
                                                                      else []), "config.json"]),
-            "assets": assets, "verify": verified, "seconds": round(time.monotonic() - started, 3)})
+            "assets": assets, "verify": verified, "convert_seconds": round(converted_s, 3),
+            "seconds": round(time.monotonic() - started, 3)})
     print(f"converted {spec.model_type} ({len(files.tensors)} tensors, {files.nbytes / 1e9:.3f} GB) to {args.out} "
           f"in {time.monotonic() - started:.1f} s")
 
 
-def _resolve_checkpoint(path: Path) -> tuple[Path, Path | None]:
-    """(checkpoint root, run directory or None) of --ckpt."""
-    for root, run in ((path / "checkpoints", path), (path, None)):
-        if (root / ckpt_dir.LATEST_FILE).is_file() or ckpt_dir.list_steps(root):
-            return root, run
-    if path.name.startswith("iter_") and ckpt_dir.list_steps(path.parent):
-        raise ValueError(f"--ckpt {path} is one step of the checkpoint root {path.parent}: pass --ckpt "
-                         f"{path.parent} --step N")
-    raise ValueError(f"--ckpt {path}: not a learner checkpoint root (a 'latest' file and iter_NNNNNNN/ "
-                     "directories) nor a run directory with checkpoints/")
-
-
-def _checked_step(root: Path, step: int | None) -> tuple[int, Path]:
-    """The step to convert (--step, else the one `latest` names), its files checked against its
-    manifest here, before any rank starts; a damaged one is refused, not replaced by an older one."""
-    if step is not None and step < 0:
-        raise ValueError(f"--step must be >= 0, got {step}")
-    step, _ = ckpt_dir.resolve_checkpoint_dir(root, step)
-    choice = choose_checkpoint(root, step)  # raises CheckpointError naming the damaged files
-    return choice.step, choice.path
-
-
-def _asset_source(root: Path, run: Path | None, given: str | None) -> Path | None:
-    candidates = [Path(given)] if given else [root / ASSETS_DIR]
-    if run is not None and not given:
-        candidates += [run / "sft" / "model", run / "model_init"]
-    return next((c for c in candidates if c.is_dir()), None)
-
-
 def megatron_to_hf(args) -> None:
+    from entr_megatron.checkpoint import hf_dir
+    from entr_megatron.checkpoint.dist_convert import Progress
     from entr_megatron.learner.hf_load import read_hf_config
 
     started = time.monotonic()
-    root, run = _resolve_checkpoint(Path(args.ckpt))
-    config = ckpt_dir.read_model_config(root)
-    if config is None:
-        raise ValueError(f"{root} has no {ckpt_dir.MODEL_CONFIG_FILE}: it does not say which model it holds")
-    spec = models.get_family(config).spec(config)
+    root, run = hf_dir.resolve_source(args.ckpt)
+    config, spec = hf_dir.source_model(root)
     if args.hf_config:
         conv.compare_model_configs(config, read_hf_config(args.hf_config), f"checkpoint's {ckpt_dir.MODEL_CONFIG_FILE}",
                                    f"--hf-config {args.hf_config}")
     _check_layout(spec, args.tp, args.pp, args.ep)
-    step, path = _checked_step(root, args.step)
+    step, path = hf_dir.checked_step(root, args.step)
     source_manifest = read_manifest(path)
     max_shard = parse_size(args.max_shard_size)
-    _say(f"converting {path} ({spec.model_type}, step {step}) -> HF {args.out} ({args.dtype})")
+    dtype = hf_dir.output_dtype(args.dtype, path, spec)
+    _say(f"converting {path} ({spec.model_type}, step {step}) -> HF {args.out} ({dtype})")
     sequences = _verify(args, spec.vocab_size)
     with staged_dir(args.out, overwrite=args.overwrite) as tmp:
-        record = _run_job(direction="megatron-to-hf", hf_config=config, ckpt_root=str(root), step=step,
-                          out_dir=str(tmp), tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                          max_shard_bytes=max_shard, verify_sequences=sequences)
-        weight_map = merge_shards(tmp, [f"stage{i:03d}" for i in range(args.pp)])
-        files = check_hf_dir(tmp)
-        out_config = dict(config)
-        out_config["torch_dtype" if "dtype" not in out_config else "dtype"] = _TORCH_DTYPE[args.dtype]
-        write_json(tmp / "config.json", out_config)
-        assets = conv.copy_assets(_asset_source(root, run, args.tokenizer), tmp)
-        if "generation_config.json" not in assets:
-            import transformers
-
-            gen = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.for_model(**config))
-            gen.save_pretrained(tmp)
+        progress = Progress("converting")
+        written = hf_dir.write_hf_dir(tmp, path, spec, config, dtype=dtype, max_shard_bytes=max_shard,
+                                      assets=hf_dir.asset_source(root, run, args.tokenizer), progress=progress)
+        progress.close()
+        converted_s = time.monotonic() - started
         verified = None
         if sequences:
-            verified = _finish_verify(record["verify"], conv.hf_logprobs(tmp, sequences), sequences, args.dtype)
+            learner = _run_verify(hf_config=config, ckpt_root=str(root), step=step, tp=args.tp, pp=args.pp,
+                                  ep=args.ep, dtype=dtype, verify_sequences=sequences)
+            verified = _finish_verify(learner, conv.hf_logprobs(tmp, sequences), sequences, dtype)
         conv.write_provenance(tmp, {
             "direction": "megatron-to-hf", "entr_megatron_version": __version__, "model_type": spec.model_type,
-            "dtype": args.dtype, "source": os.path.abspath(path), "source_format": "megatron-dist-checkpoint",
+            "dtype": dtype, "source": os.path.abspath(path), "source_format": "megatron-dist-checkpoint",
             "source_layout": {"step": step, "saved_layout": _saved_layout(path)},
-            "load_layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
-            "tensors": len(weight_map), "bytes": files.nbytes, "files": len(files.files),
+            "verify_layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep} if sequences else None,
+            "tensors": len(written.weight_map), "bytes": written.files.nbytes, "files": len(written.files.files),
             "source_sha256": {name: d["sha256"] for name, d in (source_manifest or {"files": {}})["files"].items()}
             or conv.source_digests(path, [p.name for p in path.iterdir() if p.is_file()]),
-            "assets": assets, "verify": verified, "seconds": round(time.monotonic() - started, 3)})
-    print(f"converted step {step} of {root} ({len(weight_map)} tensors, {files.nbytes / 1e9:.3f} GB in "
-          f"{len(files.files)} file(s)) to {args.out} in {time.monotonic() - started:.1f} s")
+            "assets": written.assets, "verify": verified, "convert_seconds": round(converted_s, 3),
+            "seconds": round(time.monotonic() - started, 3)})
+    print(f"converted step {step} of {root} ({len(written.weight_map)} tensors, {written.files.nbytes / 1e9:.3f} GB "
+          f"in {len(written.files.files)} file(s)) to {args.out} in {time.monotonic() - started:.1f} s")
 
 
 def _saved_layout(path: Path) -> dict | None:
@@ -225,23 +205,21 @@ def _saved_layout(path: Path) -> dict | None:
 
 def verify_pair(args) -> None:
     """`convert verify`: an HF directory and a learner checkpoint compute the same log-probs."""
+    from entr_megatron.checkpoint import hf_dir
     from entr_megatron.learner.hf_load import read_hf_config
 
-    root, _ = _resolve_checkpoint(Path(args.ckpt))
-    config = ckpt_dir.read_model_config(root)
-    if config is None:
-        raise ValueError(f"{root} has no {ckpt_dir.MODEL_CONFIG_FILE}: it does not say which model it holds")
+    root, _ = hf_dir.resolve_source(args.ckpt)
+    config, spec = hf_dir.source_model(root)
     conv.compare_model_configs(config, read_hf_config(args.hf), f"checkpoint's {ckpt_dir.MODEL_CONFIG_FILE}",
                                f"HF config of {args.hf}")
-    spec = models.get_family(config).spec(config)
     _check_layout(spec, args.tp, args.pp, args.ep)
-    step, _ = _checked_step(root, args.step)
+    step, _ = hf_dir.checked_step(root, args.step)
     check_hf_dir(args.hf)
     sequences = _verify(argparse.Namespace(verify=True, tp=args.tp), spec.vocab_size)
     reference = conv.hf_logprobs(args.hf, sequences)
-    record = _run_job(direction="verify", hf_config=config, ckpt_root=str(root), step=step, tp=args.tp,
-                      pp=args.pp, ep=args.ep, verify_sequences=sequences)
-    _finish_verify(reference, record["verify"], sequences, "fp32", outcome=f"{args.hf} and {root} differ")
+    learner = _run_verify(hf_config=config, ckpt_root=str(root), step=step, tp=args.tp, pp=args.pp, ep=args.ep,
+                          verify_sequences=sequences)
+    _finish_verify(reference, learner, sequences, "fp32", outcome=f"{args.hf} and {root} differ")
     print(f"{args.hf} and step {step} of {root} agree")
 
 
@@ -276,7 +254,7 @@ def add_parser(sub) -> None:
                        help="an HF config (dir or config.json) the checkpoint must match field by field")
     to_hf.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="copy tokenizer / generation config files from here (default: the checkpoint's "
-                            f"{ASSETS_DIR}/, or the run's sft/model or model_init)")
+                            "hf_assets/, or the run's sft/model or model_init)")
     to_hf.set_defaults(func=run, convert=megatron_to_hf)
     ver = actions.add_parser("verify", help="check an HF directory and a learner checkpoint compute the same "
                              "log-probs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -285,11 +263,13 @@ def add_parser(sub) -> None:
     ver.add_argument("--step", type=int, default=None, help="the step (default: the one 'latest' names)")
     ver.set_defaults(func=run, convert=verify_pair)
     for a in (to_m, to_hf, ver):
-        a.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used (default 1)")
-        a.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (default 1)")
-        a.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE; default 1)")
+        a.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the verify load uses (default 1)")
+        a.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks of the verify load (default 1)")
+        a.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of the verify load (MoE; default 1)")
+    to_m.add_argument("--dtype", choices=sorted(_TORCH_DTYPE), default="fp32", help="weights written (default fp32)")
+    to_hf.add_argument("--dtype", choices=["auto", *sorted(_TORCH_DTYPE)], default="fp32",
+                       help="weights written (default fp32; auto: the dtype the checkpoint stores)")
     for a in (to_m, to_hf):
-        a.add_argument("--dtype", choices=sorted(_TORCH_DTYPE), default="fp32", help="weights written (default fp32)")
         a.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                        help="compare log-probs of random sequences under transformers and the learner (default on)")
         a.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")

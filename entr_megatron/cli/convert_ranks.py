@@ -1,14 +1,13 @@
-"""The ranks of `entr-megatron convert`: build the learner model, stream tensors in or out.
+"""The ranks of `entr-megatron convert`'s verification: load a dist checkpoint into the learner
+model at a given layout and compute log-probs of a few sequences.
 
-    run_ranks(job)        # spawns tp*pp ranks (gloo on CPU); returns rank 0's / the writers' records
+    record = run_ranks(RankJob(hf_config, ckpt_root, step=0, tp=2, ep=2, verify_sequences=seqs, ...))
 
-hf-to-megatron: each rank builds its chunks without initialising them, reads the HF tensors of
-its own parameters one at a time (`hf_load.load_hf_weights`), checks the Megatron config against
-the model's, and saves step 0 of a dist checkpoint root (`checkpoint.io.save_checkpoint`); for
---verify it then builds the model again and loads it back from that checkpoint, so what is
-checked is what was written. megatron-to-hf: load the checkpoint (any layout: dist checkpoints
-reshard), and stream `hf_export.iter_hf_weights` into safetensors shards, one writer per
-pipeline stage, each shard written as soon as it is full.
+The conversions themselves run in the command's process without a model
+(`checkpoint.dist_convert`); only `--verify` builds one: the ranks build their chunks without
+initialising them, check the Megatron config against the HF one, load the checkpoint (any layout:
+dist checkpoints reshard) and write the last stage's log-probs for the command to compare with
+transformers'.
 
 This module joins `learner` and `checkpoint`, which do not import each other (the layers of
 ARCHITECTURE.md), so it lives with the command.
@@ -16,11 +15,8 @@ ARCHITECTURE.md), so it lives with the command.
 
 from __future__ import annotations
 
-import gc
 import math
 import re
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +29,6 @@ from entr_megatron import models
 __all__ = ["DTYPES", "RankJob", "full_logprobs", "run_ranks", "world_size"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PROGRESS_EVERY_S = 5.0
 # An exception's last line in a rank's traceback: "ValueError: ..." / "entr_megatron...CheckpointError: ...".
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): ", re.M)
 
@@ -42,55 +37,15 @@ _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception): ", re.M)
 class RankJob:
     """What each spawned rank needs (pickled to the ranks)."""
 
-    direction: str  # "hf-to-megatron", "megatron-to-hf" or "verify" (load a checkpoint, score only)
     hf_config: dict
-    ckpt_root: str  # hf-to-megatron: the (staged) output root; megatron-to-hf: the source root
+    ckpt_root: str
+    step: int | None = None  # None: latest
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    dtype: str = "fp32"
-    hf_dir: str | None = None  # hf-to-megatron: the source
-    step: int | None = None  # megatron-to-hf: the step to load (None: latest)
-    out_dir: str | None = None  # megatron-to-hf: the (staged) HF output directory
-    max_shard_bytes: int = 5 * 10**9
-    allow_unmapped: tuple[str, ...] = ()
+    dtype: str = "fp32"  # the model's parameters (a bf16 conversion is verified in bf16)
     verify_sequences: list[list[int]] = field(default_factory=list)
     results_dir: str = ""
-
-
-class _Progress:
-    """Bytes and tensors on stderr (rank 0): tqdm when it is installed, else a line every few seconds."""
-
-    def __init__(self, what: str, enabled: bool):
-        self.what, self.enabled, self.bytes, self.tensors = what, enabled, 0, 0
-        self.started = self.last = time.monotonic()
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(desc=what, unit="B", unit_scale=True, file=sys.stderr, mininterval=1.0)
-            except ImportError:
-                pass
-
-    def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        self.bytes += nbytes
-        self.tensors += 1
-        if self.bar is not None:
-            self.bar.update(nbytes)
-            self.bar.set_postfix(tensors=self.tensors, refresh=False)
-        elif self.enabled and time.monotonic() - self.last >= PROGRESS_EVERY_S:
-            self.last = time.monotonic()
-            print(f"  {self.what}: {self.tensors} tensors, {self.bytes / 1e9:.2f} GB", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.enabled:
-            rate = self.bytes / max(time.monotonic() - self.started, 1e-9) / 1e9
-            print(f"  {self.what}: {self.tensors} tensors, {self.bytes / 1e9:.3f} GB ({rate:.2f} GB/s) on rank 0",
-                  file=sys.stderr, flush=True)
 
 
 def _build(job: RankJob, groups):
@@ -143,60 +98,18 @@ def full_logprobs(chunks, spec: models.ModelSpec, groups, sequences) -> list[tor
     return [out["lp"] for out in stored] if groups.is_last_stage() else None
 
 
-def _save_verify(job: RankJob, chunks, spec, groups) -> None:
-    """The last stage's TP/DP rank 0 writes the verify log-probs for the parent."""
-    lp = full_logprobs(chunks, spec, groups, job.verify_sequences)
-    if lp is not None and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0:
-        torch.save(lp, Path(job.results_dir) / "verify.pt")
-
-
-def _hf_to_megatron(job: RankJob, groups) -> dict:
-    from entr_megatron.checkpoint.io import load_checkpoint, save_checkpoint
-    from entr_megatron.learner.hf_load import load_hf_weights
-
-    chunks, spec = _build(job, groups)
-    check_megatron_config(chunks, spec)
-    progress = _Progress("reading HF tensors", dist.get_rank() == 0)
-    skipped = load_hf_weights(chunks, spec, groups, job.hf_dir, allow_unmapped=job.allow_unmapped, progress=progress)
-    progress.close()
-    t0 = time.monotonic()
-    save_checkpoint(job.ckpt_root, 0, chunks, model_config=job.hf_config)
-    record = {"skipped": skipped, "save_s": time.monotonic() - t0, "rank0_tensors": progress.tensors,
-              "rank0_bytes": progress.bytes}
-    if job.verify_sequences:
-        del chunks
-        gc.collect()
-        chunks, spec = _build(job, groups)  # what was written, not what is in memory
-        load_checkpoint(job.ckpt_root, chunks, cleanup=False, verify=False)  # its manifest was just written
-        _save_verify(job, chunks, spec, groups)
-    return record
-
-
-def _megatron_to_hf(job: RankJob, groups) -> dict:
-    from entr_megatron.checkpoint.hf_files import ShardWriter
+def _verify(job: RankJob, groups) -> dict:
+    """Load the checkpoint and write the last stage's log-probs (its TP/DP rank 0) for the parent."""
     from entr_megatron.checkpoint.io import load_checkpoint
-    from entr_megatron.learner.hf_export import iter_hf_weights
 
     chunks, spec = _build(job, groups)
     check_megatron_config(chunks, spec)
     # verify=False: the command checked the files against the manifest before starting the ranks.
     step, _ = load_checkpoint(job.ckpt_root, chunks, step=job.step, cleanup=False, verify=False)
-    if job.verify_sequences:
-        _save_verify(job, chunks, spec, groups)
-    if job.direction == "verify":
-        return {"step": step}
-    writer = None
-    if groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0:  # one writer per stage
-        writer = ShardWriter(Path(job.out_dir), job.max_shard_bytes, prefix=f"stage{groups.pp_rank:03d}")
-    progress = _Progress("writing HF tensors", dist.get_rank() == 0)
-    for name, tensor in iter_hf_weights(chunks, spec, groups, layout="checkpoint"):
-        if writer is not None:
-            writer.add(name, tensor)
-        progress(name, tensor)
-    if writer is not None:
-        writer.finish()
-    progress.close()
-    return {"step": step, "rank0_tensors": progress.tensors, "rank0_bytes": progress.bytes}
+    lp = full_logprobs(chunks, spec, groups, job.verify_sequences)
+    if lp is not None and groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0:
+        torch.save(lp, Path(job.results_dir) / "verify.pt")
+    return {"step": step}
 
 
 def _rank(rank: int, world: int, job: RankJob) -> None:
@@ -205,8 +118,7 @@ def _rank(rank: int, world: int, job: RankJob) -> None:
 
     enable_cpu_compat()
     groups = initialize_model_parallel(job.tp, job.pp, ep=job.ep)
-    work = _hf_to_megatron if job.direction == "hf-to-megatron" else _megatron_to_hf
-    record = work(job, groups)
+    record = _verify(job, groups)
     if rank == 0:
         torch.save(record, Path(job.results_dir) / "record.pt")
     destroy()
@@ -219,8 +131,8 @@ def world_size(tp: int, pp: int, ep: int) -> int:
 
 
 def run_ranks(job: RankJob, timeout_s: float = 24 * 3600.0) -> dict:
-    """Run the job on tp*pp spawned gloo ranks; rank 0's record, with "verify" (the log-probs) when
-    asked. A failed rank raises RuntimeError with its error's message (or its traceback)."""
+    """Run the job on `world_size` spawned gloo ranks; rank 0's record with "verify" (the log-probs).
+    A failed rank raises RuntimeError with its error's message (or its traceback)."""
     from entr_megatron.utils.spawn import run_gloo
 
     try:
@@ -231,7 +143,5 @@ def run_ranks(job: RankJob, timeout_s: float = 24 * 3600.0) -> dict:
         message = text[found[-1].end():] if found else text
         raise RuntimeError(message.strip()) from None
     record = torch.load(Path(job.results_dir) / "record.pt")
-    verify = Path(job.results_dir) / "verify.pt"
-    if verify.exists():
-        record["verify"] = torch.load(verify)
+    record["verify"] = torch.load(Path(job.results_dir) / "verify.pt")
     return record

@@ -1,14 +1,20 @@
 """`entr-megatron convert`: HF <-> dist checkpoint for the seven families, resharded, verified, strict.
 
-One 1-rank gloo launch converts a tiny random HF model of every family to a dist checkpoint and
-back with the ranks' own functions (no CLI around them): the HF tensors come back bit for bit
+The conversions run in the command's process without a model (one tensor at a time). Every
+family goes HF -> dist checkpoint -> HF through the CLI (--no-verify) and comes back bit for bit
 (GLM-4.5 and DeepSeek-V3 with a dense first layer, a shared expert and the router's non-zero
-score-correction bias). The CLI then converts a qwen3_moe both ways (verify on: its log-probs
-under the learner loaded at TP=2 x EP=2 match transformers'), `score` reads a converted llama at
-PP=2, glm4_moe at PP=2 and deepseek_v3 at TP=2 (HF's log-probs within 1e-4), and `convert
-verify` fails on an HF source whose square q_proj was transposed. The refusals (truncated /
-corrupt file, a shard missing from the index, an unknown model_type, a dropped tensor, MTP
-layers, a config mismatch, an existing output) are checked in-process before any rank.
+score-correction bias). The reader is checked against Megatron's own saves: one 2-rank gloo
+launch loads each family into the learner at another layout (PP=2 with tied embeddings, TP=2
+with a padded vocabulary and a distributed optimizer's state, TP=2 x EP=2, EP=2) and saves it
+with `checkpoint.io`; converting those to HF gives the source's tensors, and the keys, global
+shapes and `_extra_state` objects of the streamed writer's checkpoints are the ones Megatron's
+save wrote. The CLI then converts a qwen3_moe both ways (verify on: its log-probs under the
+learner loaded at TP=2 x EP=2 match transformers'), `score` reads a converted llama at PP=2,
+glm4_moe at PP=2 and deepseek_v3 at TP=2 (HF's log-probs within 1e-4), and `convert verify`
+fails on an HF source whose square q_proj was transposed. The refusals (truncated / corrupt
+file, a shard missing from the index, an unknown model_type, a dropped tensor, MTP layers, a
+config mismatch, an existing output, a checkpoint of another config) come before anything is
+written.
 """
 
 from __future__ import annotations
@@ -84,38 +90,74 @@ def hf_models(tmp_path_factory):
     return out
 
 
-def _round_trips(rank, world, cases):
-    from entr_megatron.cli.convert_ranks import RankJob, _rank
-    from entr_megatron.learner.hf_load import read_hf_config
+def _main(*args) -> None:
+    from entr_megatron.cli.main import main
 
-    for hf_dir, ckpt, back, results in cases:
-        config = read_hf_config(hf_dir)
-        _rank(rank, world, RankJob("hf-to-megatron", config, ckpt, hf_dir=hf_dir, results_dir=results))
-        _rank(rank, world, RankJob("megatron-to-hf", config, ckpt, out_dir=back, max_shard_bytes=200_000,
-                                   results_dir=results))
+    main(["convert", *args])
 
 
 @pytest.fixture(scope="module")
 def converted(hf_models, tmp_path_factory):
-    """model_type -> (checkpoint root, HF directory converted back from it)."""
-    from entr_megatron.checkpoint.hf_files import merge_shards
-
+    """model_type -> (checkpoint root, HF directory converted back from it), by the CLI without verify."""
     base = tmp_path_factory.mktemp("converted")
-    cases, out = [], {}
+    out = {}
     for model_type, hf_dir in hf_models.items():
-        ckpt, back, results = base / model_type / "ckpt", base / model_type / "back", base / model_type / "results"
-        for d in (back, results):
-            d.mkdir(parents=True)
-        cases.append((str(hf_dir), str(ckpt), str(back), str(results)))
+        ckpt, back = base / model_type / "ckpt", base / model_type / "back"
+        _main("hf-to-megatron", "--hf", str(hf_dir), "--out", str(ckpt), "--no-verify")
+        _main("megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--max-shard-size", "200KB", "--no-verify")
         out[model_type] = (ckpt, back)
-    run_gloo(_round_trips, 1, cases, timeout_s=400)
-    for _, back in out.values():
-        merge_shards(back, ["stage000"])
     return out
 
 
+# Megatron's own saves: (family, tp, pp, ep, with a distributed optimizer's state), on 2 ranks.
+SAVES = [("llama", 1, 2, 1, False), ("qwen2", 2, 1, 1, True), ("qwen3", 1, 2, 1, False),
+         ("qwen3_moe", 2, 1, 2, False), ("mixtral", 1, 1, 2, False), ("glm4_moe", 1, 2, 1, False),
+         ("deepseek_v3", 2, 1, 2, False)]
+
+
+def _megatron_saves(rank, world, cases):
+    from entr_megatron.checkpoint.io import save_checkpoint
+    from entr_megatron.config.learner import LearnerConfig, OptimConfig
+    from entr_megatron.learner.build import build_learner_model_from_hf
+    from entr_megatron.learner.hf_load import read_hf_config
+    from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+    from entr_megatron.parallel.groups import destroy, initialize_model_parallel
+
+    enable_cpu_compat()
+    for hf_dir, root, tp, pp, ep, optimizer in cases:
+        groups = initialize_model_parallel(tp, pp, ep=ep)
+        chunks, _ = build_learner_model_from_hf(hf_dir, groups, config_overrides={"calculate_per_token_loss": True})
+        opt = sched = None
+        if optimizer:
+            learner_cfg = LearnerConfig(optim=OptimConfig(use_distributed_optimizer=True))
+            chunks = wrap_model_chunks(chunks, groups, learner_cfg)
+            opt, sched = build_optimizer(chunks, learner_cfg)
+        save_checkpoint(root, 3, chunks, opt, sched, model_config=read_hf_config(hf_dir))
+        destroy()
+
+
+@pytest.fixture(scope="module")
+def megatron_saved(hf_models, tmp_path_factory):
+    """model_type -> a checkpoint root Megatron's save wrote at the layout SAVES gives it (step 3)."""
+    base = tmp_path_factory.mktemp("megatron_saved")
+    cases = [(str(hf_models[m]), str(base / m), tp, pp, ep, opt) for m, tp, pp, ep, opt in SAVES]
+    run_gloo(_megatron_saves, 2, cases, timeout_s=600)
+    return {m: base / m for m, *_ in SAVES}
+
+
+def _dist_entries(ckpt_dir):
+    """{tensor key: global shape} and the byte-object keys of a dist checkpoint (RNG state left out)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    tensors = {k: tuple(v.size) for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+    return tensors, {k for k in metadata if k not in tensors and not k.startswith("rng_state/")}
+
+
 def _cli(capsys, *args):
-    """Run the command in this process (it spawns its own ranks): (exit message or None, stdout + stderr)."""
+    """Run the command in this process: (exit message or None, stdout + stderr)."""
     from entr_megatron.cli.main import main
 
     try:
@@ -127,15 +169,21 @@ def _cli(capsys, *args):
     return code, captured.out + captured.err
 
 
+def _same_tensors(got_dir, want_dir, what):
+    want, got = _tensors(want_dir), _tensors(got_dir)
+    assert sorted(got) == sorted(want), what
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), f"{what} {name}"
+
+
 def test_round_trip_is_bit_identical_for_seven_families(hf_models, converted):
     for model_type, hf_dir in hf_models.items():
         ckpt, back = converted[model_type]
         assert (ckpt / "latest").read_text().strip() == "0" and (ckpt / "model_config.json").is_file()
-        want, got = _tensors(hf_dir), _tensors(back)
-        assert sorted(got) == sorted(want), model_type
-        for name in want:
-            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), f"{model_type} {name}"
+        _same_tensors(back, hf_dir, model_type)
         assert (back / "model.safetensors.index.json").is_file(), model_type  # 200 kB shards
+        config = json.loads((back / "config.json").read_text())
+        assert config.get("dtype", config.get("torch_dtype")) == "float32"
     assert sorted(hf_models) == sorted(models_registry())
     assert _tensors(hf_models["deepseek_v3"])["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
 
@@ -144,6 +192,25 @@ def models_registry():
     from entr_megatron import models
 
     return models.FAMILIES
+
+
+def test_megatron_saves_of_other_layouts_convert_to_the_source(hf_models, converted, megatron_saved, tmp_path):
+    assert sorted(m for m, *_ in SAVES) == sorted(hf_models), "every family needs a layout in SAVES"
+    for model_type, tp, pp, ep, optimizer in SAVES:
+        saved = megatron_saved[model_type]
+        back = tmp_path / model_type
+        _main("megatron-to-hf", "--ckpt", str(saved), "--out", str(back), "--no-verify")
+        _same_tensors(back, hf_models[model_type], f"{model_type} saved at tp={tp} pp={pp} ep={ep}")
+        # The streamed writer writes what Megatron's save does: keys, global shapes, _extra_state objects.
+        mine, megatron = _dist_entries(converted[model_type][0] / "iter_0000000"), _dist_entries(saved / "iter_0000003")
+        megatron_tensors = {k: v for k, v in megatron[0].items() if not k.startswith("optimizer.")}
+        assert set(mine[0]) == set(megatron_tensors), model_type
+        vocab = {"embedding.word_embeddings.weight", "output_layer.weight"}  # padded to the saving TP size
+        assert all(mine[0][k] == megatron_tensors[k] for k in set(mine[0]) - vocab), model_type
+        assert mine[1] == {k for k in megatron[1] if not k.startswith("optimizer.")}, model_type
+        if optimizer:
+            assert any(k.startswith("optimizer.") for k in megatron[0]), "no optimizer state to skip"
+            assert megatron[0]["embedding.word_embeddings.weight"][0] == 252  # 251 padded to TP=2
 
 
 def test_cli_qwen3_moe_both_ways_verified_at_tp2_ep2(hf_models, tmp_path, capsys):
@@ -340,9 +407,34 @@ def test_checkpoint_of_another_model_is_refused(hf_models, converted, tmp_path, 
         code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ds_ckpt), "--out", str(tmp_path / "o"),
                        "--hf-config", str(other))
         assert code is not None and message in code, (change, code)
+    # A checkpoint whose model_config.json is not the model it holds: caught from the tensors' global shapes.
+    swapped = Path(shutil.copytree(ckpt, tmp_path / "swapped"))
+    (swapped / "model_config.json").write_text(json.dumps(config | {"intermediate_size": 128}))
+    code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(swapped), "--out", str(tmp_path / "o"), "--no-verify")
+    assert code is not None and "decoder.layers.mlp.linear_fc1.weight has global shape [2, 192, 64], the config " \
+        "implies [2, 256, 64]" in code, code
+    (swapped / "model_config.json").write_text(json.dumps(json.loads((hf_models["qwen2"] / "config.json").read_text())))
+    code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(swapped), "--out", str(tmp_path / "o"), "--no-verify")
+    assert code is not None and "it lacks 2 the config implies: decoder.layers.self_attention.linear_qkv.bias, " \
+        "output_layer.weight" in code, code
+    assert not (tmp_path / "o").exists()
 
 
-def test_damaged_checkpoint_is_refused_before_the_ranks(converted, tmp_path, capsys):
+def test_bf16_both_ways_and_dtype_auto(hf_models, tmp_path, capsys):
+    hf_dir, ckpt, back = hf_models["qwen2"], tmp_path / "ckpt", tmp_path / "back"
+    code, out = _cli(capsys, "hf-to-megatron", "--hf", str(hf_dir), "--out", str(ckpt), "--dtype", "bf16", "--no-verify")
+    assert code is None, out
+    code, out = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back), "--dtype", "auto", "--no-verify")
+    assert code is None and "(bf16)" in out, out
+    want, got = _tensors(hf_dir), _tensors(back)
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].bfloat16()) for k in want)
+    config = json.loads((back / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert json.loads((back / "conversion.json").read_text())["dtype"] == "bf16"
+
+
+def test_damaged_checkpoint_is_refused_before_converting(converted, tmp_path, capsys):
     ckpt = Path(shutil.copytree(converted["llama"][0], tmp_path / "ckpt"))
     shard = next((ckpt / "iter_0000000").glob("*.distcp"))
     data = bytearray(shard.read_bytes())

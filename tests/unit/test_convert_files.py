@@ -47,10 +47,16 @@ def test_headers_catch_truncated_corrupt_and_padded_files(tmp_path):
         read_header(path)
 
 
+def _expect(tensors):
+    return [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+
 def test_streamed_shards_merge_into_an_hf_index(tmp_path):
-    first, second = ShardWriter(tmp_path, max_shard_bytes=100, prefix="stage000"), ShardWriter(
-        tmp_path, max_shard_bytes=100, prefix="stage001")
     tensors = {f"t{i}": torch.full((10,), float(i)) for i in range(5)}  # 40 bytes each: two per shard
+    first = ShardWriter(tmp_path, max_shard_bytes=100, expected=_expect(dict(list(tensors.items())[:3])),
+                        prefix="stage000")
+    second = ShardWriter(tmp_path, max_shard_bytes=100, expected=_expect(dict(list(tensors.items())[3:])),
+                         prefix="stage001")
     for i, (name, t) in enumerate(tensors.items()):
         (first if i < 3 else second).add(name, t)
     assert first.finish() == {"stage000-00000.safetensors": ["t0", "t1"], "stage000-00001.safetensors": ["t2"]}
@@ -62,10 +68,39 @@ def test_streamed_shards_merge_into_an_hf_index(tmp_path):
     assert sorted(files.tensors) == sorted(tensors) and files.nbytes == 200
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 200 and not list(tmp_path.glob("stage*"))
+    # safetensors' own reader agrees with ours on every tensor
+    for name, t in tensors.items():
+        with safetensors_torch.safe_open(str(tmp_path / weight_map[name]), "pt") as f:
+            assert torch.equal(f.get_tensor(name), t) and torch.equal(files.get(name), t)
+
+
+def test_shards_hold_no_tensor_and_refuse_surprises(tmp_path):
+    tensors = {"a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.tensor(3.5),
+               "c": torch.ones(0, 4), "d": torch.tensor([True, False])}
+    writer = ShardWriter(tmp_path, max_shard_bytes=10**6, expected=_expect(tensors))
+    writer.add("a", tensors["a"].t().contiguous().t())  # non-contiguous: written in logical order
+    assert not any(isinstance(v, torch.Tensor) for v in vars(writer).values())  # nothing held back
+    with pytest.raises(ValueError, match=r"tensor c \(F32, \[0, 4\]\) arrived where b \(F32, \[\]\) was expected"):
+        writer.add("c", tensors["c"])
+    with pytest.raises(ValueError, match=r"tensor b \(BF16, \[\]\) arrived where b \(F32, \[\]\)"):
+        writer.add("b", tensors["b"].bfloat16())
+    writer.add("b", tensors["b"])
+    writer.add("c", tensors["c"])
+    with pytest.raises(ValueError, match="1 expected tensors were never written \\(e.g. d\\)"):
+        writer.finish()
+    writer = ShardWriter(tmp_path, max_shard_bytes=10**6, expected=_expect(tensors))
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.finish()
+    merge_shards(tmp_path, ["shard"])
+    with safetensors_torch.safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert all(torch.equal(f.get_tensor(n), t) and f.get_tensor(n).dtype == t.dtype for n, t in tensors.items())
+    with pytest.raises(ValueError, match="not expected"):
+        writer.add("e", torch.ones(1))
 
 
 def test_one_shard_is_model_safetensors(tmp_path):
-    writer = ShardWriter(tmp_path, max_shard_bytes=10**6)
+    writer = ShardWriter(tmp_path, max_shard_bytes=10**6, expected=[("w", torch.float32, (3,))])
     writer.add("w", torch.ones(3))
     writer.finish()
     assert merge_shards(tmp_path, ["shard"]) == {"w": "model.safetensors"}
