@@ -284,3 +284,23 @@ def test_speedup_ratio_matches_a_hand_computation(tmp_path):
     assert row["seeds"] == 2 and row["reference_seeds"] == 2
     text = write_report(root).read_text()
     assert "## Speedup at matched reward" in text and f"{16.8 / 5.5:.4g}" in text
+
+
+def test_a_peak_within_the_reward_noise_is_not_a_collapse():
+    # 100 steps of a flat policy as a study step sees it: 8 prompts of different difficulty
+    # (p ~ Beta(1, 2)), 8 samples each, so the per-step reward noise is about 0.1. Its smoothed
+    # reward (w = 10) wanders, and with this seed an early chance peak (+0.098) followed by chance
+    # lows is what the noise-blind rule (gain >= 0.05) called a collapse; the noise floor
+    # (4 standard errors of a smoothed value) does not.
+    rng = np.random.default_rng(1)
+    flat = rng.binomial(8, rng.beta(1, 2, size=(100, 8))).mean(axis=1) / 8
+    smooth = np.convolve(flat, np.ones(10) / 10, mode="valid")
+    gain = smooth.max() - smooth[0]
+    assert 0.05 <= gain and (smooth[-10:] < smooth[0] + gain / 2).all()  # the old rule fires here
+    sigma = np.std(np.diff(flat), ddof=1) / math.sqrt(2)
+    assert gain < 4 * sigma / math.sqrt(10)
+    assert detect_collapse(_curve(list(flat))) == (False, "")
+    # The same noise on a real rise by 0.25 over 40 steps and a fall back to the start: a collapse.
+    shape = np.concatenate([np.linspace(0, 0.25, 40), np.full(20, 0.25), np.linspace(0.25, 0, 20), np.zeros(20)])
+    collapsed, reason = detect_collapse(_curve(list(flat + shape)))
+    assert collapsed and "reward collapse" in reason
