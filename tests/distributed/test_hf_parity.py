@@ -148,6 +148,18 @@ def deep_case(tmp_path_factory):
     return make_case("llama", cfg, str(tmp_path_factory.mktemp("deep")), name="llama_4_layers")
 
 
+@pytest.fixture(scope="module")
+def variant_cases(tmp_path_factory):
+    """The other branches of the DeepSeek-style families: DeepSeek-V3 with one q projection (no q
+    LoRA, DeepSeek-V2-Lite style) and plain RoPE; GLM-4.5 without q/k norms and biases (GLM-4.5-Air)."""
+    root = str(tmp_path_factory.mktemp("variants"))
+    deepseek = dict(**(TINY | dict(num_key_value_heads=4)), **DEEPSEEK_ROUTER, vocab_size=128, q_lora_rank=None,
+                    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    glm = dict(**TINY, **DEEPSEEK_ROUTER, vocab_size=128, head_dim=16, use_qk_norm=False, attention_bias=False)
+    return [make_case("deepseek_v3", transformers.DeepseekV3Config(**deepseek), root, name="deepseek_v3_q_proj"),
+            make_case("glm4_moe", transformers.Glm4MoeConfig(**glm), root, name="glm4_moe_air")]
+
+
 # --- in the spawned ranks -------------------------------------------------------------------
 
 
@@ -243,7 +255,7 @@ def _one_rank(rank, world, cases):
             check_gradients(case, chunks, spec, groups, case["model_type"])
 
 
-def _two_ranks(rank, world, cases, deep_case, save_dir):
+def _two_ranks(rank, world, cases, deep_case, variant_cases, save_dir):
     from entr_megatron.learner.build import read_hf_config
     from entr_megatron.learner.hf_export import save_hf_checkpoint
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
@@ -262,15 +274,17 @@ def _two_ranks(rank, world, cases, deep_case, save_dir):
     for model_type in ("glm4_moe", "deepseek_v3"):  # a dense stage and an MoE stage; experts split
         run_case(by_type[model_type], pp=2)
         run_case(by_type[model_type], tp=2, ep=2)
+    for case in variant_cases:
+        run_case(case, tp=2)
 
 
 def test_learner_matches_hf_at_tp1(cases):
     run_gloo(_one_rank, 1, cases, timeout_s=300)
 
 
-def test_learner_matches_hf_at_tp2_pp2_ep2_and_exports_hf_weights(cases, deep_case, tmp_path):
+def test_learner_matches_hf_at_tp2_pp2_ep2_and_exports_hf_weights(cases, deep_case, variant_cases, tmp_path):
     save_dir = str(tmp_path / "saved")
-    run_gloo(_two_ranks, 2, cases, deep_case, save_dir, timeout_s=300)
+    run_gloo(_two_ranks, 2, cases, deep_case, variant_cases, save_dir, timeout_s=300)
     # The saved directory is an HF model transformers loads, with the original weights.
     case = next(c for c in cases if c["model_type"] == "qwen2")
     assert os.path.isfile(os.path.join(save_dir, "model.safetensors.index.json"))  # sharded (small max_shard_bytes)
