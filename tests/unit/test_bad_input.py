@@ -107,7 +107,8 @@ def test_an_architecture_key_nothing_resembles_lists_the_valid_names():
     assert msg.startswith("unknown key model.architecture.zzz (transformers' LlamaConfig has no such field"), msg
     assert "valid names: " in msg and "num_hidden_layers" in msg and "mlp_bias" in msg, msg
     msg = _message(models.check_architecture, {"model_type": "gpt2", "n_layer": 2})
-    assert msg == "model.architecture.model_type='gpt2' is not valid; allowed: llama, qwen2, qwen3, qwen3_moe, mixtral"
+    assert msg == ("model.architecture.model_type='gpt2' is not valid; allowed: llama, qwen2, qwen3, qwen3_moe, mixtral, "
+                   "glm4_moe, deepseek_v3")
 
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
