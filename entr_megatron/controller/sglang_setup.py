@@ -67,8 +67,8 @@ def records_routes(cfg: RunConfig) -> bool:
 
 def route_layout(model_dir: Path) -> RouteLayout | None:
     """What SGLang reports as a sample's routes for the model in `model_dir` (its config.json, read
-    by the model family: every layer MoE); None for a dense model. Raises ValueError when the
-    config cannot be read (routes are asked for, so the layout must be known)."""
+    by the model family) and which of its layers we keep; None for a dense model. Raises
+    ValueError when the config cannot be read (routes are asked for, so the layout must be known)."""
     from entr_megatron import models
 
     path = Path(model_dir) / "config.json"
@@ -79,9 +79,12 @@ def route_layout(model_dir: Path) -> RouteLayout | None:
     spec = models.model_spec(config)
     if not spec.is_moe:
         return None
-    # ModelSpec.is_moe means every layer is MoE (families refuse dense layers in MoE models), so
-    # SGLang's num_hidden_layers columns are all ours (moe_layers None).
-    return RouteLayout(num_layers=spec.num_layers, top_k=spec.moe_router_topk, num_experts=spec.num_experts)
+    # SGLang reports a column for every decoder layer (num_hidden_layers); ours are the MoE ones.
+    # With dense first layers (glm4_moe, deepseek_v3: first_k_dense_replace) those columns are
+    # dropped; a model whose every layer is MoE keeps all of them (moe_layers None).
+    moe_layers = spec.moe_layers if spec.first_k_dense else None
+    return RouteLayout(num_layers=spec.num_layers, top_k=spec.moe_router_topk, num_experts=spec.num_experts,
+                       moe_layers=moe_layers)
 
 
 def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:

@@ -182,6 +182,13 @@ def test_sglang_route_layout_comes_from_the_model_config(tmp_path):
     for model_type in ("qwen3_moe", "mixtral"):
         configs[model_type].to_json_file(tmp_path / "config.json")
         assert route_layout(tmp_path) == RouteLayout(num_layers=2, top_k=2, num_experts=4)
+    # A dense first layer (GLM-4.5 / DeepSeek-V3's first_k_dense_replace): SGLang's layer 0 column
+    # is not ours.
+    glm = transformers.Glm4MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16,
+                                     num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                     head_dim=8)
+    glm.to_json_file(tmp_path / "config.json")
+    assert route_layout(tmp_path) == RouteLayout(num_layers=2, top_k=4, num_experts=16, moe_layers=(1,))
     configs["llama"].to_json_file(tmp_path / "config.json")
     assert route_layout(tmp_path) is None  # dense: nothing asked, no server flag
     with pytest.raises(ValueError, match=r"rollout\.record_routes: cannot read the model config"):
