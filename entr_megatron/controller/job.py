@@ -150,6 +150,12 @@ def _train_restarting(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any
         restarts = 0
         while True:
             try:
+                if restarts:  # a relaunch that fails counts as one more failure
+                    t0 = time.perf_counter()
+                    learner, pusher = relaunch_learner(cfg, start_dir, stack, base, pusher)
+                    resume_step = resume_point(paths)
+                    say(f"learner ranks relaunched in {time.perf_counter() - t0:.1f} s; resuming from "
+                        f"{'step ' + str(resume_step) if resume_step is not None else 'the start (no checkpoint yet)'}")
                 out = _train(cfg, paths, task, start_dir, (engine, learner, pusher), resume_step, until, restarts)
                 return {**out, "learner_restarts": restarts}
             except WorkerError as e:
@@ -159,11 +165,6 @@ def _train_restarting(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any
                 first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
                 say(f"a learner rank failed ({first}); relaunching the learner ranks from the last checkpoint, "
                     f"the engines kept (launcher.max_restarts: {restarts} of {budget})")
-                t0 = time.perf_counter()
-                learner, pusher = relaunch_learner(cfg, start_dir, stack, base, pusher)
-                resume_step = resume_point(paths)
-                say(f"learner ranks relaunched in {time.perf_counter() - t0:.1f} s; resuming from "
-                    f"{'step ' + str(resume_step) if resume_step is not None else 'the start (no checkpoint yet)'}")
 
 
 def _train(cfg: RunConfig, paths: RunPaths, task: Any, start_dir: Path, processes: tuple[Any, Any, Any],

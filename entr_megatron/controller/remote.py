@@ -157,9 +157,12 @@ class RemotePusher:
         """The `EngineRecovery` of engines that can be replaced (controller/wiring.py), else None."""
         self.last_push_report: dict[str, float] = {}
         """The report of the last waited push (the step's weight_sync/* metrics)."""
+        self.last_updates: list[_EngineUpdate] = []
+        """The engines' side of the last push (threads here), waited or not."""
 
     def push(self, version: int) -> RemotePush:
         updates = [_EngineUpdate(e, r, version) for e, r in zip(self.engines, self.receivers)]
+        self.last_updates = updates
         try:
             blocked = self.group.call("push", version)
         except BaseException:

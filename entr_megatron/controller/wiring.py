@@ -26,6 +26,7 @@ running engines, and the engines told that the next version may be older than th
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -35,7 +36,7 @@ from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
-from entr_megatron.controller.remote import RemoteLearner, RemotePusher
+from entr_megatron.controller.remote import ABANDON_TIMEOUT_S, RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, start_servers
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions, sglang_engine
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
@@ -201,6 +202,13 @@ def relaunch_learner(cfg: RunConfig, model_dir: Path, stack: ExitStack, engine: 
 
 def _reconnect_embedded(cfg: RunConfig, group, address: str, base_port: int, engine: RolloutEngine,
                         old: RemotePusher) -> RemotePusher:
+    deadline = time.monotonic() + ABANDON_TIMEOUT_S
+    for index, update in enumerate(old.last_updates):  # the failed learner's last version, if still on its way
+        update.join(max(deadline - time.monotonic(), 0.0))
+        if update.is_alive() and hasattr(update.engine, "kill"):
+            say(f"engine {index} still waits for weights from the failed learner after {ABANDON_TIMEOUT_S:.0f} s: "
+                "killed (it is replaced at the first push)")
+            update.engine.kill()
     pusher = RemotePusher(group, push_timeout_s=cfg.rollout.push_timeout_s)
     for e in old.engines:
         try:

@@ -4,6 +4,7 @@ real `EngineRecovery`."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 
 import pytest
@@ -254,6 +255,12 @@ def test_relaunched_learner_ranks_get_the_running_engines_and_may_push_an_older_
     engines = EngineSet([Forgetful(version=9), Forgetful(version=9)])
     old = RemotePusher(Group("old"))
     old.engines = list(engines.engines)
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)  # engine 1 still receiving the dead learner's version
+    stuck.engine = engines.engines[1]
+    stuck.start()
+    old.last_updates = [stuck]
+    monkeypatch.setattr(wiring, "ABANDON_TIMEOUT_S", 0.2)
     recovery = Recovery(engines)
     old.recovery = recovery
     monkeypatch.setattr(wiring, "learner_group", lambda cfg, model_dir, phase: Group("new"))
@@ -261,6 +268,8 @@ def test_relaunched_learner_ranks_get_the_running_engines_and_may_push_an_older_
         learner, pusher = wiring.relaunch_learner(cfg, "model", stack, engines, old)
         assert old.group.down and not pusher.group.down
         assert learner.group is pusher.group and pusher.group.name == "new"
+        assert engines.engines[1].killed and not engines.engines[0].killed  # replaced at the first push
+        release.set()
         assert forgotten == engines.engines  # the checkpoint's version goes over their 9
         assert pusher.engines == engines.engines and len(pusher.receivers) == 2
         method, args = pusher.group.calls[-1]
