@@ -143,18 +143,20 @@ def main() -> None:
             for direction in big:
                 (wall, peak), (_, base_peak) = big[direction], tiny[direction]
                 increase = peak - base_peak
-                rows.setdefault(direction, []).append((wall, size / 1e9 / wall, increase / 1e9, increase / size))
+                rows.setdefault(direction, []).append((wall, size / 1e9 / wall, increase / 1e9, increase / size,
+                                                       tiny[direction][0]))
                 print(f"{rep:<4} {direction:<16} {wall:>8.1f} {size / 1e9 / wall:>6.3f} {peak / 1e9:>11.2f} "
                       f"{base_peak / 1e9:>11.2f} {increase / 1e9:>11.2f} {increase / size:>7.2f}", flush=True)
             for d in (base / "big_ckpt", base / "big_back", base / "tiny_ckpt", base / "tiny_back"):
                 shutil.rmtree(d, ignore_errors=True)
         print(f"\nmedian [min, max] of {args.repeat} run(s), model {size / 1e9:.3f} GB:")
         for direction, values in rows.items():
-            wall, rate, inc, ratio = zip(*values)
+            wall, rate, inc, ratio, tiny_wall = zip(*values)
             print(f"  {direction:<16} wall {_summary(wall, '.1f')} s, {_summary(rate, '.3f')} GB/s, peak increase "
-                  f"{_summary(inc, '.2f')} GB = {_summary(ratio, '.2f')} x model")
-        print(f"(wall time includes process start-up; {'with' if args.verify else 'without'} --verify; "
-              f"{os.cpu_count()} CPUs)")
+                  f"{_summary(inc, '.2f')} GB = {_summary(ratio, '.2f')} x model; the tiny model's wall "
+                  f"{_summary(tiny_wall, '.1f')} s")
+        print(f"(wall time includes process start-up, about the tiny model's; {'with' if args.verify else 'without'} "
+              f"--verify; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)

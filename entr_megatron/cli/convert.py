@@ -39,6 +39,7 @@ bytes, and the verify results.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import sys
 import tempfile
@@ -121,7 +122,10 @@ def hf_to_megatron(args) -> None:
     _say(f"converting {hf} ({spec.model_type}, {len(files.tensors)} tensors, {files.nbytes / 1e9:.3f} GB in "
          f"{len(files.files)} file(s)) -> dist checkpoint {args.out} ({args.dtype})")
     sequences = _verify(args, spec.vocab_size)
-    with staged_dir(args.out, overwrite=args.overwrite) as tmp:  # refuses a non-empty OUT first
+    hashed = [*files.files, *([INDEX_FILE] if (hf / INDEX_FILE).is_file() else []), "config.json"]
+    # The sources' SHA-256 (conversion.json) on a thread while the conversion runs.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, staged_dir(args.out, overwrite=args.overwrite) as tmp:
+        digests = pool.submit(conv.source_digests, hf, hashed)
         progress = Progress("converting")
         hf_to_dist(files, spec, tmp, hf_config=config, dtype=DTYPES[args.dtype], progress=progress)
         progress.close()
@@ -140,10 +144,8 @@ def hf_to_megatron(args) -> None:
             "target_layout": {"saved_as": "tp=pp=ep=1, one process", "step": 0},
             "verify_layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep} if sequences else None,
             "tensors": len(files.tensors) - len(skipped), "bytes": files.nbytes, "skipped_unmapped": skipped,
-            "source_sha256": conv.source_digests(hf, [*files.files, *([INDEX_FILE] if (hf / INDEX_FILE).is_file()
-                                                                     else []), "config.json"]),
-            "assets": assets, "verify": verified, "convert_seconds": round(converted_s, 3),
-            "seconds": round(time.monotonic() - started, 3)})
+            "source_sha256": digests.result(), "assets": assets, "verify": verified,
+            "convert_seconds": round(converted_s, 3), "seconds": round(time.monotonic() - started, 3)})
     print(f"converted {spec.model_type} ({len(files.tensors)} tensors, {files.nbytes / 1e9:.3f} GB) to {args.out} "
           f"in {time.monotonic() - started:.1f} s")
 
