@@ -8,7 +8,9 @@
 The config (YAML plus dotted overrides) is validated before anything starts, and
 so is what it points to (the task's data files, the model against the parallel
 layout): a bad value stops the command with the field, the value and what is
-allowed (exit status 2).
+allowed (exit status 2). `model.path` may be an HF directory or a learner checkpoint
+root / run directory (e.g. `convert hf-to-megatron`'s output), whose latest step is first
+converted into RUN_DIR/model_init (once, streamed) and the run started from that.
 `train` runs the SFT warm-up when the config has an `sft` section and the run
 directory has no SFT model yet, then RL; it resumes a run directory where it
 stopped, from its newest checkpoint that verifies (see controller/run_dir.py for
@@ -36,7 +38,10 @@ def _load(args) -> object:
     try:
         cfg = load_config(args.config, overrides)
         from entr_megatron.controller.job import check_inputs
+        from entr_megatron.controller.model_init import from_learner_checkpoint
 
+        # model.path a learner checkpoint: the run starts from its HF export in run_dir/model_init
+        cfg = from_learner_checkpoint(cfg, args.run_dir or cfg.logging.run_dir)
         check_inputs(cfg, args.command)  # the task's files, the model against parallel.*, ...
         return cfg
     except (ValueError, FileNotFoundError) as e:

@@ -25,9 +25,11 @@ class ModelConfig:
     SECTION = "model"
 
     path: str | None = None
-    """HF model directory (config.json, optionally safetensors) or a config.json file. None:
-    build the model from `architecture` (random init; the SFT warm-up or the run saves it
-    into the run directory)."""
+    """HF model directory (config.json, optionally safetensors) or a config.json file, or a
+    learner checkpoint root / run directory (`entr-megatron convert hf-to-megatron` output): the
+    train, sft and eval commands convert its latest step into run_dir/model_init once and start
+    from that. None: build the model from `architecture` (random init; the SFT warm-up or the run
+    saves it into the run directory)."""
 
     architecture: dict[str, Any] | None = field(default_factory=lambda: dict(DEFAULT_ARCHITECTURE))
     """HF config fields (model_type, hidden_size, num_hidden_layers, ...) of a model built from

@@ -1,12 +1,22 @@
 """What a run starts from: the policy's tokenizer, the task, and the initial HF model.
 
+    cfg = from_learner_checkpoint(cfg, run_dir)    # model.path a learner checkpoint: its HF export instead
     tokenizer = tokenizer_for(cfg)                 # model.tokenizer / model.path, or the character tokenizer
     task = build_task(cfg, tokenizer)              # rollout.tasks.TASK_BUILDERS[cfg.task.name]
     model_dir = prepare_model(cfg, paths, tokenizer)   # model.path, or run_dir/model_init built once
+
+A run starts from an HF directory: the engines (transformers, SGLang) load safetensors and a
+tokenizer, and the learner the same weights. `model.path` may also name a learner checkpoint
+root (e.g. one `convert hf-to-megatron` wrote: weights only, step 0) or another run's directory:
+its latest step is converted once, streamed (`checkpoint.hf_dir`, no model built, in the dtype it
+stores), into run_dir/model_init with its tokenizer files, and the run starts from that; the
+round trip is bit-identical, so the first step's log-probs are the source's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +28,42 @@ from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.run_dir import RunPaths
 
-__all__ = ["build_task", "prepare_model", "tokenizer_for"]
+__all__ = ["build_task", "from_learner_checkpoint", "prepare_model", "tokenizer_for"]
+
+_SOURCE_FILE = "converted_from.json"  # in run_dir/model_init: the checkpoint step it was converted from
+
+
+def from_learner_checkpoint(cfg: RunConfig, run_dir: str | os.PathLike) -> RunConfig:
+    """`cfg` itself, or when model.path is a learner checkpoint root or run directory, `cfg` with
+    model.path set to run_dir/model_init holding that checkpoint's latest step as an HF directory
+    (converted on the first start; a later start checks it came from the same step)."""
+    from entr_megatron.checkpoint import hf_dir
+    from entr_megatron.checkpoint.hf_files import staged_dir
+
+    if not cfg.model.path or not hf_dir.is_learner_checkpoint(cfg.model.path):
+        return cfg
+    root, run = hf_dir.resolve_source(cfg.model.path)
+    step, ckpt = hf_dir.checked_step(root, None)
+    out = RunPaths(Path(run_dir)).model_init
+    source = {"checkpoint": os.path.abspath(ckpt), "step": step}
+    if (out / _SOURCE_FILE).is_file():
+        previous = json.loads((out / _SOURCE_FILE).read_text())
+        if previous != source:
+            raise ValueError(f"model.path {cfg.model.path}: {out} was converted from step {previous['step']} of "
+                             f"{previous['checkpoint']}, the checkpoint now gives step {step} of {ckpt}; use a "
+                             "new run directory (or remove model_init to start this one over)")
+    elif (out / "config.json").exists():
+        raise ValueError(f"model.path {cfg.model.path} is a learner checkpoint, but {out} already holds a model "
+                         "this run did not convert from it; use a new run directory")
+    else:
+        config, spec = hf_dir.source_model(root)
+        dtype = hf_dir.output_dtype("auto", ckpt, spec)
+        say(f"model.path {cfg.model.path} is a learner checkpoint: converting step {step} into {out} ({dtype})")
+        with staged_dir(out, overwrite=True) as tmp:
+            hf_dir.write_hf_dir(tmp, ckpt, spec, config, dtype=dtype, max_shard_bytes=5 * 10**9,
+                                assets=hf_dir.asset_source(root, run))
+            (tmp / _SOURCE_FILE).write_text(json.dumps(source) + "\n")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(out)))
 
 
 def tokenizer_for(cfg: RunConfig) -> Any:

@@ -2,7 +2,8 @@
 
     run_dir/
       config.yaml           the resolved config of the latest start (the one before: config.yaml.previous)
-      model_init/           HF model + tokenizer built from `model.architecture` (random, seeded)
+      model_init/           HF model + tokenizer built from `model.architecture` (random, seeded), or
+                            converted from model.path's learner checkpoint (converted_from.json)
       sft/model/            HF model after the supervised warm-up (its presence means "done")
       sft/metrics.jsonl
       checkpoints/          Megatron dist checkpoints (model, optimizer, scheduler, RNG, controller state)

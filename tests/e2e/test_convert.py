@@ -445,3 +445,63 @@ def test_damaged_checkpoint_is_refused_before_converting(converted, tmp_path, ca
     code, _ = _cli(capsys, "megatron-to-hf", "--ckpt", str(ckpt), "--step", "3", "--out", str(tmp_path / "o"))
     assert code is not None and "no checkpoint for step 3" in code, code
     assert not (tmp_path / "o").exists()
+
+
+# --- train from a converted checkpoint ---------------------------------------------------------
+
+
+def _train_config(path, run_dir, model_path):
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "model": {"path": str(model_path), "architecture": None, "max_prompt_len": 16, "max_seq_len": 32},
+        "algorithm": {"correction": "entr", "tau": 0.5},
+        "rollout": {"prompts_per_step": 2, "sampling": {"max_new_tokens": 6, "n": 4},
+                    "embedded": {"num_threads": 1, "max_batch_size": 32}},
+        "controller": {"mode": "sync", "train_steps": 1, "checkpoint_interval": 0},
+        "task": {"name": "arithmetic", "eval_size": 0, "arithmetic": {"digits": 1, "operations": ["+"]}},
+        "launcher": {"cpu_threads_per_rank": 1},
+        "logging": {"run_dir": str(run_dir), "progress_bar": False, "log_interval": 1, "tensorboard": False}}))
+    return path
+
+
+def test_train_starts_from_a_converted_checkpoint(tmp_path, capsys):
+    """model.path = a checkpoint root `convert hf-to-megatron` wrote: the run's model_init is the source
+    bit for bit (tokenizer included), and at the first step (sync: the engine samples with the weights
+    the learner scores) the learner's log-probs equal the engine's (HF transformers on those weights,
+    i.e. the source's): mismatch k3 ~ 0."""
+    import subprocess
+    import sys
+
+    from entr_megatron.config.loader import load_config
+    from entr_megatron.controller.model_init import from_learner_checkpoint
+    from entr_megatron.rollout.tasks import default_tokenizer
+    from entr_megatron.utils.run_log import read_metrics
+
+    tokenizer = default_tokenizer("arithmetic")
+    torch.manual_seed(3)
+    hf_dir, ckpt, run_dir = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "run"
+    config = transformers.Qwen3Config(**TINY, vocab_size=len(tokenizer), intermediate_size=96, head_dim=16,
+                                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    code, out = _cli(capsys, "hf-to-megatron", "--hf", str(hf_dir), "--out", str(ckpt), "--no-verify")
+    assert code is None, out
+    cfg_file = _train_config(tmp_path / "run.yaml", run_dir, ckpt)
+    proc = subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg_file)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "is a learner checkpoint: converting step 0" in proc.stdout + proc.stderr
+    model_init = run_dir / "model_init"
+    _same_tensors(model_init, hf_dir, "model_init")
+    assert (model_init / "tokenizer.json").is_file()
+    [row] = read_metrics(run_dir / "metrics.jsonl")  # the one step (numbered 0)
+    assert row["mismatch/tokens"] > 0 and row["mismatch/k3"] <= 1e-6 and row["mismatch/mean_abs_delta"] <= 1e-5, row
+    # A later start reuses it; another checkpoint in the same run directory is refused, not mixed in.
+    cfg = load_config(str(cfg_file), [])
+    assert from_learner_checkpoint(cfg, run_dir).model.path == str(model_init)
+    shutil.copytree(ckpt, tmp_path / "other")
+    with pytest.raises(ValueError, match=r"was converted from step 0 of .*ckpt/iter_0000000, the checkpoint now "
+                                         r"gives step 0 of .*other/iter_0000000"):
+        from_learner_checkpoint(load_config(str(cfg_file), [f"model.path={tmp_path / 'other'}"]), run_dir)
