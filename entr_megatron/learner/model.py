@@ -12,12 +12,22 @@ from __future__ import annotations
 from typing import Literal
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from entr_megatron.learner.spec import get_layer_spec
 from entr_megatron.parallel.cpu_compat import check_cpu_config, enable_cpu_compat
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
-__all__ = ["build_gpt_model", "build_model_chunks", "check_config_matches_groups", "logits_to_logprobs_entropy"]
+__all__ = [
+    "build_gpt_model",
+    "build_model_chunks",
+    "check_config_matches_groups",
+    "logits_to_logprobs_entropy",
+    "reduce_experts_over_expert_dp",
+    "set_tensor_parallel_attributes",
+]
 
 
 def check_config_matches_groups(config, groups) -> None:
@@ -85,7 +95,7 @@ def build_gpt_model(
     if spec is None:
         spec = get_layer_spec(config, use_te=use_te, vp_stage=vp_stage,
                               pp_rank=groups.pp_rank if groups is not None else None)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
@@ -102,6 +112,58 @@ def build_gpt_model(
         pg_collection=groups.pg_collection if groups is not None else None,
         vp_stage=vp_stage,
     )
+    if not config.perform_initialization:
+        set_tensor_parallel_attributes(model, config)
+    reduce_experts_over_expert_dp(model, config)
+    return model
+
+
+# Megatron's own TP-split layers (TE's set these attributes themselves) -> the weight's split dimension.
+_SPLIT_DIM = ((VocabParallelEmbedding, 0), (ColumnParallelLinear, 0), (RowParallelLinear, 1))
+
+
+def set_tensor_parallel_attributes(model, config) -> None:
+    """Mark the TP-split weights as megatron-core does when it initialises them.
+
+    megatron-core 0.16.1 sets ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``
+    on a weight only inside ``_initialize_affine_weight_cpu/_gpu`` (tensor_parallel/layers.py
+    l. 137, 170), which its layers call only ``if config.perform_initialization`` (l. 244, 265,
+    855, 877, 1178, 1201). A model built to load weights (``perform_initialization=False``) has
+    no split weight marked, and the optimizer's gradient norm counts an unmarked weight on TP
+    rank 0 only (``param_is_not_tensor_parallel_duplicate``, l. 89-98): at TP=2 the norm misses
+    the other half of every split gradient, and clipping scales the step by that wrong norm.
+    The stride is the MLP's (mlp.py l. 107-114: 2 for a gated fc1, whose rows interleave).
+    """
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        dim = next((d for cls, d in _SPLIT_DIM if isinstance(module, cls)), None)
+        if dim is None or weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        gated_fc1 = name.endswith("linear_fc1") and config.gated_linear_unit and not config.use_kitchen
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=2 if gated_fc1 else 1)
+
+
+def reduce_experts_over_expert_dp(model, config) -> None:
+    """Have DDP reduce the routed experts' gradients over the expert-data-parallel group when it
+    differs from the data-parallel one at expert-parallel size 1 (expert-TP != TP).
+
+    megatron-core 0.16.1 routes an expert weight's gradient to the expert-DP reduction only with
+    expert parallelism: its layers set ``allreduce = not (is_expert and expert_model_parallel_size
+    > 1)`` (tensor_parallel/layers.py l. 829 + 886, 1149 + 1209; moe/experts.py l. 203-204), and
+    DDP reduces ``allreduce`` parameters over the DP group (distributed_data_parallel.py l. 122,
+    290-300). At EP=1 with expert-TP=1 < TP the TP ranks each run every expert on their own
+    sequence-parallel share of the tokens (the dispatcher gathers over expert-TP x EP only,
+    token_dispatcher.py l. 260-275): each holds a partial expert gradient that the DP reduction
+    never sums over TP (at TP=2, DP=1: not at all). Marked ``allreduce=False`` they go where EP>1
+    puts them: the expert-DP reduction (DP x TP / expert-TP ranks) and the expert optimizer.
+    """
+    expert_tp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.expert_model_parallel_size > 1 or expert_tp == config.tensor_model_parallel_size:
+        return
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():  # routed experts only: not the shared expert
+                param.allreduce = False
 
 
 def build_model_chunks(config, vocab_size: int, max_seq_len: int, groups, **kwargs) -> list[GPTModel]:

@@ -223,6 +223,23 @@ def check_gradients(case, chunks, spec, groups, where):
     print(f"  ok {where}: gradients vs HF autograd, max relative error {worst:.2e}", flush=True)
 
 
+def check_split_attributes(case, chunks, groups, where):
+    """The loaded model (built without Megatron's initialisation) marks its TP-split weights as an
+    initialised build of the same layout does: the optimizer's gradient norm counts a weight on
+    every TP rank only when it is marked split (learner.model.set_tensor_parallel_attributes)."""
+    from entr_megatron.learner.build import build_learner_model_from_hf
+
+    def marks(model_chunks):
+        return {f"{i}.{name}": tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim",
+                                                                   "partition_stride"))
+                for i, chunk in enumerate(model_chunks) for name, p in chunk.named_parameters()}
+
+    initialised, _ = build_learner_model_from_hf(case["path"], groups, load_weights=False)
+    got, want = marks(chunks), marks(initialised)
+    assert got == want, f"{where}: {[(n, got[n], want.get(n)) for n in got if got[n] != want.get(n)]}"
+    assert sum(m[0] is True for m in want.values()) >= 4, f"{where}: the case must have split weights"
+
+
 def run_case(case, tp=1, pp=1, ep=1, vpp=None, round_trip=True):
     import torch.distributed as dist
 
@@ -264,6 +281,7 @@ def _two_ranks(rank, world, cases, deep_case, variant_cases, save_dir):
     by_type = {c["model_type"]: c for c in cases}
     for case in cases:
         chunks, spec, groups = run_case(case, tp=2)
+        check_split_attributes(case, chunks, groups, f"{case['model_type']} tp=2")
         if case["model_type"] == "qwen2":  # padded vocab (251 rows -> 252) survives the trip to disk
             save_hf_checkpoint(chunks, spec, groups, save_dir, hf_config=read_hf_config(case["path"]),
                                max_shard_bytes=200_000)
@@ -275,7 +293,8 @@ def _two_ranks(rank, world, cases, deep_case, variant_cases, save_dir):
         run_case(by_type[model_type], pp=2)
         run_case(by_type[model_type], tp=2, ep=2)
     for case in variant_cases:
-        run_case(case, tp=2)
+        chunks, _, groups = run_case(case, tp=2)
+        check_split_attributes(case, chunks, groups, f"{os.path.basename(case['path'])} tp=2")
 
 
 def test_learner_matches_hf_at_tp1(cases):

@@ -9,7 +9,8 @@ once (its local counts ARE the global counts), and the Adam step is the closed
 form of a first AdamW step: ``p (1 - lr wd) - lr g / (|g| + eps)`` with ``g`` the
 clipped gradient (no weight decay on 1-D parameters, as Megatron's param groups).
 
-Each layout copies the reference's full weights into its shards
+Each layout is built as the learner builds a model it loads weights into (Megatron's
+initialisation off), copies the reference's full weights into its shards
 (``entr_megatron.models.sharding``), gives every data-parallel rank its share of
 the same global batch, runs ``learner.train_step`` and compares: the loss, the
 gradient norm, exact-reduction metrics, every gradient (TP shards gathered into
@@ -208,14 +209,18 @@ def compare_weights_and_grads(ddp_chunks, ref, groups, cfg, where, grads=True):
 EXACT_METRICS = ("mismatch/", "mask/fraction", "is/ess", "entropy_bin/", "entr/mask_fraction", "entr/score_mean")
 
 
-def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4, learner_cfg=None, fused=False):
+def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4, learner_cfg=None, fused=False,
+                 dispatcher="alltoall"):
     from entr_megatron.learner.fused_output import enable_fused_output, is_fused
     from entr_megatron.learner.model import build_model_chunks
     from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
     from entr_megatron.parallel.groups import initialize_model_parallel
 
-    groups = initialize_model_parallel(tp, pp, ep=ep, vpp=vpp, seed=SEED + 1)  # weights come from ref
-    cfg = model_config(tp, pp, ep, vpp, sp, moe, num_layers)
+    groups = initialize_model_parallel(tp, pp, ep=ep, vpp=vpp, seed=SEED + 1)
+    cfg = model_config(tp, pp, ep, vpp, sp, moe, num_layers, dispatcher=dispatcher)
+    # Weights come from ref: not initialised, as the learner builds a model it loads (learner.build);
+    # Megatron then leaves the TP-split weights unmarked (learner.model.set_tensor_parallel_attributes).
+    cfg.perform_initialization = False
     chunks = build_model_chunks(cfg, VOCAB, MAX_SEQ, groups)
     load_reference(chunks, ref, groups, cfg)
     if fused:  # learner.fused_output: hidden states out, the output layer's matmul inside the op
@@ -228,14 +233,15 @@ def build_layout(ref, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layer
 
 def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp=False, moe=False, num_layers=4,
                temperature=TEMPERATURE,
-               check_logprobs=False, fused=False):
+               check_logprobs=False, fused=False, dispatcher="alltoall"):
     from entr_megatron.learner.batching import split_for_data_parallel
     from entr_megatron.learner.train_step import compute_logprobs, train_step
 
     t0 = time.perf_counter()
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp, pp, vpp, ep, sp, moe, num_layers, learner_cfg,
-                                                          fused)
+                                                          fused, dispatcher)
     where = (f"tp={tp} pp={pp} vpp={vpp} ep={ep} dp={groups.dp_size} sp={sp} moe={moe} fused={fused} "
+             f"{dispatcher if moe else ''} "
              f"{algo_cfg.loss_agg_mode} {algo_cfg.correction} H={algo_cfg.entropy_source} "
              f"budget={learner_cfg.max_tokens_per_microbatch} distopt={learner_cfg.optim.use_distributed_optimizer}")
     shares = split_for_data_parallel(batch, groups.dp_size)
@@ -465,6 +471,10 @@ def _two_ranks(rank, world):
     moe = reference(batch, algo, small, moe=True, num_layers=2)
     # Two micro-batches per rank of different lengths: the all-to-alls run in lockstep all the same.
     run_layout(moe, batch, algo, learner_config(max_tokens=12), ep=2, moe=True, num_layers=2)
+    # EP=1 at TP=2 (expert-TP 1): each TP rank runs every expert on its half of the tokens, and the
+    # expert gradients must be summed over the TP ranks (the expert-DP group); allgather: the CPU learner's.
+    run_layout(moe, batch, algo, small, tp=2, sp=True, moe=True, num_layers=2, dispatcher="allgather")
+    run_layout(moe, batch, algo, small, tp=2, ep=2, sp=True, moe=True, num_layers=2)
     check_nonfinite_step_is_skipped(dense, small, tp=2)
     check_lr_schedule(dense)
 
