@@ -116,9 +116,16 @@ class SearchTaskConfig:
     world: SearchWorld = "fixed"
     """'fixed': one corpus of num_entities entities that every question is asked of (a tiny model
     memorises its facts instead of learning to read: README, "The CPU agent demo"). 'per_episode':
-    every question its own world of num_entities entities, drawn from the question text and
-    corpus_seed (rollout/tasks/search_worlds.py), so an answer can only be read, never recalled;
-    held-out questions never share a world with training ones."""
+    every question is asked of its own world of num_entities entities, named by a tag in the prompt
+    ("w4821 q: home of founder of velora?") and drawn from it and corpus_seed
+    (rollout/tasks/search_worlds.py), so an answer can only be read, never recalled; the splits are
+    drawn by tag: held-out questions never share a world with training ones."""
+
+    name_pool: int | None = None
+    """World 'per_episode': every world names its entities from one vocabulary of this many invented
+    names (drawn from corpus_seed), so a name is a familiar word a tiny character-level model
+    completes after its first letters; the links, and so the answers, stay per world. None: fresh
+    names in every world (slower for a tiny model to learn to copy). >= num_entities."""
 
     num_entities: int = 48
     """Invented entities in the corpus, one document each (world 'per_episode': in each question's
@@ -155,6 +162,10 @@ class SearchTaskConfig:
         if self.world == "per_episode" and self.sft_questions is not None:
             raise bad(self, "sft_questions", self.sft_questions, "must be null (every question is new)",
                       when="world='per_episode'")
+        if self.name_pool is not None and self.world != "per_episode":
+            raise bad(self, "name_pool", self.name_pool, "must be null (the fixed corpus names its own entities)",
+                      when=f"world={self.world!r}")
+        integer(self, "name_pool", low=self.num_entities, high=2000, optional=True)
         boolean(self, "fuzzy_search")
         integer(self, "hops", low=2, high=3)
         integer(self, "top_k", low=1, high=10)

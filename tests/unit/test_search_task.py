@@ -15,8 +15,9 @@ from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer  # n
 from entr_megatron.rollout.tasks.environment import Environment, Episode, run_episodes  # noqa: E402
 from entr_megatron.rollout.tasks.search import SearchTask, search_tokenizer  # noqa: E402
 from entr_megatron.rollout.tasks.search_corpus import KINDS, Corpus  # noqa: E402
+from entr_megatron.rollout.tasks.search import all_problems  # noqa: E402
 from entr_megatron.rollout.tasks.search_worlds import (  # noqa: E402
-    WorldEnv, draw_question, follow, parse_question, question_text, world_entities,
+    WORLD_TAGS, WorldEnv, pool_names, tag_of, world_entities, world_prefix,
 )
 from entr_megatron.rollout.tasks.tool_env import ToolEnv  # noqa: E402
 from entr_megatron.rollout.tools import (  # noqa: E402
@@ -37,8 +38,14 @@ def task3():
 
 @pytest.fixture(scope="module")
 def worlds():
-    """Every question in its own world of 8 entities (the CPU agent demo's setting)."""
+    """Every question in its own world of 8 entities with fresh names."""
     return SearchTask(num_entities=8, world="per_episode")
+
+
+@pytest.fixture(scope="module")
+def pooled():
+    """Per-episode worlds of 8 entities named from a vocabulary of 24 (the CPU agent demo's kind)."""
+    return SearchTask(num_entities=8, world="per_episode", name_pool=24)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +112,7 @@ def test_search_and_open_tools(task):
 
 def follow_question(corpus, text):
     """The chain a question asks for, read from its text and the entity graph alone."""
-    m = re.fullmatch(r"q: (.+) of ([a-z]+)\?", text)
+    m = re.fullmatch(r"(?:w\d+ )?q: (.+) of ([a-z]+)\?", text)  # per-episode worlds: a tag in front
     relations = m.group(1).split(" of ")[::-1]
     chain = [m.group(2)]
     for r in relations:
@@ -113,7 +120,7 @@ def follow_question(corpus, text):
     return relations, chain
 
 
-@pytest.mark.parametrize("which", ["task", "task3", "worlds", "worlds3"])
+@pytest.mark.parametrize("which", ["task", "task3", "worlds", "worlds3", "pooled"])
 def test_every_gold_chain_is_answerable_by_its_searches(which, request):
     task = request.getfixturevalue(which)
     tok = task.tokenizer
@@ -354,134 +361,130 @@ def test_fuzzy_search_finds_a_misspelt_name_and_exact_search_does_not():
 
 # --- per-episode worlds -----------------------------------------------------------------------
 
-def test_parse_question_inverts_question_text_and_refuses_anything_else():
-    assert question_text("velora", ("founder", "home")) == "q: home of founder of velora?"
-    assert parse_question("q: home of founder of velora?") == ("velora", ("founder", "home"))
-    assert parse_question("q: leader of country of base of kesa?") == ("kesa", ("base", "country", "leader"))
-    rng = __import__("random").Random(0)
-    for hops in (2, 3):
-        for _ in range(200):
-            start, relations = draw_question(rng, hops)
-            assert len(relations) == hops and re.fullmatch(r"[a-z]{4,6}", start)
-            assert parse_question(question_text(start, relations)) == (start, relations)
-    for bad in ("q: home of velora", "home of founder of velora?", "q: velora?", "q: wife of velora?"):
-        with pytest.raises(ValueError, match="question|relation"):
-            parse_question(bad)
-    with pytest.raises(ValueError, match="does not exist"):
-        parse_question("q: country of founder of velora?")  # a founder is a person: no country
+def test_a_question_names_its_world_by_tag():
+    assert world_prefix(4821) == "w4821 " and tag_of("w4821 q: home of founder of velora?") == 4821
+    for bad in ("q: home of founder of velora?", "w q: x?", "4821 q: x?", f"w{WORLD_TAGS} q: x?", "w12q: x?"):
+        with pytest.raises(ValueError, match="not a question of a per-episode world"):
+            tag_of(bad)
 
 
-# Hand-checked: the documents of these two worlds were read and each chain followed by eye.
+# Hand-checked: the documents of these worlds were read and each chain followed by eye.
 HAND_CHECKED = {
-    "q: home of founder of velora?": (
-        ["d0 velora: founder nunul, base satobo.", "d1 nunul: home robosu, employer velora.",
-         "d2 satobo: country lipan.", "d3 lipan: leader dinin.", "d4 robosu: country lipan.",
-         "d5 gedara: founder dinin, base robosu.", "d6 duzir: leader dinin.",
-         "d7 dinin: home robosu, employer gedara."],
-        ["velora", "nunul", "robosu"]),
-    "q: employer of leader of tarnis?": (
-        ["d0 tarnis: leader dadi.", "d1 dunu: leader dezasi.", "d2 dezasi: home kusu, employer zavon.",
-         "d3 fazar: country tarnis.", "d4 zavon: founder dadi, base fazar.", "d5 kusu: country dunu.",
-         "d6 dube: founder dezasi, base fazar.", "d7 dadi: home fazar, employer dube."],
-        ["tarnis", "dadi", "dube"]),
+    (4821, None): (
+        ["d0 tezer: country fidami.", "d1 kigis: founder rezuru, base tezer.", "d2 fidami: leader rezuru.",
+         "d3 rezuru: home gelufa, employer mevel.", "d4 tafote: home tezer, employer kigis.",
+         "d5 gelufa: country nolir.", "d6 mevel: founder rezuru, base tezer.", "d7 nolir: leader rezuru."],
+        {"w4821 q: leader of country of tezer?": ["tezer", "fidami", "rezuru"],
+         "w4821 q: employer of leader of fidami?": ["fidami", "rezuru", "mevel"]}),
+    (77, 24): (
+        ["d0 moni: founder tuzis, base beve.", "d1 tuzis: home beve, employer mafal.",
+         "d2 serofo: home beve, employer mafal.", "d3 mafal: founder serofo, base beve.", "d4 buvon: country kafe.",
+         "d5 soge: leader tuzis.", "d6 kafe: leader tuzis.", "d7 beve: country soge."],
+        {"w77 q: home of founder of moni?": ["moni", "tuzis", "beve"],
+         "w77 q: base of employer of tuzis?": ["tuzis", "mafal", "beve"]}),
 }
 
 
-@pytest.mark.parametrize("text", sorted(HAND_CHECKED))
-def test_a_world_is_drawn_from_its_question_and_answered_through_the_real_bm25_tool(text, worlds):
-    documents, chain = HAND_CHECKED[text]
-    corpus = worlds.world(text)
-    assert [f"{d.doc_id} {d.text}" for d in corpus.documents] == documents
-    assert Corpus.of_entities(world_entities(text, 8, seed=0)).documents == corpus.documents  # pure
-    start, relations = parse_question(text)
-    assert follow(corpus.entities, start, relations) == chain
-    # The expert's trace through a WorldEnv, whose search tool is BM25 over these 8 documents.
-    problem = problem_of(worlds, text)
-    assert problem.answer == chain[-1] and list(problem.chain) == chain
-    target, mask = worlds.expert_trace(problem)
-    trace = worlds.tokenizer.decode(target, skip_special_tokens=False)
-    first, second = (d for c in chain[:-1] for d in documents if d.split(" ")[1] == f"{c}:")
-    assert trace == (f'<tool_call>{{"name":"search","arguments":{{"query":"{chain[0]}"}}}}</tool_call>'
-                     f"<tool_response>{first}</tool_response>"
-                     f'<tool_call>{{"name":"search","arguments":{{"query":"{chain[1]}"}}}}</tool_call>'
-                     f"<tool_response>{second}</tool_response>{chain[2]}</s>")
-    prompt = worlds.tokenizer.encode(text)
-    assert worlds.reward(sample_of(prompt, target), chain[-1]) == 1.0
+@pytest.mark.parametrize("tag, pool", sorted(HAND_CHECKED, key=str))
+def test_a_world_is_drawn_from_its_tag_and_answered_through_the_real_bm25_tool(tag, pool):
+    documents, questions = HAND_CHECKED[tag, pool]
+    task = SearchTask(num_entities=8, world="per_episode", name_pool=pool)
+    names = None if pool is None else pool_names(pool, 0)
+    assert [f"{d.doc_id} {d.text}" for d in Corpus.of_entities(world_entities(tag, 8, 0, names)).documents] == documents
+    for text, chain in questions.items():
+        corpus = task.world(text)
+        assert [f"{d.doc_id} {d.text}" for d in corpus.documents] == documents
+        problem = next(p for p in all_problems(corpus, 2, world_prefix(tag)) if p.text == text)
+        assert problem.answer == chain[-1] and list(problem.chain) == chain
+        # The expert's trace through a WorldEnv, whose search tool is BM25 over these 8 documents.
+        target, mask = task.expert_trace(problem)
+        first, second = (next(d for d in documents if d.split(" ")[1] == f"{c}:") for c in chain[:-1])
+        assert task.tokenizer.decode(target, skip_special_tokens=False) == (
+            f'<tool_call>{{"name":"search","arguments":{{"query":"{chain[0]}"}}}}</tool_call>'
+            f"<tool_response>{first}</tool_response>"
+            f'<tool_call>{{"name":"search","arguments":{{"query":"{chain[1]}"}}}}</tool_call>'
+            f"<tool_response>{second}</tool_response>{chain[2]}</s>")
+        assert task.reward(sample_of(task.tokenizer.encode(text), target), chain[-1]) == 1.0
 
 
-def problem_of(task, text):
-    """The task's problem whose question is `text` (built the way `problems` builds them)."""
-    from entr_megatron.rollout.tasks.search import SearchProblem
-
-    start, relations = parse_question(text)
-    chain = follow(task.world(text).entities, start, relations)
-    return SearchProblem(text, chain[-1], tuple(chain), relations)
-
-
-@pytest.mark.parametrize("which", ["worlds", "worlds3"])
-def test_worlds_hold_their_question_two_of_each_kind_and_differ_by_seed(which, request):
+@pytest.mark.parametrize("which", ["worlds", "worlds3", "pooled"])
+def test_worlds_have_two_of_each_kind_and_names_fresh_or_from_the_pool(which, request):
     task = request.getfixturevalue(which)
+    pool = None if task.name_pool is None else set(pool_names(task.name_pool, task.corpus_seed))
     for p in task.problems("train", 50, seed=3):
         corpus = task.world(p.text)
         kinds = [e.kind for e in corpus.entities.values()]
         assert len(corpus.entities) == task.num_entities and all(kinds.count(k) >= 2 for k in KINDS)
-        start = corpus.entities[p.chain[0]]
-        assert start.kind == {"founder": "company", "base": "company", "home": "person", "employer": "person",
-                              "country": "city", "leader": "country"}[p.relations[0]]
-        assert len(set(p.chain)) == len(p.chain)  # the answer is never an entity already visited
-        other = Corpus.of_entities(world_entities(p.text, task.num_entities, seed=task.corpus_seed + 1))
+        assert p.text.startswith(f"w{tag_of(p.text)} q: ") and len(set(p.chain)) == len(p.chain)
+        assert pool is None or set(corpus.entities) <= pool
+        other = Corpus.of_entities(world_entities(tag_of(p.text), task.num_entities, task.corpus_seed + 1))
         assert [d.text for d in other.documents] != [d.text for d in corpus.documents]
 
 
-def test_per_episode_splits_share_no_question_and_no_world_and_prompts_are_pure(worlds):
-    train = worlds.problems("train", 3000, seed=0)
-    test = worlds.problems("test", 1000, seed=0)
+def test_per_episode_splits_share_no_world_and_prompts_are_pure(pooled):
+    train = pooled.problems("train", 3000, seed=0)
+    test = pooled.problems("test", 1000, seed=0)
     assert len({p.text for p in train}) == 3000 and len({p.text for p in test}) == 1000  # distinct per call
-    assert not {p.text for p in train} & {p.text for p in test}
-    world_of = lambda p: tuple(d.text for d in worlds.world(p.text).documents)  # noqa: E731
-    assert not {world_of(p) for p in train} & {world_of(p) for p in test}
-    # training questions come from a stream of millions: another seed, (almost) other questions
-    assert len({p.text for p in worlds.problems("train", 1000, seed=1)} & {p.text for p in train[:1000]}) < 20
-    assert worlds.prompts("train", 8, seed=5) == worlds.prompts("train", 8, seed=5)
-    assert SearchTask(num_entities=8, world="per_episode").prompts("test", 8, seed=0) == worlds.prompts("test", 8, 0)
-    assert worlds.prompts("test", 8, seed=0) != SearchTask(num_entities=8, corpus_seed=1, world="per_episode").prompts(
-        "test", 8, seed=0)
+    train_tags, test_tags = {tag_of(p.text) for p in train}, {tag_of(p.text) for p in test}
+    assert len(train_tags) > 2500 and len(test_tags) > 900 and not train_tags & test_tags
+    # The same names, new facts: a held-out answer cannot be recalled from training worlds, where the
+    # same question (without its tag) mostly has other answers.
+    answers: dict[str, set[str]] = {}
+    for p in train:
+        answers.setdefault(p.text.split(" ", 1)[1], set()).add(p.answer)
+    repeated = [p for p in test if p.text.split(" ", 1)[1] in answers]
+    assert len(repeated) > 100 and sum(p.answer in answers[p.text.split(" ", 1)[1]] for p in repeated) < 0.6 * len(
+        repeated)
+    assert pooled.prompts("train", 8, seed=5) == pooled.prompts("train", 8, seed=5)
+    assert pooled.prompts("train", 8, seed=5) != pooled.prompts("train", 8, seed=6)
+    again = SearchTask(num_entities=8, world="per_episode", name_pool=24)
+    assert again.prompts("test", 8, seed=0) == pooled.prompts("test", 8, 0)
+    other = SearchTask(num_entities=8, world="per_episode", name_pool=24, corpus_seed=1)
+    assert [a for _, a in other.prompts("test", 50, 0)] != [a for _, a in pooled.prompts("test", 50, 0)]
 
 
-def test_world_env_takes_the_world_of_its_prompt_and_a_fresh_one_resumes_the_same(worlds):
-    (p1, a1), (p2, a2) = worlds.prompts("train", 2, seed=7)
-    env1, env2 = worlds.new_environment(), worlds.new_environment()
-    assert env1 is not env2 and env1.stop_token_ids == (worlds.tokenizer.convert_tokens_to_ids("</tool_call>"),)
+def test_world_env_takes_the_world_of_its_prompt_and_a_fresh_one_resumes_the_same(pooled):
+    (p1, a1), (p2, a2) = pooled.prompts("train", 2, seed=7)
+    env1, env2 = pooled.new_environment(), pooled.new_environment()
+    assert env1 is not env2 and env1.stop_token_ids == (pooled.tokenizer.convert_tokens_to_ids("</tool_call>"),)
     with pytest.raises(AssertionError, match="before reset"):
-        env1.step(ids_of(worlds, "x</tool_call>"))
+        env1.step(ids_of(pooled, "x</tool_call>"))
     assert env1.reset(p1, None) == p1 and env2.reset(p2, None) == p2  # the controller passes no reference
-    q1, q2 = (worlds.tokenizer.decode(p, skip_special_tokens=True) for p in (p1, p2))
-    start1 = parse_question(q1)[0]
-    turn = ids_of(worlds, format_tool_call(ToolCall("search", {"query": start1})))
-    doc = worlds.world(q1).document_of(start1)
-    assert worlds.tokenizer.decode(env1.step(turn).observation_ids) == (
-        f"{TOOL_RESPONSE_OPEN}{doc.doc_id} {doc.text}{TOOL_RESPONSE_CLOSE}")
-    # the other episode's world does not hold that name (a fresh one each question)
-    assert start1 not in worlds.world(q2).entities
-    assert worlds.tokenizer.decode(env2.step(turn).observation_ids) == f"{TOOL_RESPONSE_OPEN}no results{TOOL_RESPONSE_CLOSE}"
-    resumed = worlds.new_environment()  # an episode paused and continued gets a new env, reset with its prompt
+    q1, q2 = (pooled.tokenizer.decode(p, skip_special_tokens=True) for p in (p1, p2))
+    w1, w2 = pooled.world(q1), pooled.world(q2)
+    name = next(n for n in w1.entities if n not in w2.entities)
+    turn = ids_of(pooled, format_tool_call(ToolCall("search", {"query": name})))
+    doc = w1.document_of(name)
+    seen1 = pooled.tokenizer.decode(env1.step(turn).observation_ids)
+    assert seen1 == f"{TOOL_RESPONSE_OPEN}{doc.doc_id} {doc.text}{TOOL_RESPONSE_CLOSE}"
+    # the other episode searches its own world, which has no such entity
+    assert pooled.tokenizer.decode(env2.step(turn).observation_ids) != seen1
+    resumed = pooled.new_environment()  # an episode paused and continued gets a new env, reset with its prompt
     resumed.reset(p1, None)
     assert resumed.step(turn).observation_ids == env1.step(turn).observation_ids
-    with pytest.raises(ValueError, match="not a search question"):
-        worlds.new_environment().reset(ids_of(worlds, "hello"), None)
+    with pytest.raises(ValueError, match="not a question of a per-episode world"):
+        pooled.new_environment().reset(ids_of(pooled, "q: home of founder of velora?"), None)
 
 
-def test_per_episode_config_and_constructor_validate_world_and_sft_questions():
+def test_per_episode_config_and_constructor_validate_world_name_pool_and_sft_questions():
     from entr_megatron.config.task import SearchTaskConfig
     from entr_megatron.config.validate import FieldError
 
-    assert SearchTaskConfig().world == "fixed"
+    assert SearchTaskConfig().world == "fixed" and SearchTaskConfig().name_pool is None
     with pytest.raises(FieldError, match=r"task\.search\.world='mixed'.*fixed, per_episode"):
         SearchTaskConfig(world="mixed")
     with pytest.raises(FieldError, match=r"task\.search\.sft_questions=10 is not valid with world='per_episode'"):
         SearchTaskConfig(world="per_episode", sft_questions=10)
+    with pytest.raises(FieldError, match=r"task\.search\.name_pool=24 is not valid with world='fixed'"):
+        SearchTaskConfig(name_pool=24)
+    with pytest.raises(FieldError, match=r"task\.search\.name_pool=4 .*\[8, 2000\]"):
+        SearchTaskConfig(world="per_episode", num_entities=8, name_pool=4)
     with pytest.raises(ValueError, match="world must be one of"):
         SearchTask(world="mixed")
     with pytest.raises(ValueError, match="sft_questions"):
         SearchTask(num_entities=8, world="per_episode", sft_questions=5)
+    with pytest.raises(ValueError, match="name_pool"):
+        SearchTask(num_entities=8, name_pool=24)
+    with pytest.raises(ValueError, match="name_pool"):
+        SearchTask(num_entities=12, world="per_episode", name_pool=10)
     assert SearchTask(num_entities=8, world="per_episode").corpus is None

@@ -4,7 +4,7 @@
     task.prompts("train", 4, seed=0)                    # [([<s> q : ...], "dunmore"), ...]
     env = task.new_environment()                        # ToolEnv with `search` and `open`
     task.sft_examples("train", 64, seed=0)              # expert traces for a warm-up
-    SearchTask(num_entities=8, world="per_episode")     # every question in its own world of 8 entities
+    SearchTask(num_entities=8, world="per_episode", name_pool=48)   # every question in its own world
 
 A question composes `hops` relations from a start entity ("q: home of founder of velora?":
 the founder of the company velora, then where that person lives). Each document states only
@@ -22,14 +22,15 @@ Reward: 1.0 iff the text after the last `</tool_response>`, up to EOS, is the an
 was written; the env gives none.
 
 Worlds (`world`): "fixed", one corpus of `num_entities` entities that every question is asked
-of; "per_episode", every question its own world of `num_entities` entities drawn from the
-question text (`search_worlds.py`: a fresh start name, new links, nothing to memorise), indexed
-by BM25 on first use and kept in a cache of `WORLD_CACHE` worlds.
+of; "per_episode", every question asked of its own world of `num_entities` entities, named by a
+tag in the question ("w4821 q: home of founder of velora?"; `search_worlds.py`: new links, so
+nothing to memorise), with names from a shared vocabulary of `name_pool` names or fresh ones;
+a world is indexed by BM25 on first use and kept in a cache of `WORLD_CACHE` worlds.
 
 Splits: each question belongs to train or test by a hash of its text (`base.split_of`), so the
 splits never share a question. On the fixed corpus they share documents and sub-chains (what
 should transfer is the skill of following links by search, though a tiny model memorises the
-training chains instead); with per-episode worlds they share no world.
+training chains instead); per-episode worlds are split by tag, so the splits share no world.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from entr_megatron.rollout.tasks.search_corpus import (
     MAX_ENTITIES, MIN_ENTITIES, RELATIONS, Corpus, OpenTool, SearchTool,
 )
 from entr_megatron.rollout.tasks.search_worlds import (
-    WorldEnv, draw_question, follow, question_text, world_entities,
+    WORLD_TAGS, WorldEnv, pool_names, tag_of, world_entities, world_prefix,
 )
 from entr_megatron.rollout.tasks.tool_env import ToolEnv
 from entr_megatron.rollout.tools.calls import (
@@ -55,7 +56,7 @@ from entr_megatron.rollout.tools.calls import (
 from entr_megatron.types import Sample
 
 __all__ = ["EXTRA_CHARS", "HOPS", "MAX_TOP_K", "WORLDS", "WORLD_CACHE", "SearchProblem", "SearchTask",
-           "final_answer", "question_text", "search_tokenizer"]
+           "final_answer", "search_tokenizer"]
 
 HOPS = (2, 3)
 MAX_TOP_K = 10
@@ -79,7 +80,7 @@ def search_tokenizer() -> Any:
 @dataclass(frozen=True)
 class SearchProblem:
     text: str
-    """The prompt text, e.g. "q: home of founder of velora?"."""
+    """The prompt text, e.g. "q: home of founder of velora?" (per-episode worlds: "w4821 q: ...")."""
     answer: str
     chain: tuple[str, ...]
     """The entities from the start to the answer (hops + 1 names): the expert searches all but the last."""
@@ -87,13 +88,19 @@ class SearchProblem:
     """The relation followed at each hop."""
 
 
-def all_problems(corpus: Corpus, hops: int) -> list[SearchProblem]:
-    """Every chain of `hops` relations from every entity that visits no entity twice, in corpus order."""
+def question_text(start: str, relations: tuple[str, ...]) -> str:
+    """ "q: home of founder of velora?" for relations ("founder", "home") from "velora"."""
+    return "q: " + " of ".join(reversed(relations)) + f" of {start}?"
+
+
+def all_problems(corpus: Corpus, hops: int, prefix: str = "") -> list[SearchProblem]:
+    """Every chain of `hops` relations from every entity that visits no entity twice, in corpus order;
+    `prefix` goes in front of each question (a per-episode world's tag)."""
     out: list[SearchProblem] = []
 
     def extend(chain: tuple[str, ...], relations: tuple[str, ...]) -> None:
         if len(relations) == hops:
-            out.append(SearchProblem(question_text(chain[0], relations), chain[-1], chain, relations))
+            out.append(SearchProblem(prefix + question_text(chain[0], relations), chain[-1], chain, relations))
             return
         kind = corpus.entities[chain[-1]].kind
         for r in RELATIONS:
@@ -145,6 +152,7 @@ class SearchTask:
         fuzzy_search: bool = False,
         tokenizer: Any = None,
         world: str = "fixed",
+        name_pool: int | None = None,
     ):
         """num_entities: corpus size (a quarter each companies, people, cities, countries; per_episode:
         the size of each question's world); hops: searches a question needs (2 or 3); top_k: documents
@@ -158,7 +166,9 @@ class SearchTask:
         fuzzy_search: BM25 over words and their character trigrams (a misspelt name still finds its
         document; `search_corpus.index_terms`);
         tokenizer: an HF tokenizer with the Hermes markers as single tokens (default `search_tokenizer()`);
-        world: "fixed" (one corpus) or "per_episode" (one world per question: module docstring)."""
+        world: "fixed" (one corpus) or "per_episode" (one world per question: module docstring);
+        name_pool: per_episode: every world's names come from one vocabulary of this many names (a
+        function of corpus_seed; >= num_entities). None: fresh names in every world."""
         _check_int("num_entities", num_entities, MIN_ENTITIES, MAX_ENTITIES)
         if hops not in HOPS or isinstance(hops, bool):
             raise ValueError(f"hops must be one of {HOPS}, got {hops!r}")
@@ -172,12 +182,18 @@ class SearchTask:
         if world == "per_episode" and sft_questions is not None:
             raise ValueError(f"sft_questions must be None with world='per_episode' (every question is new), "
                              f"got {sft_questions!r}")
+        if name_pool is not None:
+            if world != "per_episode":
+                raise ValueError(f"name_pool needs world='per_episode', got name_pool={name_pool!r}")
+            _check_int("name_pool", name_pool, num_entities, MAX_ENTITIES)
         self.num_entities, self.hops, self.top_k, self.corpus_seed = num_entities, hops, top_k, corpus_seed
         self.test_fraction, self.split_seed, self.world_kind = float(test_fraction), split_seed, world
         self.fuzzy_search, self.python_tool = bool(fuzzy_search), bool(python_tool)
         self.tokenizer = search_tokenizer() if tokenizer is None else tokenizer
         ToolEnv(self.tokenizer, ToolRunner(()))  # the markers must be single tokens: fail here, not mid-run
         self.corpus = None if world == "per_episode" else Corpus(num_entities, corpus_seed, fuzzy=self.fuzzy_search)
+        self.name_pool = name_pool
+        self._names = None if name_pool is None else pool_names(name_pool, corpus_seed)
         self.set_tool_limits(tool_timeout_s, max_tool_output_chars)  # validates them
         self.sft_questions = sft_questions
         if self.corpus is None:
@@ -213,16 +229,18 @@ class SearchTask:
             tools += (self._python,)
         return ToolRunner(tools, timeout_s=self._timeout_s, max_output_chars=self._max_output_chars)
 
-    def _build_world(self, text: str) -> tuple[Corpus, ToolRunner]:
-        corpus = Corpus.of_entities(world_entities(text, self.num_entities, self.corpus_seed), self.fuzzy_search)
-        return corpus, self._runner_of_corpus(corpus)
+    def _build_world(self, tag: int) -> tuple[Corpus, ToolRunner, list[SearchProblem]]:
+        """World `tag`: its corpus, its tools, and its questions."""
+        entities = world_entities(tag, self.num_entities, self.corpus_seed, self._names)
+        corpus = Corpus.of_entities(entities, self.fuzzy_search)
+        return corpus, self._runner_of_corpus(corpus), all_problems(corpus, self.hops, world_prefix(tag))
 
     def world(self, text: str) -> Corpus:
-        """The corpus question `text` is asked of: the fixed corpus, or (per_episode) its own world."""
-        return self.corpus if self.corpus is not None else self._world(text)[0]
+        """The corpus question `text` is asked of: the fixed corpus, or (per_episode) its world's."""
+        return self.corpus if self.corpus is not None else self._world(tag_of(text))[0]
 
     def _runner_of_question(self, text: str) -> ToolRunner:
-        return self._runner if self.corpus is not None else self._world(text)[1]
+        return self._runner if self.corpus is not None else self._world(tag_of(text))[1]
 
     @property
     def documents(self) -> list:
@@ -254,19 +272,19 @@ class SearchTask:
         return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
 
     def _fresh_problems(self, split: str, n: int, seed: int) -> list[SearchProblem]:
-        """per_episode: `n` distinct new questions of `split` (drawn, then kept when their text hashes to
-        `split`), each answered in its own world."""
-        rng = random.Random(f"search-worlds:{self.corpus_seed}:{split}:{seed}")
+        """per_episode: `n` distinct questions of `split`, each from a world drawn uniformly among the
+        split's (a world's split is its tag's, `base.split_of`), then uniformly among its questions."""
+        rng = random.Random(f"search-worlds:{split}:{seed}")
         out: list[SearchProblem] = []
         seen: set[str] = set()
         while len(out) < n:
-            start, relations = draw_question(rng, self.hops)
-            text = question_text(start, relations)
-            if text in seen or split_of(text, self.test_fraction, self.split_seed) != split:
+            tag = rng.randrange(WORLD_TAGS)
+            if split_of(world_prefix(tag), self.test_fraction, self.split_seed) != split:
                 continue
-            seen.add(text)
-            chain = follow(self.world(text).entities, start, relations)
-            out.append(SearchProblem(text, chain[-1], tuple(chain), relations))
+            problem = rng.choice(self._world(tag)[2])
+            if problem.text not in seen:
+                seen.add(problem.text)
+                out.append(problem)
         return out
 
     def prompts(self, split: str, n: int, seed: int) -> list[tuple[list[int], str]]:

@@ -4,7 +4,7 @@
     corpus.entities["velora"]            # Entity(name="velora", kind="company", doc_id="d0",
                                          #        links={"founder": "marek", "base": "dunmore"})
     corpus.search("velora", k=1)         # [Document("d0", "velora", "velora: founder marek, base dunmore.")]
-    Corpus.of_entities(draw_entities(8, rng, anchor=("velora", "company")))   # a small world holding velora
+    Corpus.of_entities(draw_entities(8, rng))   # a small world (the search task's per-episode worlds)
     SearchTool(corpus, top_k=1)(query="velora")   # "d0 velora: founder marek, base dunmore."
     OpenTool(corpus)(doc_id="d0")                 # "velora: founder marek, base dunmore."
 
@@ -12,8 +12,8 @@ Entities are companies, people, cities and countries with invented names (syllab
 lowercase, at most 6 characters, unique, never a word of the documents), linked by the
 relations of `RELATIONS` (a company's founder is a person, a person lives in a city, ...).
 Everything is drawn from `seed` alone (`draw_entities`, which also draws the search task's
-per-episode worlds around their question's start entity: `search_worlds.py`). Documents stay
-under ~55 characters: the task's sequences are tokenized by character for a tiny model.
+per-episode worlds: `search_worlds.py`). Documents stay under ~55 characters: the task's
+sequences are tokenized by character for a tiny model.
 
 Retrieval is BM25 (`bm25s`, no stemming, no stopwords). A document is indexed with its
 title in front of its text, so the name counts twice there and once in any document that
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["KINDS", "RELATIONS", "Corpus", "Document", "Entity", "OpenTool", "Relation", "SearchTool", "draw_entities",
-           "draw_name", "draw_names"]
+           "draw_names"]
 
 KINDS = ("company", "person", "city", "country")
 
@@ -96,19 +96,10 @@ def _name(rng: random.Random) -> str:
     return name
 
 
-def draw_name(rng: random.Random) -> str:
-    """One syllable name (4-6 lowercase letters) that is not a word of the document templates."""
-    while True:
-        name = _name(rng)
-        if name not in _TEMPLATE_WORDS:
-            return name
-
-
-def draw_names(n: int, rng: random.Random, exclude: frozenset[str] = frozenset()) -> list[str]:
-    """`n` distinct syllable names (4-6 lowercase letters), none a word of the document templates
-    nor in `exclude`."""
+def draw_names(n: int, rng: random.Random) -> list[str]:
+    """`n` distinct syllable names (4-6 lowercase letters), none a word of the document templates."""
     names: list[str] = []
-    seen: set[str] = set(exclude)
+    seen: set[str] = set()
     while len(names) < n:
         name = _name(rng)
         if name not in seen and name not in _TEMPLATE_WORDS:
@@ -117,17 +108,13 @@ def draw_names(n: int, rng: random.Random, exclude: frozenset[str] = frozenset()
     return names
 
 
-def draw_entities(num_entities: int, rng: random.Random, anchor: tuple[str, str] | None = None) -> dict[str, Entity]:
-    """`num_entities` entities (kinds in equal shares, shuffled; names from `draw_names`; doc ids d0,
-    d1, ... in order) and their links, each drawn uniformly among the entities of the target kind.
-    anchor: (name, kind) of an entity that must be among them (it takes the first place of its kind)."""
-    names = draw_names(num_entities, rng, frozenset() if anchor is None else frozenset({anchor[0]}))
+def draw_entities(num_entities: int, rng: random.Random, pool: list[str] | None = None) -> dict[str, Entity]:
+    """`num_entities` entities (kinds in equal shares, shuffled; doc ids d0, d1, ... in order) and
+    their links, each drawn uniformly among the entities of the target kind. Names: `draw_names`,
+    or `num_entities` distinct ones of `pool` (a vocabulary of names that many worlds share)."""
+    names = draw_names(num_entities, rng) if pool is None else rng.sample(pool, num_entities)
     kinds = [KINDS[i % len(KINDS)] for i in range(num_entities)]
     rng.shuffle(kinds)
-    if anchor is not None:
-        if anchor[1] not in KINDS:
-            raise ValueError(f"anchor kind must be one of {KINDS}, got {anchor[1]!r}")
-        names[kinds.index(anchor[1])] = anchor[0]
     entities = {name: Entity(name, kind, f"d{i}") for i, (name, kind) in enumerate(zip(names, kinds))}
     by_kind = {k: [e.name for e in entities.values() if e.kind == k] for k in KINDS}
     for entity in entities.values():
