@@ -182,7 +182,8 @@ def _check_keys(reader: DistReader, entries: list[DistEntry], spec: models.Model
 
 def stored_dtype(reader: DistReader, spec: models.ModelSpec) -> torch.dtype:
     """The dtype the checkpoint stores the model's weights in (ValueError when they differ)."""
-    dtypes = {reader.dtype(e.key) for e in dist_entries(spec) if e.key in set(reader.tensor_keys())}
+    stored = set(reader.tensor_keys())
+    dtypes = {reader.dtype(e.key) for e in dist_entries(spec) if e.key in stored}
     if len(dtypes) != 1:
         raise ValueError(f"{reader.path}: the weights are stored in {sorted(map(str, dtypes))}: pick one with --dtype")
     return dtypes.pop()
