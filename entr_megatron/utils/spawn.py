@@ -26,6 +26,7 @@ import errno
 import ipaddress
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -111,8 +112,38 @@ def name_process(name: str) -> None:
         pass  # not Linux: the process keeps its interpreter's name
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+LISTEN_PORTS_LOW = 10000
+"""Lowest port `free_port` picks; it picks below the kernel's ephemeral range."""
+_PORT_PICKS = random.SystemRandom()  # never seeded: two jobs starting at once must not draw alike
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; 32768-60999 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(attempts: int = 64) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, drawn at random below the kernel's
+    ephemeral range. A port between its check and its use is not held: drawing it from the
+    ephemeral range (bind to port 0) let any outgoing connection of another job on the host take
+    it as its local port meanwhile, and two jobs starting together could be handed the same
+    recently freed port (seen: two study cells' weight stores on one port, a connection reset,
+    a push that never arrived). Falls back to the kernel's choice when no drawn port is free."""
+    low = LISTEN_PORTS_LOW
+    high = min(_ephemeral_range()[0], 65536) - 1
+    for _ in range(attempts if high > low else 0):
+        port = _PORT_PICKS.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
