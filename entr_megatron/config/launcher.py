@@ -55,8 +55,9 @@ class LauncherConfig:
 
     max_restarts: int = 0
     """torchrun's --max-restarts: when a learner rank fails (raises or dies), stop every rank and
-    the engines and start them again from the last checkpoint, up to this many times per job;
-    then the error ends the job. metrics.jsonl keeps one line per step. >= 0."""
+    start new ones (processes, or Ray actors with kind 'ray') from the last checkpoint, the engines
+    kept, up to this many times per job; then the error ends the job. metrics.jsonl keeps one line
+    per step. >= 0."""
 
     def __post_init__(self) -> None:
         choice(self, "kind", LauncherKind)

@@ -183,7 +183,9 @@ class EmbeddedConfig:
     health_timeout_s: float = 60.0
     """Seconds an engine has to answer a health check (asked when it failed a call, or when no
     sample came for rollout.poll_timeout_s); one that does not is killed (SIGKILL) and replaced
-    like a dead one (rollout.max_engine_restarts). Positive, finite."""
+    like a dead one (rollout.max_engine_restarts). With launcher.kind 'ray' also what an engine
+    actor has to answer any other call of the controller's (submit, abort, a poll beyond its own
+    wait). Positive, finite."""
 
     def __post_init__(self) -> None:
         integer(self, "max_batch_size", low=1)
@@ -267,10 +269,11 @@ class RolloutConfig:
 
     max_engine_restarts: int = 3
     """Engines that died or stopped answering and were replaced during one `train` job: embedded
-    engines on the local launcher (a new process) and SGLang servers `train` launched (relaunched
-    on their port); the learner's weights are pushed to it and its groups generated again. One
-    more failure ends the job with the engine's last error. Servers given by rollout.sglang.urls
-    are not restarted but set aside and probed (rollout.sglang.probe_interval_s). 0: none. >= 0."""
+    engines (a new process, or a new Ray actor with launcher.kind 'ray') and SGLang servers
+    `train` launched (relaunched on their port); the learner's weights are pushed to it and its
+    groups generated again. One more failure ends the job with the engine's last error. Servers
+    given by rollout.sglang.urls are not restarted but set aside and probed
+    (rollout.sglang.probe_interval_s). 0: none. >= 0."""
 
     push_timeout_s: float = 600.0
     """Seconds a weight push may take to reach every engine (embedded engines, SGLang servers);

@@ -167,13 +167,20 @@ class EngineSet:
         Every engine is asked without waiting first. If none has anything, the engines
         take turns waiting at most `poll_slice_s` each (the first to wait rotates between
         calls) until one answers or the timeout is spent; then the others are asked
-        without waiting again, so a poll never favours one engine's results."""
+        without waiting again, so a poll never favours one engine's results. With one engine in
+        service that has not failed, it waits on that one (one call, not a call per slice)."""
         results = self._poll_all()
         if not results:
             self._raise_failed()
         if results or timeout == 0:
             return results
         deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        usable = [i for i in self.in_service() if i not in self.failed]
+        if len(usable) == 1 and deadline is not None:  # no one to take turns with: one wait, not many short ones
+            found = self._poll_one(usable[0], max(deadline - time.monotonic(), 0.0))
+            if not found:
+                self._raise_failed()
+            return found
         count = len(self.engines)
         while True:
             first = self._next_first

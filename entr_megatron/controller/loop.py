@@ -31,8 +31,8 @@ evicted when the trainer takes. Checkpoints first drain in-flight requests
 A failed engine (`recovery`, embedded engines: controller/wiring.py `EngineRecovery`): when
 an engine call fails, a push does not arrive within rollout.push_timeout_s, or no sample
 comes for rollout.poll_timeout_s, the engines are health-checked; dead or silent ones are
-replaced between two engine calls (a new process, the learner's version pushed to it, the
-weight groups rebuilt), and the groups that were in flight on them are submitted again as
+replaced between two engine calls (a new process or Ray actor, the learner's version pushed to
+it, the weight groups rebuilt), and the groups that were in flight on them are submitted again as
 they were (same group id and seed, as on resume), so nothing is lost or trained twice.
 fixed_lag's generate-ahead runs its round again with the same seeds (replacing.py), so the
 batches are those of an undisturbed run. A failed learner (`abandon`): the groups in flight are

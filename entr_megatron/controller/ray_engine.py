@@ -4,24 +4,44 @@ Ray picks), the controller holds a `RolloutEngine` proxy that forwards every cal
     engine = RayEngine(EmbeddedEngineConfig(model_dir=...), num_cpus=1)
     engine.submit([...]); engine.poll(timeout=1.0)
     engine.update_weights(receiver, version)      # the actor's engine joins the broadcast groups
+    engine.health(timeout_s=60); engine.kill()    # what EngineRecovery (wiring.py) needs to replace it
 
 The actor runs calls concurrently (`max_concurrency`): `update_weights` blocks
 until the swap while `poll` and `submit` keep flowing, as with a local engine.
 The model directory must be readable on the actor's node (a shared file system
 on a cluster, as for the learner's checkpoints).
+
+Failures look like a local engine's, so that wiring.EngineRecovery replaces an actor as it
+replaces a process: an actor that died (its process killed, its node lost) or that does not
+answer a call within `answer_timeout_s` (the run's rollout.embedded.health_timeout_s; weights:
+the engine's `update_timeout_s`) raises EngineError, and `health(timeout_s)` says not alive; the
+engine's own errors arrive as Ray raised them (RayTaskError(EngineError) is an EngineError).
+A poll never loses samples: one not answered within its wait returns nothing, and its answer
+comes with the next poll (a stalled actor is then found by the controller's silence check,
+rollout.poll_timeout_s, and `health`). `kill` is Ray's (no restart by Ray: a new actor takes
+its place, with the learner's weights).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from entr_megatron.rollout.engine import EngineHealth, GenerateRequest, GenerateResult, WeightUpdateReport
+from entr_megatron.rollout.engine import (
+    EngineError,
+    EngineHealth,
+    GenerateRequest,
+    GenerateResult,
+    WeightUpdateReport,
+)
 
 __all__ = ["RayEngine"]
 
-ACTOR_CONCURRENCY = 4
-"""Calls one engine actor serves at once: update_weights + poll + submit/abort + health."""
+ACTOR_CONCURRENCY = 6
+"""Calls one engine actor serves at once: a pending poll, update_weights, one controller call
+(submit, abort, health...), and room for calls left behind by a stalled moment."""
 
 
 class _EngineActor:
@@ -29,6 +49,12 @@ class _EngineActor:
         from entr_megatron.rollout.embedded import EmbeddedEngine
 
         self.engine = EmbeddedEngine(config)
+
+    def describe(self) -> tuple[int, str, int]:
+        """(weight version, node address, pid): the proxy's start call."""
+        import ray
+
+        return self.engine.weight_version, ray.util.get_node_ip_address(), os.getpid()
 
     def submit(self, requests):
         return self.engine.submit(requests)
@@ -45,11 +71,8 @@ class _EngineActor:
     def resume(self):
         self.engine.resume()
 
-    def health(self):
-        return self.engine.health()
-
-    def weight_version(self):
-        return self.engine.weight_version
+    def health(self, timeout_s):
+        return self.engine.health(timeout_s=timeout_s)
 
     def update_weights(self, weights, version):
         return self.engine.update_weights(weights, version)
@@ -65,59 +88,127 @@ class RayEngine:
     """`RolloutEngine` proxy of an embedded engine in a Ray actor (see the module docstring)."""
 
     def __init__(self, config: Any, *, num_cpus: float = 1.0, num_gpus: float = 0.0, scheduling_strategy: Any = None,
-                 startup_timeout_s: float = 600.0):
-        import ray
-
+                 startup_timeout_s: float | None = None, answer_timeout_s: float | None = None,
+                 ray_module: Any = None):
+        """Starts the actor and waits until its engine loaded the model (`startup_timeout_s`,
+        default `config.startup_timeout_s`); raises EngineError (the actor killed) if it did not.
+        `answer_timeout_s` (default `config.rpc_timeout_s`): how long a call (submit, abort,
+        pause, health...) may go unanswered before it raises EngineError; a local engine's
+        submit and abort never wait, so wiring gives rollout.embedded.health_timeout_s.
+        `ray_module`: the `ray` package (a test passes a fake)."""
+        if ray_module is None:
+            import ray as ray_module
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": ACTOR_CONCURRENCY}
         if scheduling_strategy is not None:
             options["scheduling_strategy"] = scheduling_strategy
-        self._ray = ray
-        self._actor = ray.remote(_EngineActor).options(**options).remote(config)
-        self._timeout = startup_timeout_s
-        self._get(self._actor.weight_version.remote(), timeout=startup_timeout_s)  # raises if start failed
-        self._closed = False
+        self.config = config
+        self._ray = ray_module
+        self._rpc_s = float(config.rpc_timeout_s if answer_timeout_s is None else answer_timeout_s)
+        self._poll_ref: Any = None  # a poll not yet collected (its samples are the next poll's)
+        self._killed = self._closed = False
+        self.where = "not started"
+        """The actor's pid and node, for messages."""
+        self._actor = ray_module.remote(_EngineActor).options(**options).remote(config)
+        try:
+            version, ip, pid = self._get(self._actor.describe.remote(), startup_timeout_s or config.startup_timeout_s,
+                                         "its start")
+        except BaseException:
+            self.kill()
+            raise
+        self._version = version
+        self.where = f"pid {pid} on {ip}"
 
-    def _get(self, ref, timeout: float | None = None):
-        return self._ray.get(ref, timeout=timeout)
+    def wait_ready(self) -> RayEngine:
+        """Ready when the constructor returns (the interface of a local `EmbeddedEngine`)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"RayEngine({self.where})"
+
+    def _get(self, ref: Any, timeout: float | None, what: str) -> Any:
+        """`ray.get(ref)`; a dead or silent actor raises EngineError, the engine's own errors pass."""
+        errors = self._ray.exceptions
+        try:
+            return self._ray.get(ref, timeout=timeout)
+        except errors.RayTaskError:
+            raise  # the method raised: RayTaskError(EngineError) is an EngineError, (ValueError) a ValueError
+        except errors.GetTimeoutError as e:
+            raise EngineError(f"the Ray engine actor ({self.where}) did not answer {what} within {timeout:g} s") from e
+        except errors.RayError as e:  # RayActorError (died, unreachable), a crashed worker, a lost object
+            raise EngineError(f"{e}\nthe Ray engine actor ({self.where}) died ({what}: {type(e).__name__})") from e
 
     def submit(self, requests: Sequence[GenerateRequest]) -> list[str]:
-        return self._get(self._actor.submit.remote(list(requests)))
+        return self._get(self._actor.submit.remote(list(requests)), self._rpc_s, "submit")
 
     def poll(self, timeout: float | None = 0.0) -> list[GenerateResult]:
-        return self._get(self._actor.poll.remote(timeout))
+        """Finished samples, waiting up to `timeout` s (None: forever); an actor that does not
+        answer in time gives nothing now, and its answer comes with a later poll."""
+        deadline = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if self._poll_ref is None:
+                self._poll_ref = self._actor.poll.remote(left)
+            ready, _ = self._ray.wait([self._poll_ref], timeout=left)
+            if not ready:
+                return []
+            ref, self._poll_ref = self._poll_ref, None
+            results = self._get(ref, None, "poll")
+            if results or (deadline is not None and time.monotonic() >= deadline):
+                return results  # (an earlier, shorter poll's empty answer: wait on with a new one)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        self._get(self._actor.abort.remote(list(request_ids)))
+        self._get(self._actor.abort.remote(list(request_ids)), self._rpc_s, "abort")
 
     def pause(self) -> None:
-        self._get(self._actor.pause.remote())
+        self._get(self._actor.pause.remote(), self._rpc_s, "pause")
 
     def resume(self) -> None:
-        self._get(self._actor.resume.remote())
+        self._get(self._actor.resume.remote(), self._rpc_s, "resume")
 
-    def health(self) -> EngineHealth:
+    def health(self, timeout_s: float | None = None) -> EngineHealth:
+        """The engine's state; not alive when the actor died or it did not answer within
+        `timeout_s` (None: `answer_timeout_s`). Never raises."""
+        timeout = self._rpc_s if timeout_s is None else float(timeout_s)
+        if self._killed or self._closed:
+            return EngineHealth(alive=False, weight_version=self._version, error=f"the Ray engine actor ({self.where}) "
+                                "was killed" if self._killed else "the engine was shut down")
         try:
-            return self._get(self._actor.health.remote(), timeout=60)
+            return self._get(self._actor.health.remote(timeout), timeout, "a health check")
         except Exception as e:  # noqa: BLE001 - health never raises
-            return EngineHealth(alive=False, weight_version=-1, error=f"Ray engine actor unreachable: {e}")
+            return EngineHealth(alive=False, weight_version=self._version, error=str(e))
+
+    def kill(self) -> None:
+        """Kill the actor (one that stopped answering; Ray SIGKILLs its process, and the engine
+        process dies with it); its calls then fail as if it died. Never raises."""
+        self._killed = True
+        try:
+            self._ray.kill(self._actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
     @property
     def weight_version(self) -> int:
-        return self._get(self._actor.weight_version.remote())
+        """The version the engine samples from (kept here: the actor tells it with each update)."""
+        return self._version
 
     def update_weights(self, weights: Any, version: int) -> WeightUpdateReport:
-        return self._get(self._actor.update_weights.remote(weights, version))
+        report = self._get(self._actor.update_weights.remote(weights, version),
+                           self.config.update_timeout_s + self._rpc_s, f"the update to weight version {version}")
+        self._version = version
+        return report
 
     def forget_version(self) -> None:
         """EmbeddedEngine.forget_version, in the actor."""
-        self._get(self._actor.forget_version.remote(), timeout=60)
+        self._get(self._actor.forget_version.remote(), self._rpc_s, "forget_version")
 
     def shutdown(self) -> None:
+        """Stop the engine and the actor (a killed one is not asked); idempotent, never raises."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._get(self._actor.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - killed below
-            pass
-        self._ray.kill(self._actor)
+        if not self._killed:
+            try:
+                self._get(self._actor.shutdown.remote(), self._rpc_s, "shutdown")
+            except Exception:  # noqa: BLE001 - killed below
+                pass
+        self.kill()

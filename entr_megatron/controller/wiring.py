@@ -11,10 +11,11 @@
 
 The learner (RemoteLearner) and the pusher are two roles of the same learner ranks (one worker group).
 
-Embedded engines on the local launcher can be replaced while the job runs: `pusher.recovery`
-(an `EngineRecovery`) finds the engines that died or stopped answering, starts new ones in
-their place, rebuilds the broadcast groups on a fresh port and pushes the learner's weights
-(the controller resubmits the groups that were lost: controller/loop.py `Controller.recover`).
+Embedded engines can be replaced while the job runs, local processes and Ray actors
+(controller/ray_engine.py) alike: `pusher.recovery` (an `EngineRecovery`) finds the engines that
+died or stopped answering, starts new ones in their place, rebuilds the broadcast groups on a
+fresh port and pushes the learner's weights (the controller resubmits the groups that were lost:
+controller/loop.py `Controller.recover`).
 SGLang servers have theirs (`ServerRecovery`, sglang_servers.py: relaunched when launched here,
 set aside and probed when given by URL).
 
@@ -43,8 +44,8 @@ from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
 from entr_megatron.utils.spawn import free_port_range
 
-__all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "learner_group", "with_episodes",
-           "make_engines"]
+__all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "embedded_engine",
+           "learner_group", "make_engines", "with_episodes"]
 
 Connection = tuple[RolloutEngine, RemoteLearner, RemotePusher]
 
@@ -72,13 +73,11 @@ def connect(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | N
 
 def connect_embedded(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None = None) -> Connection:
     """Embedded engines: each receives the buckets of every pipeline stage's broadcast group.
-    On the local launcher they sit in an `EngineSet` (even one) that `pusher.recovery` can mend."""
+    They sit in an `EngineSet` (even one) that `pusher.recovery` can mend (processes or Ray actors)."""
     group, engines = _start_with_learner(cfg, model_dir, stack, lambda: make_engines(cfg, model_dir, stack, log_dir))
     address, base_port = _meeting_point(cfg, group)
     pusher = RemotePusher(group, push_timeout_s=cfg.rollout.push_timeout_s)
     _connect_weights(cfg, pusher, address, base_port, engines)
-    if cfg.launcher.kind != "local":
-        return _as_one_engine(engines), RemoteLearner(group), pusher
     engine_set = EngineSet(engines)
     pusher.recovery = EngineRecovery(cfg, model_dir, stack, engine_set, pusher, address)
     return engine_set, RemoteLearner(group), pusher
@@ -105,6 +104,8 @@ class EngineRecovery:
         failed = recovery.failed()                 # [(index, error)]: health-checked, the silent ones SIGKILLed
         recovery.replace(failed, version, push)    # new engines at `version`, weight groups rebuilt
 
+    The engines are local processes (`EmbeddedEngine`) or, with launcher.kind 'ray', Ray actors
+    (`RayEngine`: a dead actor fails its calls, a silent one its health check; `kill` is Ray's).
     A new engine starts from the run's start model (the engine config of the one it replaces)
     and gets the learner's weights as `version` over a new group of the engines below it; then
     the groups of every engine are rebuilt once more on a fresh port (a member that died breaks a
@@ -158,9 +159,7 @@ class EngineRecovery:
         _connect_weights(self.cfg, self.pusher, self.address, free_port_range(self.cfg.parallel.pp), engines)
 
     def _new_engine(self, index: int) -> RolloutEngine:
-        from entr_megatron.rollout.embedded import EmbeddedEngine
-
-        engine = EmbeddedEngine(_embedded_config(self.cfg, self.model_dir, index))
+        engine = embedded_engine(self.cfg, self.model_dir, index)
         self.stack.callback(engine.shutdown)
         return engine
 
@@ -275,19 +274,28 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
     r = cfg.rollout
     if r.engine == "sglang":
         return [sglang_engine(cfg, model_dir, stack, log_dir)]
-    from entr_megatron.rollout.embedded import EmbeddedEngine
-
-    on_ray = cfg.launcher.kind == "ray"
-    if on_ray:
+    if cfg.launcher.kind == "ray":
         _ray_init(cfg)
-        from entr_megatron.controller.ray_engine import RayEngine
     engines = []
     for i in range(r.num_engines):  # local ones all load at once
-        config = _embedded_config(cfg, model_dir, i)
-        engine = RayEngine(config, num_cpus=r.embedded.num_threads or 1) if on_ray else EmbeddedEngine(config, wait=False)
+        engine = embedded_engine(cfg, model_dir, i, wait=False)
         stack.callback(engine.shutdown)
         engines.append(engine)
-    return [engine if on_ray else engine.wait_ready() for engine in engines]
+    return [engine.wait_ready() for engine in engines]
+
+
+def embedded_engine(cfg: RunConfig, model_dir: Path, index: int, wait: bool = True) -> RolloutEngine:
+    """Embedded engine `index` of the run: a local process, or a Ray actor with launcher.kind 'ray'
+    (ready when returned; `wait=False`: a local one may still be loading, see `wait_ready`)."""
+    config = _embedded_config(cfg, model_dir, index)
+    if cfg.launcher.kind == "ray":
+        from entr_megatron.controller.ray_engine import RayEngine
+
+        return RayEngine(config, num_cpus=cfg.rollout.embedded.num_threads or 1,
+                         answer_timeout_s=cfg.rollout.embedded.health_timeout_s)
+    from entr_megatron.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(config, wait=wait)
 
 
 def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
@@ -306,9 +314,3 @@ def _ray_init(cfg: RunConfig) -> None:
         raise ImportError("launcher.kind='ray' needs Ray: pip install 'entr-megatron[cluster]'") from e
     if not ray.is_initialized():
         ray.init(address=cfg.launcher.ray_address, include_dashboard=False)
-
-
-def _as_one_engine(engines: list[RolloutEngine]) -> RolloutEngine:
-    if len(engines) == 1:
-        return engines[0]
-    return EngineSet(engines)

@@ -25,7 +25,15 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from entr_megatron.utils.spawn import die_with_parent, enter_rank, exit_now, free_port, name_process, torchrun_env
+from entr_megatron.utils.spawn import (
+    die_with_parent,
+    enter_rank,
+    exit_now,
+    forks_die_with_this_process,
+    free_port,
+    name_process,
+    torchrun_env,
+)
 
 __all__ = ["ProcessWorkerGroup", "RayWorkerGroup", "WorkerError"]
 
@@ -200,6 +208,7 @@ class _RayRank:
     def start(self, env: dict, threads: int | None, factory: Callable, args: tuple) -> None:
         # Rank 0's address is Ray's node address; gloo's interface is left to the cluster's environment.
         enter_rank(env, threads, loopback_gloo=False)
+        forks_die_with_this_process()  # else a rank killed while its checkpoint writers run is not seen dead
         self.worker = factory(*args)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -243,6 +252,7 @@ class RayWorkerGroup:
         except ImportError as e:
             raise ImportError("launcher.kind='ray' needs Ray: pip install 'entr-megatron[cluster]'") from e
         self.world_size, self.name = world_size, name
+        self._broken = False  # a call failed: shutdown kills without asking
         if not ray.is_initialized():
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
         cpus = float(threads_per_rank or 1)
@@ -299,20 +309,29 @@ class RayWorkerGroup:
                     try:
                         ray.get(ref)
                     except Exception as e:  # noqa: BLE001 - re-raised with the rank
+                        self._broken = True
                         raise WorkerError(f"{self.name} rank {rank} failed in {what}:\n{e}") from e
             if deadline is not None and time.monotonic() > deadline:
+                self._broken = True
                 raise WorkerError(f"{self.name} group: {what} did not finish within {timeout:.0f} s")
         return ray.get(list(refs))
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stops the ranks (their `shutdown` runs) and kills the actors; after a failed call they
+        are killed at once (a rank's peers may be stuck in a collective, behind which `stop` would
+        wait). Idempotent."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        try:
-            ray.get([a.stop.remote() for a in self._actors], timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - killed below
-            pass
+        if self._pg is None:
+            return
+        if not self._broken:
+            try:
+                ray.get([a.stop.remote() for a in self._actors], timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - killed below
+                pass
         for actor in self._actors:
             ray.kill(actor)
         self._actors = []
         remove_placement_group(self._pg)
+        self._pg = None

@@ -84,6 +84,21 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         pass  # not Linux: children of a job killed outright may outlive it
 
 
+def forks_die_with_this_process() -> None:
+    """From now on every process forked from this one gets `die_with_parent` (SIGKILL when this
+    process dies). A Ray actor needs it: the children it forks (Megatron's checkpoint writers)
+    inherit its sockets, and while they live Ray does not see the actor die (a learner rank killed
+    during a save went unnoticed for minutes, until Ray's keepalive gave up). The fork must come
+    from the main thread, which Ray's synchronous actors run their calls on (see `die_with_parent`)."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # looked up here, not in the forked child
+    except (OSError, AttributeError):
+        return  # not Linux
+    os.register_at_fork(after_in_child=lambda: prctl(1, int(signal.SIGKILL)))  # PR_SET_PDEATHSIG
+
+
 def exit_now(code: int = 0) -> NoReturn:
     """End this spawned worker process now: multiprocessing's own exit steps (its finalizers:
     queues flushed, semaphores released; children joined), stdout and stderr flushed, then

@@ -4,7 +4,8 @@ A tiny Qwen3-style model gets a short SFT warm-up once (module fixture); every
 test then trains from it for a few steps. Checked from what the run leaves on
 disk: metrics.jsonl (the lag bound, per-token versions reaching the loss),
 checkpoints (kill -9 and resume gives the same next-step metrics as a run that
-was never interrupted), and the Ray launcher on a single-node local cluster.
+was never interrupted), and the Ray launcher on a single-node local cluster (its engine
+actor and a learner rank actor killed mid-run, both recovered).
 """
 
 from __future__ import annotations
@@ -185,13 +186,78 @@ def test_invalid_config_fails_before_start_naming_the_field(tmp_path, sft_model)
     assert not run_dir.exists(), "nothing may start (or be written) before the config is valid"
 
 
+def _ray_actors(job: subprocess.Popen, cls: str) -> list:
+    """The job's Ray actor processes of class `cls`: the raylet's children that Ray titled
+    `ray::<class>[.<method>]` (not the processes they fork, e.g. Megatron's checkpoint writers,
+    which keep their parent's title)."""
+    import psutil
+
+    def actor(p):
+        try:
+            title, parent = p.cmdline()[:1], p.parent()
+            return title and title[0].split(".")[0].split()[0] == f"ray::{cls}" and "raylet" in parent.name()
+        except (psutil.Error, AttributeError):  # gone, or no parent
+            return False
+
+    return [p for p in psutil.Process(job.pid).children(recursive=True) if actor(p)]
+
+
 def test_ray_launcher_on_a_local_cluster(tmp_path, sft_model):
+    """The Ray launcher on a single-node local cluster, with two faults in the one job: the engine
+    actor's process killed (-9) after the first step (replaced by a new actor: engines/restarts 1),
+    then learner rank 0's actor (launcher.max_restarts 1: new rank actors from the last
+    checkpoint, the engine actor kept); every step written exactly once, within the lag bound."""
     pytest.importorskip("ray")
-    config, run_dir = rl_config(tmp_path, sft_model, "ray", controller={"mode": "fully_async", "max_policy_lag": 2})
-    cli("train", "--config", str(config), "--max-steps", "3", "--launcher", "ray", timeout=900)
+    steps = 10  # of 20: no final evaluation and export, which other tests cover
+    config, run_dir = rl_config(tmp_path, sft_model, "ray", launcher={"max_restarts": 1},
+                                controller={"mode": "fully_async", "max_policy_lag": 2, "train_steps": 20,
+                                            "checkpoint_interval": 2})
+    out, err = (tmp_path / "ray.out").open("w"), (tmp_path / "ray.err").open("w")  # files: nobody reads a pipe
+    job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config),
+                            "--launcher", "ray", "--max-steps", str(steps)], stdout=out, stderr=err, text=True)
+    times, engine = {}, None  # fault -> seconds from it to the first step row that counts its recovery
+    try:
+        deadline = time.monotonic() + 900
+        while job.poll() is None:
+            assert time.monotonic() < deadline, (tmp_path / "ray.err").read_text()[-4000:]
+            rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+            if "engine" not in times and rows:
+                [victim] = _ray_actors(job, "_EngineActor")
+                victim.kill()  # SIGKILL of the actor's process (its engine process dies with it)
+                times["engine"] = time.monotonic()
+            elif "engine" in times and "engine_s" not in times and rows and rows[-1]["engines/restarts"] == 1:
+                times["engine_s"], engine = time.monotonic() - times["engine"], _ray_actors(job, "_EngineActor")
+                replaced_at = len(rows)
+                assert [p.pid for p in engine] != [victim.pid]
+            elif "engine_s" in times and "rank" not in times and len(rows) > (_latest(run_dir) or 0) >= replaced_at:
+                [rank] = _ray_actors(job, "_RayRank")
+                rank.kill()  # in the step after a checkpoint taken since the engine's replacement
+                times["rank"], killed_after = time.monotonic(), len(rows)
+                assert killed_after < steps, "the run ended before the rank could be killed"
+            elif "rank" in times and rows and rows[-1].get("learner/restarts") == 1:
+                times["rank_s"] = time.monotonic() - times["rank"]
+                assert [p.pid for p in _ray_actors(job, "_EngineActor")] == [p.pid for p in engine]  # kept
+                break
+            time.sleep(0.2)
+        assert job.wait(timeout=600) == 0, (tmp_path / "ray.err").read_text()[-6000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    log = (tmp_path / "ray.err").read_text()
+    assert "rank_s" in times, f"the job ended before both faults were recovered: {times}\n{log[-4000:]}"
+    assert "embedded engine 0 failed (" in log and "starting a new one (replacement 1 of at most 3)" in log, log[-4000:]
+    assert "a learner rank failed" in log and "(launcher.max_restarts: 1 of 1)" in log, log[-4000:]
+    assert "replacement 2" not in log, log[-4000:]  # the engine actor kept through the learner's restart
     rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == list(range(steps)), "every step exactly once"
     assert_lag_bound(rows, 2)
+    assert rows[0]["engines/restarts"] == 0 and rows[-1]["engines/restarts"] == 1
+    resumed = int(log.split("resuming from step ")[1].split()[0])
+    assert [r["learner/restarts"] for r in rows] == [0] * resumed + [1] * (steps - resumed)
+    assert json.loads((tmp_path / "ray.out").read_text().strip().splitlines()[-1])["learner_restarts"] == 1
+    print(f"\nRay engine actor killed: its replacement's first step row {times['engine_s']:.1f} s after the kill; "
+          f"rank 0's actor killed after step {killed_after - 1}: resumed from step {resumed}, the first step row "
+          f"{times['rank_s']:.1f} s after the kill")
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, sft_model):

@@ -1,10 +1,15 @@
 """A failed engine replaced mid-run: the controller over an EngineSet of fake engines and a fake
 recovery (the real one starts processes: tests/e2e/test_faults.py), and the restart budget of the
-real `EngineRecovery`."""
+real `EngineRecovery`; engines as Ray actors (`RayEngine` over a fake `ray`) replaced by the real
+`EngineRecovery` (a real cluster: tests/e2e/test_train.py's Ray test)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import threading
+import time
+import traceback
 from contextlib import ExitStack
 
 import pytest
@@ -55,6 +60,9 @@ class Engine:
 
     def abort(self, ids):
         pass
+
+    def update_weights(self, weights, version):
+        self.version = version
 
     def health(self, timeout_s=None):
         alive = self.error is None and not self.hung
@@ -276,3 +284,174 @@ def test_relaunched_learner_ranks_get_the_running_engines_and_may_push_an_older_
         assert method == "connect_weight_sync" and args[2] == (1, 1)  # one receiving rank per engine
         assert pusher.recovery is recovery and recovery.pusher is pusher
     assert pusher.group.down  # stopped with the job
+
+
+# --- engines as Ray actors (launcher.kind ray), over a fake `ray` ------------------------------
+
+
+class FakeRay:
+    """The parts of `ray` that RayEngine uses, without a cluster: each actor runs its calls on
+    threads of its own; `kill_process(actor)` fails them as Ray does when the process dies
+    (ActorDiedError), `stall(actor)` holds them like a SIGSTOPped process; Ray's real exceptions."""
+
+    def __init__(self):
+        self.exceptions = pytest.importorskip("ray.exceptions")
+        self.actors, self.killed = [], []
+
+    def remote(self, cls):
+        ray = self
+
+        class Options:
+            def options(self, **options):
+                return self
+
+            def remote(self, config):
+                actor = FakeActor(ray, Engine(config.initial_version))
+                ray.actors.append(actor)
+                return actor
+
+        return Options()
+
+    def get(self, ref, timeout=None):
+        try:
+            return ref.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise self.exceptions.GetTimeoutError(f"Get timed out: some object(s) not ready within {timeout} s")
+
+    def wait(self, refs, timeout=None):
+        done, _ = concurrent.futures.wait(refs, timeout)
+        return [r for r in refs if r in done], [r for r in refs if r not in done]
+
+    def kill(self, actor, no_restart=True):
+        assert no_restart
+        self.killed.append(actor)
+        self.kill_process(actor)
+
+    def kill_process(self, actor):
+        actor.dead = True
+        actor.running.set()  # a stopped process dies too; its calls fail
+
+    def stall(self, actor):
+        actor.running.clear()
+
+
+class FakeActor:
+    def __init__(self, ray, engine):
+        from entr_megatron.controller.ray_engine import ACTOR_CONCURRENCY, _EngineActor
+
+        self.ray, self.engine, self.dead, self.running = ray, engine, False, threading.Event()
+        self.running.set()
+        self.target = _EngineActor.__new__(_EngineActor)  # its forwarding, around a fake engine
+        self.target.engine = engine
+        self.target.describe = lambda: (engine.weight_version, "10.0.0.7", 4242)
+        self.pool = concurrent.futures.ThreadPoolExecutor(ACTOR_CONCURRENCY)
+
+    def __getattr__(self, name):
+        actor = self
+
+        class Method:
+            def remote(self, *args):
+                return actor.pool.submit(actor.run, name, args)
+
+        return Method()
+
+    def run(self, name, args):
+        self.running.wait()
+        if self.dead:
+            raise self.ray.exceptions.ActorDiedError()
+        if name == "poll" and not self.engine.live:
+            time.sleep(min(args[0] or 0.0, 0.005))  # as a real poll waits
+        try:
+            return getattr(self.target, name)(*args)
+        except Exception as e:  # noqa: BLE001 - what ray.get raises for an actor method's error
+            raise self.ray.exceptions.RayTaskError(name, traceback.format_exc(), e).as_instanceof_cause() from None
+
+
+class PushGroup(Group):
+    """Learner ranks that send every push at once (the engines' side is RemotePusher's own)."""
+
+    def call(self, method, *args, **kwargs):
+        super().call(method, *args)
+        return [0.0] if method == "push" else [{}] if method == "wait_push" else [True]
+
+    def call_async(self, method, *args):
+        answer = self.call(method, *args)
+
+        class Pending:
+            def result(self, timeout=None):
+                return answer
+
+        return Pending()
+
+
+def ray_run(monkeypatch, engines=2, **rollout):
+    """A controller over RayEngines (fake Ray) with the real EngineRecovery of launcher.kind ray
+    and the real RemotePusher (push_timeout_s 1 s) over fake learner ranks."""
+    from entr_megatron.controller import ray_engine, wiring
+    from entr_megatron.controller.remote import RemotePusher
+
+    fake = FakeRay()
+    monkeypatch.setattr(ray_engine, "RayEngine", functools.partial(ray_engine.RayEngine, ray_module=fake))
+    cfg = load_config(None, ["launcher.kind=ray", "rollout.embedded.health_timeout_s=0.5"])
+    engine_set = EngineSet([wiring.embedded_engine(cfg, "model", i) for i in range(engines)])
+    pusher = RemotePusher(PushGroup("learner"), push_timeout_s=1.0)
+    wiring._connect_weights(cfg, pusher, "127.0.0.1", 29000, engine_set.engines)
+    recovery = EngineRecovery(cfg, "model", ExitStack(), engine_set, pusher, "127.0.0.1")
+    learner = Learner()
+    rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=8), **rollout)
+    ctrl = Controller(engine_set, learner, pusher, Task(), ControllerConfig(mode="fully_async", max_policy_lag=2),
+                      rollout, "grpo", recovery=recovery)
+    return ctrl, engine_set, learner, fake
+
+
+@pytest.mark.parametrize("fault", ["kill_process", "stall"])
+def test_a_ray_engine_actor_that_dies_or_stalls_is_killed_and_replaced_by_a_new_actor(monkeypatch, fault):
+    ctrl, engines, learner, fake = ray_run(monkeypatch, poll_timeout_s=0.3)
+    victim = fake.actors[1]
+    learner.on_train = lambda n: n == 3 and getattr(fake, fault)(victim)
+    trained = []
+    train = ctrl._train
+    ctrl._train = lambda groups: trained.extend(g.prompt_index for g in groups) or train(groups)
+    history = ctrl.run(8)
+    assert [m["engines/restarts"] for m in history][-1] == 1 and ctrl.recovery.restarts == 1
+    assert fake.killed[0] is victim and len(fake.actors) == 3  # Ray's kill, then one new actor
+    assert type(engines.engines[1]).__name__ == "RayEngine" and engines.engines[1]._actor is fake.actors[2]
+    assert len(trained) == len(set(trained)) == 8 * P  # none trained twice
+    state = ctrl.state_dict()
+    held = [r["prompt_index"] for r in state["inflight"]] + [g["prompt_index"] for g in state["buffer"]["groups"]]
+    assert sorted(trained + held) == list(range(ctrl.prompts.next_index))  # none lost
+    ctrl.drain()
+    assert engines.engines[1].weight_version == engines.engines[0].weight_version == 8  # it follows the pushes
+
+
+def test_ray_engine_calls_fail_like_a_local_engines_and_a_slow_poll_loses_nothing():
+    from entr_megatron.controller.ray_engine import RayEngine
+    from entr_megatron.rollout.embedded_protocol import EmbeddedEngineConfig
+    from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+
+    fake = FakeRay()
+    engine = RayEngine(EmbeddedEngineConfig(model_dir="model"), answer_timeout_s=0.5, ray_module=fake)
+    actor = fake.actors[0]
+    assert "pid 4242 on 10.0.0.7" in repr(engine) and engine.health().alive
+    engine.submit([GenerateRequest([1, 2], SamplingParams(n=N), request_id="q0")])
+    fake.stall(actor)
+    t0 = time.monotonic()
+    assert engine.poll(timeout=0.2) == [] and engine.poll(timeout=0.1) == []  # nothing yet, no error
+    health = engine.health(timeout_s=0.3)
+    assert not health.alive and "did not answer a health check within 0.3 s" in health.error
+    assert time.monotonic() - t0 < 1.5  # each call within its deadline
+    with pytest.raises(EngineError, match="did not answer submit"):
+        engine.submit([])
+    actor.running.set()  # it answers again: the stalled poll's samples come with the next poll
+    got = engine.poll(timeout=1.0)
+    assert [(r.request_id, r.sample_index) for r in got] == [("q0", 0), ("q0", 1)]
+    actor.engine.error = "the engine process exited (exit code -9)"  # inside the actor: an EngineError
+    with pytest.raises(EngineError, match="exit code -9"):
+        engine.poll(timeout=0.5)
+    assert engine.update_weights(None, 3) is None and engine.weight_version == 3
+    fake.kill_process(actor)  # the actor's process killed
+    with pytest.raises(EngineError, match=r"actor \(pid 4242 on 10.0.0.7\) died \(poll: ActorDiedError\)"):
+        engine.poll(timeout=0.5)
+    assert not engine.health().alive
+    engine.shutdown()
+    assert fake.killed == [actor]

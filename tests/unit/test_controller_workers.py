@@ -1,11 +1,13 @@
 """ProcessWorkerGroup: one call on every rank, torchrun variables, failures named by rank; RayWorkerGroup:
-the driver's variables a rank is given."""
+the driver's variables a rank is given, a rank killed while its forked child runs seen at once."""
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerError
@@ -50,9 +52,11 @@ def test_construction_failure_names_the_rank():
         ProcessWorkerGroup(2, make_broken, ("x",), startup_timeout_s=120)
 
 
-def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeypatch):
+def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeypatch, tmp_path):
     """Ray actors inherit the environment of the cluster, not of the driver (here: a variable set
-    after the local cluster started stands for one only the driver's shell has)."""
+    after the local cluster started stands for one only the driver's shell has). And (the same
+    cluster: it is slow to start) a rank killed while a child it forked runs (a checkpoint writer,
+    which holds the rank's sockets) fails the call at once, and the child dies with it."""
     ray = pytest.importorskip("ray")
     from entr_megatron.controller.workers import RayWorkerGroup
 
@@ -68,6 +72,18 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
             names = ["ENTR_TEST_API_KEY", "ENTR_TEST_OTHER", "ENTR_TEST_UNSET"]
             assert group.call("getenv", names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
                                                    "ENTR_TEST_UNSET": None}]
+            assert group.call("fork_and_wait", 0.2, str(tmp_path / "a")) == [0]  # a live rank's child lives on
+            [pid] = group.call("pid")
+            pending = group.call_async("fork_and_wait", 120, str(tmp_path / "b"))
+            while not (tmp_path / "b").exists() or not (tmp_path / "b").read_text():
+                time.sleep(0.05)
+            child = psutil.Process(int((tmp_path / "b").read_text()))
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match="rank 0 failed in fork_and_wait"):
+                pending.result(timeout=60)
+            assert time.monotonic() - t0 < 30  # not Ray's keepalive (minutes)
+            child.wait(10)  # gone with the rank
         finally:
             group.shutdown()
     finally:

@@ -22,6 +22,22 @@ class EchoWorker:
             raise ValueError(f"rank {rank} refuses")
         return "fine"
 
+    def pid(self):
+        return os.getpid()
+
+    def fork_and_wait(self, seconds, pid_file):
+        """What Megatron's checkpoint writers are: a forked child (its pid written to `pid_file`)
+        the call waits for; returns its exit code."""
+        import multiprocessing
+        import time
+
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(seconds,))
+        child.start()
+        with open(pid_file, "w") as f:
+            f.write(str(child.pid))
+        child.join()
+        return child.exitcode
+
     def die_on(self, rank):
         if self.rank == rank:
             os._exit(3)
