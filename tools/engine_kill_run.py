@@ -5,8 +5,8 @@
 
 For each seed: one undisturbed run and (seed 0 only, or --kill-all-seeds) one run whose engine
 process ("entr-engine") is killed whenever metrics.jsonl reaches a multiple of --every steps
-below controller.train_steps (the held-out evaluations after the last step are not covered by
-engine replacement).
+below controller.train_steps (kills stop before the last step: the final held-out evaluation's
+engine replacement is tested on its own, tests/unit/test_controller_replacing.py).
 Prints, per run: exit code, steps in metrics.jsonl (each exactly once?), engines/restarts at the
 end, held-out sampled accuracy before and after RL (eval.json), wall time; then the killed run's
 accuracy against the undisturbed seeds' range. Run directories are kept under --out.
