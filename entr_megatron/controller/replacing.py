@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from entr_megatron.controller.console import say
-from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, RolloutEngine
+from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, RolloutEngine, generate
 
 __all__ = ["DRAIN_TIMEOUT_S", "generate_replacing"]
 
@@ -35,35 +35,24 @@ def generate_replacing(engine: RolloutEngine, requests: Sequence[GenerateRequest
                        timeout_s: float, idle_timeout_s: float | None = None) -> list[GenerateResult]:
     """Every sample of `requests` (see the module docstring); TimeoutError after `timeout_s` in all."""
     deadline = time.monotonic() + timeout_s
-    expected = sum(r.params.n for r in requests)
+
+    def silent() -> None:
+        if recover(None):  # a silent engine was replaced
+            raise _Replaced()
+        # every engine answered: slow, not hung
+
     while True:
         round_ = [dataclasses.replace(r, request_id=uuid.uuid4().hex) for r in requests]
-        order = {r.request_id: i for i, r in enumerate(round_)}
-        done: dict[tuple[str, int], GenerateResult] = {}
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(requests)} request(s) not finished after {timeout_s:.0f} s")
         try:
-            engine.submit(round_)
-            last_sample = time.monotonic()
-            while len(done) < expected:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{expected - len(done)} of {expected} samples not finished after {timeout_s:.0f} s")
-                results = engine.poll(timeout=min(left, 1.0, idle_timeout_s or 1.0))
-                for r in results:
-                    if r.request_id in order:
-                        done[(r.request_id, r.sample_index)] = r
-                if results:
-                    last_sample = time.monotonic()
-                elif idle_timeout_s is not None and time.monotonic() - last_sample > idle_timeout_s:
-                    if recover(None):  # a silent engine was replaced
-                        raise _Replaced()
-                    last_sample = time.monotonic()  # every engine answered: slow, not hung
+            return generate(engine, round_, timeout_s=left, idle_timeout_s=idle_timeout_s, on_silence=silent)
         except EngineError as e:
             recover(e)  # raises when no engine failed
         except _Replaced:
             pass
-        else:
-            return sorted(done.values(), key=lambda r: (order[r.request_id], r.sample_index))
-        _abandon(engine, list(order), deadline)
+        _abandon(engine, [r.request_id for r in round_], deadline)
         say(f"a round of {len(requests)} request(s) interrupted by the engine replacement is generated again "
             "(same seeds)")
 

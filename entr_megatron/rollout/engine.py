@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
@@ -292,13 +292,14 @@ class RolloutEngine(Protocol):
 
 def generate(
     engine: RolloutEngine, requests: Sequence[GenerateRequest], timeout_s: float = 600.0,
-    idle_timeout_s: float | None = None,
+    idle_timeout_s: float | None = None, on_silence: Callable[[], None] | None = None,
 ) -> list[GenerateResult]:
     """Submit and wait for every sample; results in request order, then sample index.
 
     `timeout_s` bounds the whole wait. With `idle_timeout_s`, every time no sample has come for
     that long the engine is health-checked: a dead or stopped engine (alive=False) raises
     EngineError with its error; one that answers keeps generating (slow, not hung).
+    `on_silence()`, when given, is called instead of that health check (it may raise).
 
     For an engine with nothing else in flight: results of other requests polled
     meanwhile are dropped.
@@ -320,6 +321,10 @@ def generate(
         if results:
             last_sample = time.monotonic()
         elif idle_timeout_s is not None and time.monotonic() - last_sample > idle_timeout_s:
+            if on_silence is not None:
+                on_silence()
+                last_sample = time.monotonic()
+                continue
             health = engine.health()
             if not health.alive:
                 raise EngineError(f"no sample for {idle_timeout_s:.0f} s ({len(done)} of {expected} done) and the "
