@@ -21,6 +21,8 @@ from entr_megatron.controller.loop import Controller
 from entr_megatron.controller.wiring import EngineRecovery
 from entr_megatron.rollout.engine import EngineError, EngineHealth, GenerateResult
 
+from controller_fakes import Learner, Pusher, Recovery
+
 P, N = 2, 2
 
 
@@ -76,57 +78,6 @@ class Engine:
         pass
 
 
-class Recovery:
-    """`EngineRecovery`'s contract, without processes: a new `Engine` at the learner's version."""
-
-    def __init__(self, engines, limit=3):
-        self.engines, self.limit, self.restarts, self.replaced = engines, limit, 0, []
-
-    def failed(self):
-        out = []
-        for i, e in enumerate(self.engines.engines):
-            h = e.health()
-            if not h.alive:
-                e.kill()
-                out.append((i, h.error))
-        return out
-
-    def replace(self, failed, version, pending_push=None):
-        if self.restarts + len(failed) > self.limit:
-            raise RestartsExhausted(f"{self.restarts} replaced; {failed[0][1]}")
-        for i, _ in failed:
-            self.engines.replace(i, Engine(version))
-            self.restarts += 1
-            self.replaced.append(version)
-
-
-class Pusher:
-    def __init__(self, engines):
-        self.engines, self.pushed = engines, []
-
-    def push(self, version):
-        self.pushed.append(version)
-        for e in self.engines.engines:
-            e.version = max(e.version, version)
-
-        class Handle:
-            def wait(self):
-                return {}
-
-        return Handle()
-
-
-class Learner:
-    def __init__(self, on_train=None):
-        self.batches, self.on_train = [], on_train
-
-    def train(self, batch, version):
-        self.batches.append(batch)
-        if self.on_train is not None:
-            self.on_train(len(self.batches))
-        return {}
-
-
 class Task:
     name = "fake"
 
@@ -139,7 +90,7 @@ class Task:
 
 def make(mode="fully_async", engines=2, limit=3, on_train=None, **rollout):
     engine = EngineSet([Engine() for _ in range(engines)])
-    recovery = Recovery(engine, limit)
+    recovery = Recovery(engine, Engine, limit)
     learner = Learner(on_train)
     rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=8), **rollout)
     controller = ControllerConfig(mode=mode, max_policy_lag=2)
@@ -269,7 +220,7 @@ def test_relaunched_learner_ranks_get_the_running_engines_and_may_push_an_older_
     stuck.start()
     old.last_updates = [stuck]
     monkeypatch.setattr(wiring, "ABANDON_TIMEOUT_S", 0.2)
-    recovery = Recovery(engines)
+    recovery = Recovery(engines, Engine)
     old.recovery = recovery
     monkeypatch.setattr(wiring, "learner_group", lambda cfg, model_dir, phase: Group("new"))
     with ExitStack() as stack:

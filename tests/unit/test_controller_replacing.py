@@ -18,6 +18,8 @@ from entr_megatron.controller.loop import Controller
 from entr_megatron.controller.replacing import generate_replacing
 from entr_megatron.rollout.engine import EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingParams
 
+from controller_fakes import Learner, Pusher, Recovery
+
 P, N = 2, 3
 
 
@@ -82,55 +84,6 @@ class Engine:
         pass
 
 
-class Recovery:
-    """`EngineRecovery`'s contract without processes: a new `Engine` at the learner's version."""
-
-    def __init__(self, engines, limit=3):
-        self.engines, self.limit, self.restarts, self.replaced = engines, limit, 0, []
-
-    def failed(self):
-        out = []
-        for i, e in enumerate(self.engines.engines):
-            if not e.health().alive:
-                e.kill()
-                out.append((i, e.health().error))
-        return out
-
-    def replace(self, failed, version, pending_push=None):
-        if self.restarts + len(failed) > self.limit:
-            raise RestartsExhausted(f"{self.restarts} replaced; {failed[0][1]}")
-        for i, _ in failed:
-            self.engines.replace(i, Engine(version))
-            self.restarts += 1
-            self.replaced.append(version)
-
-
-class Pusher:
-    def __init__(self, engines):
-        self.engines = engines
-
-    def push(self, version):
-        for e in self.engines.engines:
-            e.version = max(e.version, version)
-
-        class Handle:
-            def wait(self):
-                return {}
-
-        return Handle()
-
-
-class Learner:
-    def __init__(self, on_train=None):
-        self.batches, self.on_train = [], on_train
-
-    def train(self, batch, version):
-        self.batches.append(batch)
-        if self.on_train is not None:
-            self.on_train(len(self.batches))
-        return {}
-
-
 class Task:
     name = "fake"
 
@@ -148,7 +101,7 @@ def batch_tensors(batch):
 
 def make(mode="fixed_lag", engines=1, on_train=None, **controller):
     engine = EngineSet([Engine() for _ in range(engines)])
-    recovery = Recovery(engine)
+    recovery = Recovery(engine, Engine)
     learner = Learner(on_train)
     rollout = RolloutConfig(prompts_per_step=P, poll_timeout_s=0.05, sampling=SamplingConfig(n=N, max_new_tokens=6))
     options = dict(inter_lag=1, intra_lag=1, intra_lag_stride=3) if mode == "fixed_lag" else {}
@@ -170,7 +123,7 @@ def as_tuples(results):
 def test_an_interrupted_round_is_generated_again_with_the_same_seeds(fault):
     reference = as_tuples(generate_replacing(EngineSet([Engine(), Engine()]), requests(), lambda e: False, 60))
     engines = EngineSet([Engine(every=3), Engine(**{"fail_after" if fault == "dies" else "hang_after": 0})])
-    recovery = Recovery(engines)
+    recovery = Recovery(engines, Engine)
 
     def recover(error):
         failed = recovery.failed()
