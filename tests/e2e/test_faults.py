@@ -223,17 +223,24 @@ def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, t
     assert str(tmpfs / "run") in proc.stderr
 
 
-def _engine_of(job: subprocess.Popen) -> psutil.Process:
-    engines = [p for p in psutil.Process(job.pid).children(recursive=True) if p.name() == "entr-engine"]
-    assert len(engines) == 1, [(p.pid, p.name()) for p in psutil.Process(job.pid).children(recursive=True)]
-    return engines[0]
+def _engine_of(job: subprocess.Popen, wait_s: float = 60.0) -> psutil.Process:
+    """The job's one engine process. A replacement is named `entr-engine` only once it runs our code
+    (a fresh spawn is `python` for a moment, and none may be up while one is being replaced): wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        children = psutil.Process(job.pid).children(recursive=True)
+        engines = [p for p in children if p.name() == "entr-engine"]
+        if len(engines) == 1 or time.monotonic() > deadline:
+            assert len(engines) == 1, [(p.pid, p.name()) for p in children]
+            return engines[0]
+        time.sleep(0.1)
 
 
 def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_learner(tmp_path):
     """One job, three faults: kill -9 of the engine, SIGSTOP of its replacement (both replaced, the
     job goes on), then kill -9 of learner rank 0 (launcher.max_restarts 1: new ranks from the last
     checkpoint, the engine kept: the same process before and after)."""
-    steps, kill_after, stop_after = 14, 3, 6
+    steps, kill_after, stop_after = 24, 3, 6  # room after the replacements: a checkpoint before the last step
     cfg, run_dir = config(tmp_path, "faults", train_steps=steps)  # checkpoints every CKPT_EVERY steps
     data = yaml.safe_load(cfg.read_text())  # a SIGSTOPped engine: silent for 5 s, no health answer in 3 s
     data["rollout"] = {**data["rollout"], "poll_timeout_s": 5.0, "push_timeout_s": 20.0,
@@ -264,8 +271,9 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
             elif stopped is not None and replaced_at is None and rows and rows[-1]["engines/restarts"] == 2:
                 replaced_at, times["stopped"] = len(rows), time.monotonic() - times["stop"]
             elif replaced_at is not None and rank_killed is None and (run_dir / "checkpoints" / "latest").exists() \
-                    and int((run_dir / "checkpoints" / "latest").read_text()) > replaced_at:
-                # the checkpoint the restart resumes from holds steps trained after both replacements
+                    and replaced_at < int((run_dir / "checkpoints" / "latest").read_text()) < steps:
+                # the checkpoint the restart resumes from holds steps trained after both replacements (the
+                # final one would not do: the engines are shut down while the ranks still save it)
                 ranks = [p for p in psutil.Process(job.pid).children(recursive=True)
                          if p.name() == "entr-rank0" and p.parent().name() != "entr-rank0"]
                 # (not the writer processes Megatron's async save forks from rank 0, under its name)
