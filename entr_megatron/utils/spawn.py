@@ -70,18 +70,28 @@ _RENDEZVOUS: dict[int, Any] = {}
 """port -> the TCPStore `serve_rendezvous` keeps alive for this process's lifetime."""
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    """libc's prctl, or None where there is none (not Linux)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies, however it dies (Linux
     PR_SET_PDEATHSIG; a no-op elsewhere). Called first thing in every child the job starts (ranks,
     engines, a study's cells), so a job killed outright
     leaves no orphans. The parent must be the main thread of its process (the kernel counts a
     thread's exit as the parent's death)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: children of a job killed outright may outlive it
+    prctl = _prctl()
+    if prctl is not None:  # (elsewhere children of a job killed outright may outlive it)
+        prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
 def forks_die_with_this_process() -> None:
@@ -90,13 +100,9 @@ def forks_die_with_this_process() -> None:
     inherit its sockets, and while they live Ray does not see the actor die (a learner rank killed
     during a save went unnoticed for minutes, until Ray's keepalive gave up). The fork must come
     from the main thread, which Ray's synchronous actors run their calls on (see `die_with_parent`)."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # looked up here, not in the forked child
-    except (OSError, AttributeError):
-        return  # not Linux
-    os.register_at_fork(after_in_child=lambda: prctl(1, int(signal.SIGKILL)))  # PR_SET_PDEATHSIG
+    prctl = _prctl()  # looked up here, not in each forked child
+    if prctl is not None:
+        os.register_at_fork(after_in_child=lambda: prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)))
 
 
 def exit_now(code: int = 0) -> NoReturn:
