@@ -19,6 +19,7 @@ a pure function of (split, n, seed).
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,20 @@ def _make(a: int, op: str, b: int, reverse: bool, width: int = 0) -> Problem:
     return Problem(f"{a:0{width}d}{op}{b:0{width}d}=" if width else f"{a}{op}{b}=", answer)
 
 
+def _valid(a: int, op: str, b: int, split: str, allow_negative: bool, test_fraction: float, split_seed: int) -> bool:
+    return (allow_negative or op != "-" or a >= b) and split_of(f"{a}{op}{b}", test_fraction, split_seed) == split
+
+
+@functools.lru_cache(maxsize=8)
+def _pool(split: str, digits: int, ops: tuple[str, ...], allow_negative: bool, test_fraction: float,
+          split_seed: int) -> tuple[tuple[int, str, int], ...]:
+    """Every problem of a listable split, in a fixed order; listed once per process (hashing
+    10^4 texts takes ~40 ms, and the controller draws a chunk of prompts every step)."""
+    hi = 10**digits
+    return tuple((a, op, b) for op in ops for a in range(hi) for b in range(hi)
+                 if _valid(a, op, b, split, allow_negative, test_fraction, split_seed))
+
+
 def draw_problems(
     split: str, n: int, seed: int, *, digits: int, ops: tuple[str, ...], allow_negative: bool,
     reverse: bool, test_fraction: float, split_seed: int, pad_operands: bool = False,
@@ -59,12 +74,8 @@ def draw_problems(
     hi = 10**digits
     width = digits if pad_operands else 0
     rng = random.Random(f"{split}:{seed}")
-
-    def valid(a: int, op: str, b: int) -> bool:
-        return (allow_negative or op != "-" or a >= b) and split_of(f"{a}{op}{b}", test_fraction, split_seed) == split
-
     if hi * hi * len(ops) <= ENUMERATE_LIMIT:
-        pool = [(a, op, b) for op in ops for a in range(hi) for b in range(hi) if valid(a, op, b)]
+        pool = _pool(split, digits, tuple(ops), allow_negative, test_fraction, split_seed)
         if not pool:
             raise ValueError(f"the {split!r} split is empty (digits={digits}, test_fraction={test_fraction})")
         picks = rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
@@ -72,7 +83,7 @@ def draw_problems(
     out, seen = [], set()
     while len(out) < n:
         a, op, b = rng.randrange(hi), rng.choice(ops), rng.randrange(hi)
-        if valid(a, op, b) and (a, op, b) not in seen:
+        if _valid(a, op, b, split, allow_negative, test_fraction, split_seed) and (a, op, b) not in seen:
             seen.add((a, op, b))
             out.append(_make(a, op, b, reverse, width))
     return out
