@@ -15,8 +15,10 @@ The model (what it keeps and what it leaves out):
 - The controller logic is the loop's: sync generates P groups then trains; one_step_off trains
   step k while step k+1 generates (push while engines are idle); fully_async keeps
   ``max_inflight_groups`` (default 2P, capped by P(max_policy_lag+1) minus the buffered) in
-  flight, trains on the oldest P finished groups, drops groups over the bound and regenerates
-  them, aborts in-flight groups submitted before ``version - max_policy_lag``; fixed_lag has
+  flight, trains on the oldest P received groups, drops groups over the bound and regenerates
+  them, aborts in-flight groups submitted before ``version - max_policy_lag``. As in the loop,
+  the controller receives finished groups only while it collects (not while it trains) and
+  counts those it has not received as in flight, so engines get new work only then; fixed_lag has
   sync's timing (generation ahead is sequential) and lag K..K+J by construction.
 - Left out: network contention, learner/engine interference on shared cores, the variance of
   step costs, multi-turn tools.
@@ -245,7 +247,11 @@ class _Simulation:
         self.engines = [_Engine(costs) for _ in range(costs.engines)]
         self.now, self.version, self.next_gid, self.rr = 0.0, 0, 0, 0
         self.inflight: dict[int, _Group] = {}
+        """Groups submitted and not yet received by the controller (finished ones included)."""
+        self.arrived: deque[_Group] = deque()
+        """Groups the engines finished that the controller has not received yet."""
         self.finished: deque[_Group] = deque()
+        """The controller's buffer: received groups not yet trained on."""
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.dropped = 0
@@ -283,10 +289,7 @@ class _Simulation:
         if kind == "decode":
             engine = payload
             engine.busy = False
-            for group in engine.finish():
-                if not group.aborted:
-                    del self.inflight[group.id]
-                    self.finished.append(group)
+            self.arrived.extend(g for g in engine.finish() if not g.aborted)
             self._kick(engine)
         elif kind == "weights":  # an in-flight swap stalls the next decode step; a waited one is in the wait
             version, in_flight = payload
@@ -317,11 +320,9 @@ class _Simulation:
             t0 = self.now
             if self.mode in ("sync", "fixed_lag"):
                 self.submit(P)
-                self.wait_until(lambda: len(self.finished) >= P)
-                batch = [self.finished.popleft() for _ in range(P)]
+                batch = self._collect_all(P)
             elif self.mode == "one_step_off":
-                self.wait_until(lambda: len(self.finished) >= P)
-                batch = [self.finished.popleft() for _ in range(P)]
+                batch = self._collect_all(P)
                 self._push(wait=True)
                 self.submit(P)
             else:
@@ -365,7 +366,23 @@ class _Simulation:
         if wait:
             self.wait_time(arrive + self.c.swap_s)
 
+    def _receive(self) -> None:
+        """The controller's poll: waits for a finished group when none has arrived, then takes
+        every one that has (the loop receives only while it collects, not while it trains)."""
+        self.wait_until(lambda: bool(self.arrived))
+        while self.arrived:
+            group = self.arrived.popleft()
+            del self.inflight[group.id]
+            self.finished.append(group)
+
+    def _collect_all(self, count: int) -> list[_Group]:
+        while len(self.finished) < count:
+            self._receive()
+        return [self.finished.popleft() for _ in range(count)]
+
     def _collect_async(self) -> list[_Group]:
+        """The loop's `_collect` with its fully_async in-flight target: groups not yet received
+        count as in flight, so the engines get new work only once the controller has received."""
         P, lag = self.w.prompts_per_step, self.w.max_policy_lag
         target = self.w.max_inflight_groups or 2 * P
         while True:
@@ -380,15 +397,16 @@ class _Simulation:
                 self.submit(want)
             if len(self.finished) >= P:
                 return [self.finished.popleft() for _ in range(P)]
-            self.advance()
+            self._receive()
 
     def _abort_doomed(self) -> None:
         oldest = self.version - self.w.max_policy_lag
         for gid, group in list(self.inflight.items()):
-            if group.submit_version < oldest:
+            if group.submit_version < oldest:  # finished but not received: aborted all the same
                 group.aborted = True
                 del self.inflight[gid]
                 self.dropped += 1
+        self.arrived = deque(g for g in self.arrived if not g.aborted)
 
 
 # ---- costs from measurements ---------------------------------------------------------------------
