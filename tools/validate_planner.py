@@ -3,10 +3,12 @@ policy lag for sync, one_step_off and fully_async, per configuration.
 
     python tools/validate_planner.py runs/studies/modes [--out docs/studies/planner.md]
 
-The study (examples/studies/modes.yaml) has one cell per mode x configuration. For each
-configuration the costs come from its *sync* cell only (learner cost fitted from its steps, push
-time from its logs) plus the embedded engine timed on that cell's model (`measure_engine`);
-the other modes are then predicted, not fitted. Steps before --skip are left out (start-up).
+The study (examples/studies/modes.yaml) has one cell per mode x configuration x seed; the seeds
+are also repeats of the timing (this machine's speed drifts by 10-20% between minutes). For each
+configuration and seed the costs come from its *sync* cell only (learner cost fitted from its
+steps, push time from its logs) plus the embedded engine timed on the configuration's model
+(`measure_engine`); the other modes of that seed are then predicted, not fitted. A row gives the
+means over the seeds and the range of the per-run errors. Steps before --skip are left out.
 """
 
 from __future__ import annotations
@@ -41,37 +43,56 @@ def main() -> int:
     cells = {}
     for cell_json in sorted((args.study / "cells").glob("*/cell.json")):
         info = json.loads(cell_json.read_text())
-        cells[(info["axes"]["controller.mode"], info["axes"][args.axis])] = cell_json.parent
-    configs = sorted({c for _, c in cells})
-    lines = ["| config | mode | steps | measured step s | predicted step s | error | measured lag | predicted lag | lag error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        axes = info["axes"]
+        cells[(axes["controller.mode"], axes[args.axis], axes.get("controller.seed", 0))] = cell_json.parent
+    configs = sorted({c for _, c, _ in cells})
+    seeds = sorted({s for _, _, s in cells})
+    rows = []  # (config, mode, seed, steps, measured s, predicted s, measured lag, predicted lag)
+    for config in configs:
+        engine = None
+        for seed in seeds:
+            sync = cells.get(("sync", config, seed))
+            if sync is None:
+                continue
+            if engine is None:  # the engine's shape, timed once per configuration on its model
+                cfg = load_config(sync / "config.yaml")
+                rough, _ = costs_from_run(str(sync), {"decode_base_s": 1.0, "decode_per_seq_s": 0.0}, skip_steps=args.skip)
+                engine = measure_engine(str(RunPaths(sync).latest_model()), dtype=cfg.rollout.dtype,
+                                        prompt_len=rough.prompt_len, tokens=max(cfg.rollout.sampling.max_new_tokens, 8) * 2,
+                                        num_threads=cfg.rollout.embedded.num_threads,
+                                        max_batch_size=cfg.rollout.embedded.max_batch_size, repeats=5)
+            costs, _ = costs_from_run(str(sync), engine, skip_steps=args.skip)
+            print(f"[validate] {args.axis}={config} seed {seed}: {json.dumps(dataclasses.asdict(costs))}", file=sys.stderr)
+            for mode in MODES:
+                cell = cells.get((mode, config, seed))
+                if cell is None:
+                    continue
+                _, workload = costs_from_run(str(cell), engine, skip_steps=args.skip)
+                step_s, lag, steps = measured(cell, args.skip)
+                plan = simulate(costs, dataclasses.replace(workload, steps=steps + args.skip), mode)
+                predicted_s = sum(plan.step_s[args.skip:]) / len(plan.step_s[args.skip:])
+                lags = plan.step_lag_mean[args.skip:]  # per step, as the measured policy_lag/mean
+                rows.append((config, mode, seed, steps, step_s, predicted_s, lag, sum(lags) / len(lags)))
+    lines = [f"| config | mode | runs | measured step s | predicted step s | error | error per run | "
+             f"measured lag | predicted lag | lag error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     worst_time, worst_lag = 0.0, 0.0
     for config in configs:
-        sync = cells[("sync", config)]
-        cfg = load_config(sync / "config.yaml")
-        rough, _ = costs_from_run(str(sync), {"decode_base_s": 1.0, "decode_per_seq_s": 0.0}, skip_steps=args.skip)
-        engine = measure_engine(str(RunPaths(sync).latest_model()), dtype=cfg.rollout.dtype,
-                                prompt_len=rough.prompt_len, tokens=max(cfg.rollout.sampling.max_new_tokens, 8) * 2,
-                                num_threads=cfg.rollout.embedded.num_threads,
-                                max_batch_size=cfg.rollout.embedded.max_batch_size, repeats=5)
-        costs, _ = costs_from_run(str(sync), engine, skip_steps=args.skip)
-        print(f"[validate] {args.axis}={config}: {json.dumps(dataclasses.asdict(costs))}", file=sys.stderr)
         for mode in MODES:
-            cell = cells.get((mode, config))
-            if cell is None:
+            got = [r for r in rows if r[0] == config and r[1] == mode]
+            if not got:
                 continue
-            _, workload = costs_from_run(str(cell), engine, skip_steps=args.skip)
-            step_s, lag, steps = measured(cell, args.skip)
-            plan = simulate(costs, dataclasses.replace(workload, steps=steps + args.skip), mode)
-            predicted_s = sum(plan.step_s[args.skip:]) / len(plan.step_s[args.skip:])
-            lags = plan.step_lag_mean[args.skip:]  # per step, as the measured policy_lag/mean
-            predicted_lag = sum(lags) / len(lags)
+            mean = lambda i: sum(r[i] for r in got) / len(got)  # noqa: E731
+            step_s, predicted_s, lag, predicted_lag = mean(4), mean(5), mean(6), mean(7)
             err = predicted_s / step_s - 1
+            per_run = [r[5] / r[4] - 1 for r in got]
             worst_time, worst_lag = max(worst_time, abs(err)), max(worst_lag, abs(predicted_lag - lag))
-            lines.append(f"| {args.axis}={config} | {mode} | {steps} | {step_s:.3f} | {predicted_s:.3f} | {err:+.0%} "
+            lines.append(f"| {args.axis}={config} | {mode} | {len(got)} | {step_s:.3f} | {predicted_s:.3f} | {err:+.0%} "
+                         f"| {min(per_run):+.0%} .. {max(per_run):+.0%} "
                          f"| {lag:.2f} | {predicted_lag:.2f} | {predicted_lag - lag:+.2f} |")
     lines.append("")
-    lines.append(f"Largest step-time error {worst_time:.0%}; largest lag error {worst_lag:.2f} versions.")
+    lines.append(f"Largest step-time error {worst_time:.0%}; largest lag error {worst_lag:.2f} versions "
+                 f"(means over {len(seeds)} run(s) per row, each run predicted from the sync run of its seed).")
     text = "\n".join(lines)
     print(text)
     if args.out:
