@@ -1,7 +1,7 @@
 """The throughput planner against measured runs: predicted vs measured mean step time and mean
 policy lag for sync, one_step_off and fully_async, per configuration.
 
-    python tools/validate_planner.py runs/studies/modes [--out docs/studies/planner.md]
+    python tools/validate_planner.py runs/studies/modes [--out TABLE.md]
 
 The study (examples/studies/modes.yaml) has one cell per mode x configuration x seed; the seeds
 are also repeats of the timing (this machine's speed drifts by 10-20% between minutes). For each
@@ -73,8 +73,8 @@ def main() -> int:
                 predicted_s = sum(plan.step_s[args.skip:]) / len(plan.step_s[args.skip:])
                 lags = plan.step_lag_mean[args.skip:]  # per step, as the measured policy_lag/mean
                 rows.append((config, mode, seed, steps, step_s, predicted_s, lag, sum(lags) / len(lags)))
-    lines = [f"| config | mode | runs | measured step s | predicted step s | error | error per run | "
-             f"measured lag | predicted lag | lag error |",
+    lines = ["| config | mode | runs | measured step s | predicted step s | error | error per run | "
+             "measured lag | predicted lag | lag error |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     worst_time, worst_lag = 0.0, 0.0
     for config in configs:
@@ -82,8 +82,7 @@ def main() -> int:
             got = [r for r in rows if r[0] == config and r[1] == mode]
             if not got:
                 continue
-            mean = lambda i: sum(r[i] for r in got) / len(got)  # noqa: E731
-            step_s, predicted_s, lag, predicted_lag = mean(4), mean(5), mean(6), mean(7)
+            step_s, predicted_s, lag, predicted_lag = (sum(r[i] for r in got) / len(got) for i in (4, 5, 6, 7))
             err = predicted_s / step_s - 1
             per_run = [r[5] / r[4] - 1 for r in got]
             worst_time, worst_lag = max(worst_time, abs(err)), max(worst_lag, abs(predicted_lag - lag))
