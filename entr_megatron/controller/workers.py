@@ -47,6 +47,7 @@ class WorkerError(RuntimeError):
 def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: tuple, conn) -> None:
     """A local rank: build the worker, then run calls until told to stop."""
     die_with_parent()  # the driver killed outright takes its ranks with it
+    forks_die_with_this_process()  # and a rank killed outright its checkpoint writers (they hold the job's pipes)
     name_process(f"entr-rank{rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     enter_rank(env, threads)

@@ -96,10 +96,12 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 def forks_die_with_this_process() -> None:
     """From now on every process forked from this one gets `die_with_parent` (SIGKILL when this
-    process dies). A Ray actor needs it: the children it forks (Megatron's checkpoint writers)
-    inherit its sockets, and while they live Ray does not see the actor die (a learner rank killed
-    during a save went unnoticed for minutes, until Ray's keepalive gave up). The fork must come
-    from the main thread, which Ray's synchronous actors run their calls on (see `die_with_parent`)."""
+    process dies). Every learner rank needs it: the children it forks (Megatron's checkpoint
+    writers) inherit its sockets and pipes. Under Ray, while they live Ray does not see the actor
+    die (a learner rank killed during a save went unnoticed for minutes, until Ray's keepalive gave
+    up); in a local job, they outlive a rank killed during a save and keep the job's stdout and
+    stderr open after it exits. The fork must come from the main thread, which a local rank's
+    call loop and Ray's synchronous actors run their calls on (see `die_with_parent`)."""
     prctl = _prctl()  # looked up here, not in each forked child
     if prctl is not None:
         os.register_at_fork(after_in_child=lambda: prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)))

@@ -1,5 +1,6 @@
-"""ProcessWorkerGroup: one call on every rank, torchrun variables, failures named by rank; RayWorkerGroup:
-the driver's variables a rank is given, a rank killed while its forked child runs seen at once."""
+"""ProcessWorkerGroup: one call on every rank, torchrun variables, failures named by rank, a rank killed
+while its forked child runs takes the child with it; RayWorkerGroup: the driver's variables a rank is
+given, a rank killed while its forked child runs seen at once."""
 
 import os
 import signal
@@ -45,6 +46,26 @@ def test_a_dead_rank_is_reported_without_waiting_for_its_peers(group):
     with pytest.raises(WorkerError, match=r"rank 2 died during die_on \(exit code 3"):
         group.call("die_on", 2)
     assert time.monotonic() - t0 < 20  # peers sleep 30 s
+
+
+def test_a_local_rank_killed_while_its_forked_child_runs_takes_the_child_with_it(tmp_path):
+    """A checkpoint writer Megatron forks from a rank holds the rank's pipes, the job's stdout and
+    stderr among them: one that outlived a rank killed during a save kept a finished job's output
+    open (seen in the fault e2e test). Killed with its rank now; a live rank's child lives on."""
+    group = ProcessWorkerGroup(1, make_echo, ("t",), threads_per_rank=1, startup_timeout_s=120)
+    try:
+        assert group.call("fork_and_wait", 0.2, str(tmp_path / "a")) == [0]
+        [pid] = group.call("pid")
+        pending = group.call_async("fork_and_wait", 120, str(tmp_path / "b"))
+        while not (tmp_path / "b").exists() or not (tmp_path / "b").read_text():
+            time.sleep(0.05)
+        child = psutil.Process(int((tmp_path / "b").read_text()))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match="rank 0 died during fork_and_wait"):
+            pending.result(timeout=60)
+        child.wait(10)  # gone with the rank (psutil.TimeoutExpired if it lives on)
+    finally:
+        group.shutdown()
 
 
 def test_construction_failure_names_the_rank():
