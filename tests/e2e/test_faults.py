@@ -223,6 +223,21 @@ def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, t
     assert str(tmpfs / "run") in proc.stderr
 
 
+def _survivors(seen: dict[tuple[int, float], str]) -> list[str]:
+    """Processes of `seen` ((pid, create time) -> name) still running (zombies aside): what kept the
+    job's output pipes open after it exited."""
+    out = []
+    for (pid, created), name in seen.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {name} (now {p.name()}, {p.status()}, parent {p.ppid()}): {' '.join(p.cmdline())[:200]}")
+                p.kill()
+        except psutil.Error:
+            continue
+    return out
+
+
 def _engine_of(job: subprocess.Popen, wait_s: float = 60.0) -> psutil.Process:
     """The job's one engine process. A replacement is named `entr-engine` only once it runs our code
     (a fresh spawn is `python` for a moment, and none may be up while one is being replaced): wait."""
@@ -253,10 +268,16 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
         deadline = time.monotonic() + 400
         killed = stopped = replaced_at = rank_killed = engine = None
         times = {}  # fault -> seconds until the first step row that counts its replacement
+        seen = {}  # every process the job started: (pid, create time) -> name
         while job.poll() is None:
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
                 if (run_dir / "metrics.jsonl").exists() else []
             assert time.monotonic() < deadline, job.communicate()[1][-3000:]
+            for p in psutil.Process(job.pid).children(recursive=True):
+                try:
+                    seen.setdefault((p.pid, p.create_time()), p.name())
+                except psutil.Error:
+                    continue
             if killed is None and len(rows) >= kill_after:
                 killed = _engine_of(job)
                 killed.kill()  # SIGKILL
@@ -286,7 +307,11 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
                 assert _engine_of(job).pid == engine.pid  # the engine kept through the learner's restart
                 break
             time.sleep(0.2)
-        out, err = job.communicate(timeout=600)
+        try:
+            out, err = job.communicate(timeout=600)
+        except subprocess.TimeoutExpired:  # the job may have exited while a process it started holds its pipes
+            raise AssertionError(f"job {'exited' if job.poll() is not None else 'still running'} after 600 s; "
+                                 f"processes it started that are still running: {_survivors(seen)}") from None
     finally:
         if job.poll() is None:
             job.kill()
