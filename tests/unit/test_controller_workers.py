@@ -17,6 +17,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workers_fixture import make_broken, make_echo  # noqa: E402
 
 
+def _kill_rank_while_its_child_runs(group, tmp_path: Path):
+    """Rank 0 forks a child that lives on while the rank does (checked), then forks one for 120 s
+    (a checkpoint writer mid-save) and is SIGKILLed; returns (the pending call, the child)."""
+    assert group.call("fork_and_wait", 0.2, str(tmp_path / "a")) == [0]  # a live rank's child lives on
+    [pid] = group.call("pid")
+    pending = group.call_async("fork_and_wait", 120, str(tmp_path / "b"))
+    while not (tmp_path / "b").exists() or not (tmp_path / "b").read_text():
+        time.sleep(0.05)
+    child = psutil.Process(int((tmp_path / "b").read_text()))
+    os.kill(pid, signal.SIGKILL)
+    return pending, child
+
+
 @pytest.fixture
 def group():
     g = ProcessWorkerGroup(3, make_echo, ("t",), threads_per_rank=1, startup_timeout_s=120)
@@ -54,13 +67,7 @@ def test_a_local_rank_killed_while_its_forked_child_runs_takes_the_child_with_it
     open (seen in the fault e2e test). Killed with its rank now; a live rank's child lives on."""
     group = ProcessWorkerGroup(1, make_echo, ("t",), threads_per_rank=1, startup_timeout_s=120)
     try:
-        assert group.call("fork_and_wait", 0.2, str(tmp_path / "a")) == [0]
-        [pid] = group.call("pid")
-        pending = group.call_async("fork_and_wait", 120, str(tmp_path / "b"))
-        while not (tmp_path / "b").exists() or not (tmp_path / "b").read_text():
-            time.sleep(0.05)
-        child = psutil.Process(int((tmp_path / "b").read_text()))
-        os.kill(pid, signal.SIGKILL)
+        pending, child = _kill_rank_while_its_child_runs(group, tmp_path)
         with pytest.raises(WorkerError, match="rank 0 died during fork_and_wait"):
             pending.result(timeout=60)
         child.wait(10)  # gone with the rank (psutil.TimeoutExpired if it lives on)
@@ -93,13 +100,7 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
             names = ["ENTR_TEST_API_KEY", "ENTR_TEST_OTHER", "ENTR_TEST_UNSET"]
             assert group.call("getenv", names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
                                                    "ENTR_TEST_UNSET": None}]
-            assert group.call("fork_and_wait", 0.2, str(tmp_path / "a")) == [0]  # a live rank's child lives on
-            [pid] = group.call("pid")
-            pending = group.call_async("fork_and_wait", 120, str(tmp_path / "b"))
-            while not (tmp_path / "b").exists() or not (tmp_path / "b").read_text():
-                time.sleep(0.05)
-            child = psutil.Process(int((tmp_path / "b").read_text()))
-            os.kill(pid, signal.SIGKILL)
+            pending, child = _kill_rank_while_its_child_runs(group, tmp_path)
             t0 = time.monotonic()
             with pytest.raises(WorkerError, match="rank 0 failed in fork_and_wait"):
                 pending.result(timeout=60)
