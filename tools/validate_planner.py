@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+import pandas as pd
+
 from entr_megatron.config.loader import load_config
 from entr_megatron.controller.run_dir import RunPaths
 from entr_megatron.study.planner import costs_from_run, measure_engine, simulate
@@ -47,7 +49,7 @@ def main() -> int:
         cells[(axes["controller.mode"], axes[args.axis], axes.get("controller.seed", 0))] = cell_json.parent
     configs = sorted({c for _, c, _ in cells})
     seeds = sorted({s for _, _, s in cells})
-    rows = []  # (config, mode, seed, steps, measured s, predicted s, measured lag, predicted lag)
+    rows = []  # one per cell: measured and predicted mean step time and lag
     for config in configs:
         engine = None
         for seed in seeds:
@@ -72,23 +74,26 @@ def main() -> int:
                 plan = simulate(costs, dataclasses.replace(workload, steps=steps + args.skip), mode)
                 predicted_s = sum(plan.step_s[args.skip:]) / len(plan.step_s[args.skip:])
                 lags = plan.step_lag_mean[args.skip:]  # per step, as the measured policy_lag/mean
-                rows.append((config, mode, seed, steps, step_s, predicted_s, lag, sum(lags) / len(lags)))
+                rows.append({"config": config, "mode": mode, "step_s": step_s, "predicted_s": predicted_s,
+                             "lag": lag, "predicted_lag": sum(lags) / len(lags)})
+    table = pd.DataFrame(rows)
+    table["error"] = table.predicted_s / table.step_s - 1
+    by_row = dict(list(table.groupby(["config", "mode"])))
     lines = ["| config | mode | runs | measured step s | predicted step s | error | error per run | "
              "measured lag | predicted lag | lag error |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     worst_time, worst_lag = 0.0, 0.0
     for config in configs:
         for mode in MODES:
-            got = [r for r in rows if r[0] == config and r[1] == mode]
-            if not got:
+            got = by_row.get((config, mode))
+            if got is None:
                 continue
-            step_s, predicted_s, lag, predicted_lag = (sum(r[i] for r in got) / len(got) for i in (4, 5, 6, 7))
-            err = predicted_s / step_s - 1
-            per_run = [r[5] / r[4] - 1 for r in got]
-            worst_time, worst_lag = max(worst_time, abs(err)), max(worst_lag, abs(predicted_lag - lag))
-            lines.append(f"| {args.axis}={config} | {mode} | {len(got)} | {step_s:.3f} | {predicted_s:.3f} | {err:+.0%} "
-                         f"| {min(per_run):+.0%} .. {max(per_run):+.0%} "
-                         f"| {lag:.2f} | {predicted_lag:.2f} | {predicted_lag - lag:+.2f} |")
+            m = got.mean(numeric_only=True)
+            err = m.predicted_s / m.step_s - 1  # of the means, not the mean of the per-run errors
+            worst_time, worst_lag = max(worst_time, abs(err)), max(worst_lag, abs(m.predicted_lag - m.lag))
+            lines.append(f"| {args.axis}={config} | {mode} | {len(got)} | {m.step_s:.3f} | {m.predicted_s:.3f} | {err:+.0%} "
+                         f"| {got.error.min():+.0%} .. {got.error.max():+.0%} "
+                         f"| {m.lag:.2f} | {m.predicted_lag:.2f} | {m.predicted_lag - m.lag:+.2f} |")
     lines.append("")
     lines.append(f"Largest step-time error {worst_time:.0%}; largest lag error {worst_lag:.2f} versions "
                  f"(means over {len(seeds)} run(s) per row, each run predicted from the sync run of its seed).")

@@ -224,8 +224,8 @@ def test_a_read_only_run_directory_is_refused_before_anything_starts(tmp_path, t
 
 
 def _survivors(seen: dict[tuple[int, float], str]) -> list[str]:
-    """Processes of `seen` ((pid, create time) -> name) still running (zombies aside): what kept the
-    job's output pipes open after it exited."""
+    """Processes of `seen` ((pid, create time) -> name) still running (zombies aside), described and
+    killed: what kept the job's output pipes open after it exited."""
     out = []
     for (pid, created), name in seen.items():
         try:
