@@ -42,9 +42,18 @@ cast at the end) from the bf16 GEMMs' ``[chunk_tokens, h]`` / ``[chunk_vocab, h]
 products. Saved for backward: hidden, weight, targets, logZ and H.
 The extra cost over the unfused path is the recomputed GEMM in backward (4 GEMMs
 instead of 3).
+
+Two implementations of the same steps (``backend``): this chunked PyTorch path, the
+reference, and on CUDA the Triton kernels of ``fused_output_triton.py`` (chosen by
+default when Triton is installed): the forward GEMM with the statistics folded in
+registers (no tile buffer at all), and in backward one kernel per tile that recomputes
+the logits and writes their gradient, followed by the same two gradient GEMMs.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 
@@ -59,7 +68,9 @@ from entr_megatron.parallel.vocab_parallel import (
     check_vocab_and_targets,
 )
 
-__all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape"]
+__all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape", "triton_available"]
+
+_BACKENDS = ("auto", "torch", "triton")
 
 # Default tile: 4096 columns x 512 tokens, an 8 MiB fp32 buffer (the tokens follow
 # from the budget when only the columns are given, and vice versa). GEMMs of that
@@ -67,16 +78,22 @@ __all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape"]
 # three such buffers stay far below the [N, V/tp] logits they replace.
 _DEFAULT_TILE_ELEMENTS = 1 << 21
 _DEFAULT_CHUNK_VOCAB = 4096
+# The Triton path's backward tile: 4096 x 4096 (32 MiB in bf16, its only tile buffer).
+# Each tile costs three kernel launches (the fused recompute, two cuBLAS GEMMs), so
+# tiles this size keep launches a few percent of a GEMM at h >= 2048; the forward
+# kernel needs no buffer at all.
+_TRITON_TILE_ELEMENTS = 1 << 24
 
 _Ops = _VocabParallelLogProbEntropy  # the unfused op's named steps, shared here
 
 
-def default_tile_shape(n_tokens: int, width: int, chunk_tokens=None, chunk_vocab=None) -> tuple[int, int]:
-    """(tokens, columns) of one tile: ~8 MiB fp32 unless given, bounded by the problem's own size."""
+def default_tile_shape(n_tokens: int, width: int, chunk_tokens=None, chunk_vocab=None,
+                       elements: int = _DEFAULT_TILE_ELEMENTS) -> tuple[int, int]:
+    """(tokens, columns) of one tile: ``elements`` in all unless given, bounded by the problem's own size."""
     if chunk_vocab is None:
-        chunk_vocab = _DEFAULT_TILE_ELEMENTS // chunk_tokens if chunk_tokens else _DEFAULT_CHUNK_VOCAB
+        chunk_vocab = elements // chunk_tokens if chunk_tokens else _DEFAULT_CHUNK_VOCAB
     cv = max(1, min(chunk_vocab, width))
-    ct = chunk_tokens or _DEFAULT_TILE_ELEMENTS // cv
+    ct = chunk_tokens or elements // cv
     return max(1, min(ct, n_tokens)), cv
 
 
@@ -129,17 +146,27 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def input_grads(hidden_NH, weight_VH, targets_N, log_z, entropy, g_lp, g_h, vocab_start, inv_temp, ct, cv,
-                    grad_hidden, grad_weight):
+                    grad_hidden, grad_weight, use_triton=False):
         """Accumulates d(sum g_lp*logprob + g_h*H) into ``grad_hidden [N, h]`` / ``grad_weight [width, h]``.
 
         Either may be ``None`` (not wanted); both are fp32. With bf16/fp16 inputs the
         tile's gradient is rounded to that dtype for the GEMMs (as the unfused path's
-        logits gradient is), and the GEMMs' products are summed in fp32.
+        logits gradient is), and the GEMMs' products are summed in fp32. With
+        ``use_triton`` one kernel recomputes each tile's logits and writes its gradient
+        (one tile buffer in the input dtype); otherwise a matmul and the unfused op's
+        ``logits_grad`` do (three tile buffers).
         """
         n_tokens, width = hidden_NH.shape[0], weight_VH.shape[0]
         dev, low = hidden_NH.device, hidden_NH.dtype != torch.float32
         raw = torch.empty(ct * cv, dtype=hidden_NH.dtype, device=dev)
-        buf_p, buf_d = (torch.empty(ct * cv, dtype=torch.float32, device=dev) for _ in range(2))
+        if use_triton:
+            from entr_megatron.parallel import fused_output_triton
+
+            coef_a = -g_h * inv_temp
+            coef_c = -(g_lp + g_h * entropy) * inv_temp
+            target_grad = g_lp * inv_temp
+        else:
+            buf_p, buf_d = (torch.empty(ct * cv, dtype=torch.float32, device=dev) for _ in range(2))
         for s in range(0, n_tokens, ct):
             e_ = min(s + ct, n_tokens)
             x_t = hidden_NH[s:e_]
@@ -147,14 +174,20 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
                 v1 = min(v0 + cv, width)
                 w_c = weight_VH[v0:v1]
                 z = _tile(raw, e_ - s, v1 - v0)
-                torch.mm(x_t, w_c.t(), out=z)
-                d = _tile(buf_d, e_ - s, v1 - v0)
-                _Ops.logits_grad(
-                    z, targets_N[s:e_], log_z[s:e_], entropy[s:e_], g_lp[s:e_], g_h[s:e_], vocab_start + v0,
-                    inv_temp, e_ - s, _tile(buf_p, e_ - s, v1 - v0), d,
-                )
-                if low:  # the raw tile is spent: it holds the rounded gradient now
-                    d = z.copy_(d)
+                if use_triton:
+                    d = fused_output_triton.logits_grad_tile(
+                        x_t, w_c, targets_N[s:e_], log_z[s:e_], coef_a[s:e_], coef_c[s:e_], target_grad[s:e_],
+                        vocab_start + v0, inv_temp, z,
+                    )
+                else:
+                    torch.mm(x_t, w_c.t(), out=z)
+                    d = _tile(buf_d, e_ - s, v1 - v0)
+                    _Ops.logits_grad(
+                        z, targets_N[s:e_], log_z[s:e_], entropy[s:e_], g_lp[s:e_], g_h[s:e_], vocab_start + v0,
+                        inv_temp, e_ - s, _tile(buf_p, e_ - s, v1 - v0), d,
+                    )
+                    if low:  # the raw tile is spent: it holds the rounded gradient now
+                        d = z.copy_(d)
                 if grad_hidden is not None:
                     if low:
                         grad_hidden[s:e_] += d @ w_c
@@ -168,7 +201,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, group, temperature, vocab_size, chunk_tokens, chunk_vocab,
-                return_collision):
+                return_collision, use_triton):
         rank, world = _group_rank_size(group)
         vocab_start = rank * weight.shape[0]
         # valid_columns reads the shard width from the last dim: W^T is [h, V/tp] (a view).
@@ -176,9 +209,18 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
         hidden_NH = hidden.reshape(-1, hidden.shape[-1])
         targets_N = targets.reshape(-1)
         inv_temp = 1.0 / temperature
-        ct, cv = default_tile_shape(hidden_NH.shape[0], width, chunk_tokens, chunk_vocab)
+        ct, cv = default_tile_shape(
+            hidden_NH.shape[0], width, chunk_tokens, chunk_vocab,
+            elements=_TRITON_TILE_ELEMENTS if use_triton else _DEFAULT_TILE_ELEMENTS,
+        )
         n_stats = 5 if return_collision else 4
-        if width > 0 and hidden_NH.shape[0] > 0:
+        if width > 0 and hidden_NH.shape[0] > 0 and use_triton:
+            from entr_megatron.parallel import fused_output_triton
+
+            stats = fused_output_triton.local_stats(
+                hidden_NH, weight[:width], targets_N, vocab_start, inv_temp
+            )[:, :n_stats].contiguous()
+        elif width > 0 and hidden_NH.shape[0] > 0:
             stats = _FusedLinearLogProbEntropy.local_stats(
                 hidden_NH, weight[:width], targets_N, vocab_start, inv_temp, ct, cv, n_stats
             )
@@ -189,6 +231,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, targets_N, log_z, entropy)
         ctx.vocab_start, ctx.inv_temp, ctx.tile, ctx.width = vocab_start, inv_temp, (ct, cv), width
+        ctx.use_triton = use_triton
         out_shape = hidden.shape[:-1]
         if not return_collision:
             return logprob.view(out_shape), entropy.view(out_shape)
@@ -215,16 +258,16 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
             ct, cv = ctx.tile
             _FusedLinearLogProbEntropy.input_grads(
                 hidden_NH, weight[:width], targets_N, log_z, entropy, g_lp, g_h, ctx.vocab_start, ctx.inv_temp,
-                ct, cv, acc_h, None if acc_w is None else acc_w[:width],
+                ct, cv, acc_h, None if acc_w is None else acc_w[:width], use_triton=ctx.use_triton,
             )
         grad_hidden = None if acc_h is None else acc_h.to(hidden.dtype).view(hidden.shape)
         grad_weight = None if acc_w is None else acc_w.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_linear_logprobs_entropy(
     hidden, weight, targets, group=None, temperature=1.0, vocab_size=None, chunk_tokens=None, chunk_vocab=None,
-    *, return_collision: bool = False,
+    *, return_collision: bool = False, backend: str = "auto",
 ):
     """Log-prob of ``targets`` and entropy of ``softmax(hidden @ W^T / temperature)``, W vocab-sharded.
 
@@ -246,6 +289,13 @@ def vocab_parallel_linear_logprobs_entropy(
             ``[chunk_tokens, chunk_vocab]`` buffers (8 MiB each by default).
         return_collision: also return the collision term ``1 - sum_j p_j^2``,
             computed in the same pass and the same single all-gather.
+        backend: ``"auto"`` (Triton kernels for CUDA tensors when Triton is
+            installed, else the chunked PyTorch path), ``"torch"`` (the chunked
+            PyTorch path, the reference) or ``"triton"`` (CUDA tensors, or any
+            tensors under Triton's CPU interpreter, ``TRITON_INTERPRET=1``). The
+            Triton path's forward writes no tile at all; its backward holds one
+            ``[chunk_tokens, chunk_vocab]`` tile in the input dtype (default
+            4096 x 4096 elements).
 
     Returns:
         ``(logprobs, entropy)``, both float32 ``[...]``, or with ``return_collision``
@@ -278,7 +328,32 @@ def vocab_parallel_linear_logprobs_entropy(
             f"{tuple(hidden.shape[:-1])}"
         )
     check_vocab_and_targets(targets, weight.shape[0], group, vocab_size)
+    use_triton = _use_triton(backend, hidden)
     return _FusedLinearLogProbEntropy.apply(
         hidden, weight, targets.long(), group, float(temperature), vocab_size, chunk_tokens, chunk_vocab,
-        bool(return_collision),
+        bool(return_collision), use_triton,
     )
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(backend: str, hidden) -> bool:
+    """Resolves ``backend`` for ``hidden``; raises ValueError naming what the choice needs."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if backend == "auto":
+        return hidden.is_cuda and not interpret and triton_available()
+    if not triton_available():
+        raise ValueError("backend='triton' needs the triton package (pip install triton); use 'auto' or 'torch'")
+    if not (hidden.is_cuda or (interpret and hidden.device.type == "cpu")):
+        raise ValueError(
+            f"backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got a tensor on "
+            f"{hidden.device}; use 'auto' or 'torch'"
+        )
+    return True

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from common import close
 
 from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
+from entr_megatron.parallel.fused_output import triton_available
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB = 96  # divisible by 1, 2, 4
@@ -78,7 +79,7 @@ def unfused(hidden, weight_shard, targets, group, **kw):
     return vocab_parallel_logprobs_entropy(hidden @ weight_shard.t(), targets, group=group, **kw)
 
 
-def check_matches_float64_and_unfused(rank, world, group):
+def check_matches_float64_and_unfused(rank, world, group, backend="torch"):
     shard = VOCAB // world
     for i, ((ct, cv), real) in enumerate(itertools.product(TILES, VOCAB_SIZES)):
         temp = TEMPERATURES[i % len(TEMPERATURES)]
@@ -87,9 +88,9 @@ def check_matches_float64_and_unfused(rank, world, group):
         x, w = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
         lp, ent, coll = vocab_parallel_linear_logprobs_entropy(
             x, w, targets, group=group, temperature=temp, vocab_size=real, chunk_tokens=ct, chunk_vocab=cv,
-            return_collision=True,
+            return_collision=True, backend=backend,
         )
-        where = f"rank {rank}/{world} T={temp} tile={ct}x{cv} vocab_size={real}"
+        where = f"{backend} rank {rank}/{world} T={temp} tile={ct}x{cv} vocab_size={real}"
         assert lp.dtype == ent.dtype == coll.dtype == torch.float32 and lp.shape == targets.shape, where
         assert not coll.requires_grad, where
         (lp * g_lp + ent * g_h).sum().backward()
@@ -107,22 +108,24 @@ def check_matches_float64_and_unfused(rank, world, group):
         close(w.grad, w0.grad, f"grad weight vs unfused: {where}")
 
 
-def check_only_one_output_used(rank, world, group):
+def check_only_one_output_used(rank, world, group, backend="torch"):
     shard = VOCAB // world
     hidden, weight, targets, g_lp, g_h = make_case(99)
     zero = torch.zeros_like(g_lp)
     for use_lp in (True, False):
         x, w = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
-        lp, ent = vocab_parallel_linear_logprobs_entropy(x, w, targets, group=group, chunk_tokens=4, chunk_vocab=5)
+        lp, ent = vocab_parallel_linear_logprobs_entropy(
+            x, w, targets, group=group, chunk_tokens=4, chunk_vocab=5, backend=backend
+        )
         # The unused output gets no gradient at all (None in backward).
         ((lp * g_lp).sum() if use_lp else (ent * g_h).sum()).backward()
         *_, ref_dx, ref_dw = reference_f64(hidden, weight, targets, g_lp if use_lp else zero, zero if use_lp else g_h, 1.0)
-        where = f"rank {rank}/{world} {'logprob' if use_lp else 'entropy'} only"
+        where = f"{backend} rank {rank}/{world} {'logprob' if use_lp else 'entropy'} only"
         close(w.grad, ref_dw[rank * shard:(rank + 1) * shard], f"grad weight {where}")
         close(summed_over_ranks(x.grad, group), ref_dx, f"summed grad hidden {where}")
 
 
-def check_bf16(rank, world, group):
+def check_bf16(rank, world, group, backend="torch"):
     """bf16 inputs: logits rounded to bf16 as the unfused bf16 output layer's are."""
     shard = VOCAB // world
     for i, ((ct, cv), real) in enumerate(itertools.product(TILES[1:], (None, VOCAB - 30))):
@@ -131,10 +134,11 @@ def check_bf16(rank, world, group):
         ref_lp, ref_h, _, ref_dx, ref_dw = reference_f64(hidden, weight, targets, g_lp, g_h, temp, real)
         x, w = hidden.clone().requires_grad_(), shard_of(weight, rank, world)
         lp, ent = vocab_parallel_linear_logprobs_entropy(
-            x, w, targets, group=group, temperature=temp, vocab_size=real, chunk_tokens=ct, chunk_vocab=cv
+            x, w, targets, group=group, temperature=temp, vocab_size=real, chunk_tokens=ct, chunk_vocab=cv,
+            backend=backend,
         )
         (lp * g_lp + ent * g_h).sum().backward()
-        where = f"bf16 rank {rank}/{world} T={temp} tile={ct}x{cv} vocab_size={real}"
+        where = f"{backend} bf16 rank {rank}/{world} T={temp} tile={ct}x{cv} vocab_size={real}"
         assert x.grad.dtype == w.grad.dtype == torch.bfloat16, where
         # Logits of |z| ~ 10 rounded to bf16's 8 mantissa bits (~0.03 each), as in the unfused
         # path: a few percent on values and gradients against exact math.
@@ -182,7 +186,7 @@ class _CopyToTP(torch.autograd.Function):
         return summed_over_ranks(grad, ctx.group), None
 
 
-def check_tied_weights(rank, world, group):
+def check_tied_weights(rank, world, group, backend="torch"):
     """One shared [V/tp, h] parameter as vocab-parallel embedding and output layer: both gradients add up."""
     shard = VOCAB // world
     hidden, weight, targets, g_lp, g_h = make_case(500)
@@ -195,7 +199,9 @@ def check_tied_weights(rank, world, group):
     owned = (local >= 0) & (local < shard)
     emb = _ReduceFromTP.apply(w[torch.where(owned, local, 0)] * owned.unsqueeze(-1), group)
     x = _CopyToTP.apply(torch.tanh(emb @ a) * 2, group)
-    lp, ent = vocab_parallel_linear_logprobs_entropy(x, w, targets, group=group, temperature=0.8, chunk_tokens=4, chunk_vocab=5)
+    lp, ent = vocab_parallel_linear_logprobs_entropy(
+        x, w, targets, group=group, temperature=0.8, chunk_tokens=4, chunk_vocab=5, backend=backend
+    )
     (lp * g_lp + ent * g_h).sum().backward()
 
     w_ref, a_ref = weight.double().requires_grad_(), mix.double().requires_grad_()
@@ -204,36 +210,59 @@ def check_tied_weights(rank, world, group):
     lp_ref = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     ent_ref = -(logp.exp() * logp).sum(-1)
     (lp_ref * g_lp.double() + ent_ref * g_h.double()).sum().backward()
-    where = f"tied rank {rank}/{world}"
+    where = f"{backend} tied rank {rank}/{world}"
     torch.testing.assert_close(lp.double(), lp_ref.detach(), **FP32, msg=where)
     close(w.grad, w_ref.grad[rank * shard:(rank + 1) * shard], f"grad of the shared weight {where}")
     close(a.grad, a_ref.grad, f"grad of the layer below {where}")
 
 
-def _ranks_main(rank, world):
+def _ranks_main(rank, world, backend="torch"):
     group = dist.group.WORLD
-    check_matches_float64_and_unfused(rank, world, group)
-    check_only_one_output_used(rank, world, group)
-    check_bf16(rank, world, group)
-    check_tied_weights(rank, world, group)
+    check_matches_float64_and_unfused(rank, world, group, backend)
+    check_only_one_output_used(rank, world, group, backend)
+    check_bf16(rank, world, group, backend)
+    check_tied_weights(rank, world, group, backend)
 
 
-def test_single_rank_matches_float64_and_unfused():
-    check_matches_float64_and_unfused(0, 1, None)
-    check_only_one_output_used(0, 1, None)
+# Both implementations run every check: "torch" (the chunked reference path) and "triton",
+# its kernels run on CPU by Triton's interpreter (TRITON_INTERPRET=1, read when the kernels
+# are built and at every call, so setting it here is enough; spawned ranks inherit it).
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(not triton_available(), reason="needs triton (the dev extra installs it)"),
+    ),
+]
 
 
-def test_single_rank_bf16():
-    check_bf16(0, 1, None)
+@pytest.fixture
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
 
 
-def test_single_rank_tied_weights():
-    check_tied_weights(0, 1, None)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_single_rank_matches_float64_and_unfused(backend):
+    check_matches_float64_and_unfused(0, 1, None, backend)
+    check_only_one_output_used(0, 1, None, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_single_rank_bf16(backend):
+    check_bf16(0, 1, None, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_single_rank_tied_weights(backend):
+    check_tied_weights(0, 1, None, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_matches_float64(world):
-    run_gloo(_ranks_main, world, timeout_s=300)
+def test_tensor_parallel_matches_float64(world, backend):
+    run_gloo(_ranks_main, world, backend, timeout_s=300)
 
 
 def test_collision_does_not_change_the_rest():
@@ -304,3 +333,68 @@ def _call(**kwargs):
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _call(**kwargs)
+
+
+# The Triton kernels against the chunked PyTorch path they replace, and the split merge.
+needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton (the dev extra installs it)")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_kernels_equal_the_torch_path(dtype, monkeypatch):
+    """Same logits (bf16/fp16: rounded the same way), so values agree up to fp32 summation order (1e-5)
+    and the gradients, summed by the same GEMMs, to an ulp of the tile gradient's rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hidden, weight, targets, g_lp, g_h = make_case(40, dtype, shape=(5, 9), vocab_size=VOCAB - 7)
+    results = {}
+    for backend in ("torch", "triton"):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent, coll = vocab_parallel_linear_logprobs_entropy(
+            x, w, targets, temperature=0.9, vocab_size=VOCAB - 7, chunk_tokens=16, chunk_vocab=40,
+            return_collision=True, backend=backend,
+        )
+        (lp * g_lp + ent * g_h).sum().backward()
+        results[backend] = (lp, ent, coll, x.grad, w.grad)
+    grad_tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, got, want in zip(("logprob", "entropy", "collision"), results["triton"][:3], results["torch"][:3]):
+        torch.testing.assert_close(got, want, **FP32, msg=f"{dtype} {name}")
+    close(results["triton"][3], results["torch"][3], f"{dtype} grad hidden", tol=grad_tol)
+    close(results["triton"][4], results["torch"][4], f"{dtype} grad weight", tol=grad_tol)
+    assert results["triton"][4].dtype == dtype and not results["triton"][4][VOCAB - 7:].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7, 40])
+def test_vocabulary_splits_merge_exactly(n_splits, monkeypatch):
+    """The forward kernel's per-split statistics, merged, give float64's logZ, H and collision
+    whatever the split count, including splits left without a single column (40 > 3 blocks)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from entr_megatron.parallel import fused_output_triton
+    from entr_megatron.parallel.vocab_parallel import _VocabParallelLogProbEntropy as Ops
+
+    hidden, weight, targets, g_lp, g_h = make_case(41, shape=(19,))
+    ref_lp, ref_h, ref_coll, *_ = reference_f64(hidden, weight, targets, g_lp, g_h, 0.8)
+    stats = fused_output_triton.local_stats(hidden, weight, targets, 0, 1 / 0.8, n_splits=n_splits)
+    lp, ent, _ = Ops.merge_stats(stats.unsqueeze(0))
+    coll = Ops.merge_collision(stats.unsqueeze(0))
+    for name, got, want in (("logprob", lp, ref_lp), ("entropy", ent, ref_h), ("collision", coll, ref_coll)):
+        torch.testing.assert_close(got.double(), want, **FP32, msg=f"{name} with {n_splits} splits")
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"):
+        _call(backend="cuda")
+    if triton_available():
+        with pytest.raises(ValueError, match="backend='triton' runs on CUDA tensors .*TRITON_INTERPRET=1.*cpu"):
+            _call(backend="triton")
+    else:
+        with pytest.raises(ValueError, match="backend='triton' needs the triton package"):
+            _call(backend="triton")
+    # "auto" on CPU tensors is the PyTorch path, with or without triton installed.
+    from entr_megatron.parallel import fused_output
+
+    assert not fused_output._use_triton("auto", torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not fused_output._use_triton("auto", torch.zeros(1)), "auto never picks the interpreter"
+    assert fused_output._use_triton("triton", torch.zeros(1)) == triton_available()

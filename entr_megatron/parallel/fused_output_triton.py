@@ -1,0 +1,314 @@
+"""Triton kernels for the fused output op (``fused_output.py``): the GEMM with its epilogue, in one kernel.
+
+Two kernels, each a tiled GEMM ``z = x @ W^T`` (bf16/fp16 operands with fp32
+accumulation; fp32 operands in full fp32, never TF32) whose ``[BLOCK_M, BLOCK_N]``
+accumulator is consumed in registers instead of being written out:
+
+``stats`` (forward): program ``(i, s)`` takes token block i and the s-th of
+    ``n_splits`` contiguous runs of this rank's vocabulary blocks, and folds every
+    block's logits into running per-token statistics (m, s, sy, zt, q) by the same
+    online log-sum-exp as the chunked PyTorch path (``_FusedLinearLogProbEntropy.fold_stats``).
+    Output: ``[n_splits, N, 5]`` fp32 partial statistics, merged on the host
+    (``fold_splits``). Splitting the vocabulary keeps the GPU busy when there are few
+    token blocks; the partials are ``n_splits x N x 20`` bytes, never logits.
+
+``logits_grad`` (backward): recomputes one ``[chunk_tokens, chunk_vocab]`` tile of z
+    and writes d(sum g_lp*logprob + g_h*H)/dz for it,
+        dz_j = p_j (a log p_j + c) + (g_lp / T) 1[j = target],
+        a = -g_h / T,  c = -(g_lp + g_h H) / T,  log p_j = z_j / T - logZ,
+    in the input dtype; the two gradient GEMMs on that tile (``grad_x += dz @ W_c``,
+    ``grad_W_c += dz^T @ x_t``) are cuBLAS matmuls, issued by ``fused_output.py``.
+
+With bf16/fp16 inputs the raw logits are rounded to the input dtype before the
+epilogue, as the unfused output layer's bf16 GEMM output is, so both paths see the
+same logits. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, how the tests
+run these kernels without a GPU) two of its defects in Triton 3.9 are avoided:
+bf16/fp16 tiles are widened to fp32 before ``tl.dot``, whose interpreted
+low-precision product is wrong (products of two bf16 numbers are exact in fp32, so
+this changes nothing but the order of summation), and fp32 -> bf16 rounding is done
+by hand to nearest even, because the interpreter's cast truncates.
+
+Kernels are built on first use (``kernels``), so the interpreter flag is read then,
+not at import. On CUDA each kernel is autotuned over a few tile shapes per
+(hidden size, dtype); the shapes were chosen without a GPU to measure them on, and
+``tools/bench_fused_output.py`` reports the throughput they reach.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["default_splits", "fold_splits", "interpreting", "kernels", "local_stats", "logits_grad_tile"]
+
+# Statistics columns, the same order as vocab_parallel's _MAX, _SUM_EXP, _SUM_EXP_Y,
+# _TARGET_LOGIT, _SUM_EXP2.
+_N_STATS = 5
+_LOWEST = tl.constexpr(-3.4028234663852886e38)  # float32's lowest finite: exp(_LOWEST - m) = 0 and (_LOWEST - m) * 0 = 0
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _stats_fn(
+    x_ptr, w_ptr, t_ptr, out_ptr,
+    n_tokens, width, hdim, vocab_start, inv_temp,
+    stride_xn, stride_xh, stride_wv, stride_wh,
+    ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_tokens
+    local_t = tl.load(t_ptr + rows, mask=row_ok, other=0) - vocab_start
+    n_blocks = tl.cdiv(width, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, n_splits)
+    b_begin = pid_s * per_split
+    b_end = tl.minimum(b_begin + per_split, n_blocks)
+
+    m = tl.full([BLOCK_M], _LOWEST, tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    sy = tl.zeros([BLOCK_M], tl.float32)
+    q = tl.zeros([BLOCK_M], tl.float32)
+    zt = tl.zeros([BLOCK_M], tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for b in range(b_begin, b_end):
+        cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < width
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hdim, BLOCK_K):
+            k_ok = (k0 + ks) < hdim
+            xk = tl.load(
+                x_ptr + rows[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
+                mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+            )
+            wk = tl.load(
+                w_ptr + cols[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
+                mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+            )
+            if UPCAST:
+                xk = xk.to(tl.float32)
+                wk = wk.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk, tl.trans(wk), acc)
+        if ROUND_Z and RN_BF16:  # round to nearest even by hand: the interpreter's cast truncates
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            acc = bits.to(tl.float32, bitcast=True)
+        elif ROUND_Z:
+            acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        z = acc * inv_temp
+        m_c = tl.max(tl.where(col_ok[None, :], z, _LOWEST), 1)
+        y = z - m_c[:, None]  # finite on masked columns too (their weight rows load as 0)
+        e = tl.where(col_ok[None, :], tl.exp(y), 0.0)
+        s_c = tl.sum(e, 1)
+        sy_c = tl.sum(e * y, 1)
+        q_c = tl.sum(e * e, 1)
+        zt += tl.sum(tl.where(cols[None, :] == local_t[:, None], z, 0.0), 1)
+        # Online log-sum-exp, sy re-centred on the new running max (see fused_output.py).
+        m_new = tl.maximum(m, m_c)
+        a = tl.exp(m - m_new)
+        a_c = tl.exp(m_c - m_new)
+        sy = a * (sy + (m - m_new) * s) + a_c * (sy_c + (m_c - m_new) * s_c)
+        q = a * a * q + a_c * a_c * q_c
+        s = a * s + a_c * s_c
+        m = m_new
+
+    base = out_ptr + (pid_s * n_tokens + rows) * 5
+    tl.store(base + 0, m, mask=row_ok)
+    tl.store(base + 1, s, mask=row_ok)
+    tl.store(base + 2, sy, mask=row_ok)
+    tl.store(base + 3, zt, mask=row_ok)
+    tl.store(base + 4, q, mask=row_ok)
+
+
+def _grad_fn(
+    x_ptr, w_ptr, t_ptr, log_z_ptr, a_ptr, c_ptr, tg_ptr, d_ptr,
+    n_tokens, width, hdim, vocab_start, inv_temp,
+    stride_xn, stride_xh, stride_wv, stride_wh, stride_dn, stride_dv,
+    ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_tokens
+    col_ok = cols < width
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hdim, BLOCK_K):
+        k_ok = (k0 + ks) < hdim
+        xk = tl.load(
+            x_ptr + rows[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
+            mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+        )
+        wk = tl.load(
+            w_ptr + cols[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
+            mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+        )
+        if UPCAST:
+            xk = xk.to(tl.float32)
+            wk = wk.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, tl.trans(wk), acc)
+    if ROUND_Z and RN_BF16:  # as in _stats_fn
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        acc = bits.to(tl.float32, bitcast=True)
+    elif ROUND_Z:
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    log_z = tl.load(log_z_ptr + rows, mask=row_ok, other=0.0)
+    coef_a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    coef_c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+    t_grad = tl.load(tg_ptr + rows, mask=row_ok, other=0.0)
+    local_t = tl.load(t_ptr + rows, mask=row_ok, other=0) - vocab_start
+    log_p = acc * inv_temp - log_z[:, None]
+    d = tl.exp(log_p) * (coef_a[:, None] * log_p + coef_c[:, None])
+    d += tl.where(cols[None, :] == local_t[:, None], t_grad[:, None], 0.0)
+    if RN_BF16:  # the store below then truncates an exact bf16 value
+        bits = d.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        d = bits.to(tl.float32, bitcast=True)
+    tl.store(
+        d_ptr + rows[:, None] * stride_dn + cols[None, :] * stride_dv,
+        d.to(d_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+# Tile shapes tried by the autotuner on CUDA (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages):
+# the common Hopper/Ampere GEMM shapes for 16-bit operands, and smaller ones for fp32.
+_CUDA_CONFIGS_16 = [
+    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4),
+]
+_CUDA_CONFIGS_32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]
+# The interpreter runs each program in numpy: tl.dot's smallest shape (16) keeps tests fast.
+_INTERPRET_BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+
+
+def _configs(shapes):
+    return [
+        triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), num_warps=w, num_stages=st)
+        for m, n, k, w, st in shapes
+    ]
+
+
+@functools.lru_cache(maxsize=2)
+def _build(interpret: bool):
+    stats = triton.jit(_stats_fn)
+    grad = triton.jit(_grad_fn)
+    if interpret:
+        return stats, grad
+    key = ["hdim", "ROUND_Z", "IEEE"]
+    # The autotuner times each config with the kernel's real arguments: both kernels only
+    # write their outputs (never read them), so rerunning them is harmless.
+    return (
+        triton.autotune(_configs(_CUDA_CONFIGS_16) + _configs(_CUDA_CONFIGS_32), key=key,
+                        prune_configs_by={"early_config_prune": _prune})(stats),
+        triton.autotune(_configs(_CUDA_CONFIGS_16) + _configs(_CUDA_CONFIGS_32), key=key,
+                        prune_configs_by={"early_config_prune": _prune})(grad),
+    )
+
+
+def _prune(configs, named_args, **kwargs):
+    """16-bit operands try the 16-bit shapes, fp32 the fp32 ones."""
+    ieee = kwargs.get("IEEE", named_args.get("IEEE"))
+    want = _CUDA_CONFIGS_32 if ieee else _CUDA_CONFIGS_16
+    shapes = {(m, n, k, w, st) for m, n, k, w, st in want}
+    return [
+        c for c in configs
+        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in shapes
+    ]
+
+
+def kernels():
+    """``(stats, logits_grad)`` kernels: interpreted under ``TRITON_INTERPRET=1``, autotuned JIT otherwise."""
+    return _build(interpreting())
+
+
+def _flags(x):
+    """Compile-time switches for ``x``'s dtype: ROUND_Z, UPCAST, IEEE, RN_BF16 (as keyword arguments)."""
+    low = x.dtype != torch.float32
+    interp = interpreting()
+    return dict(ROUND_Z=low, UPCAST=low and interp, IEEE=not low, RN_BF16=interp and x.dtype == torch.bfloat16)
+
+
+def default_splits(n_tokens: int, width: int, device) -> int:
+    """Vocabulary splits per token block: enough programs to fill the GPU twice over (2 on CPU)."""
+    if device.type != "cuda":
+        return 2
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # Estimated with 128-wide blocks (the autotuner picks the real shape later).
+    token_blocks = triton.cdiv(n_tokens, 128)
+    return max(1, min(triton.cdiv(width, 128), triton.cdiv(2 * sms, token_blocks), 64))
+
+
+def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: float,
+                n_splits: int | None = None) -> torch.Tensor:
+    """This rank's per-token ``[N, 5]`` statistics (m, s, sy, zt, q) over ``weight_VH``'s rows.
+
+    ``n_splits``: contiguous runs of vocabulary blocks handled by separate programs
+    (default ``default_splits``); more splits than blocks leave some empty, which is exact.
+    """
+    n_tokens, hdim = hidden_NH.shape
+    width = weight_VH.shape[0]
+    stats_kernel, _ = kernels()
+    n_splits = n_splits or default_splits(n_tokens, width, hidden_NH.device)
+    out = torch.empty(n_splits, n_tokens, _N_STATS, dtype=torch.float32, device=hidden_NH.device)
+    extra = _INTERPRET_BLOCKS if interpreting() else {}
+    stats_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]), n_splits)](
+        hidden_NH, weight_VH, targets_N, out,
+        n_tokens, width, hdim, vocab_start, inv_temp,
+        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1),
+        **_flags(hidden_NH), **extra,
+    )
+    return fold_splits(out)
+
+
+def fold_splits(partial_SNC: torch.Tensor) -> torch.Tensor:
+    """Exact merge of ``[S, N, 5]`` per-split statistics into ``[N, 5]``.
+
+    A split that saw no column has m = lowest finite and s = sy = q = 0, which the
+    merge weighs by exp(lowest - M) = 0.
+    """
+    m = partial_SNC[..., 0]
+    big_m = m.amax(dim=0)
+    shift = m - big_m
+    scale = torch.exp(shift)
+    s = partial_SNC[..., 1]
+    out = torch.empty(partial_SNC.shape[1:], dtype=torch.float32, device=partial_SNC.device)
+    out[:, 0] = big_m
+    out[:, 1] = (scale * s).sum(dim=0)
+    out[:, 2] = (scale * (partial_SNC[..., 2] + shift * s)).sum(dim=0)
+    out[:, 3] = partial_SNC[..., 3].sum(dim=0)
+    out[:, 4] = (scale.square() * partial_SNC[..., 4]).sum(dim=0)
+    return out
+
+
+def logits_grad_tile(x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, vocab_start: int,
+                     inv_temp: float, out):
+    """Writes the ``[rows(x_t), rows(w_c)]`` tile of d loss / d z into ``out`` (recomputing z)."""
+    n_tokens, hdim = x_t.shape
+    width = w_c.shape[0]
+    _, grad_kernel = kernels()
+    extra = _INTERPRET_BLOCKS if interpreting() else {}
+    grad_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_N"]))](
+        x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, out,
+        n_tokens, width, hdim, vocab_start, inv_temp,
+        x_t.stride(0), x_t.stride(1), w_c.stride(0), w_c.stride(1), out.stride(0), out.stride(1),
+        **_flags(x_t), **extra,
+    )
+    return out
