@@ -7,7 +7,9 @@ all methods alike):
 
   (a) gather    hidden @ W_r^T, all-gather the full logits, log_softmax + entropy
   (b) unfused   hidden @ W_r^T, then entr_megatron's vocab_parallel_logprobs_entropy
-  (c) fused     entr_megatron's vocab_parallel_linear_logprobs_entropy (no logits)
+  (c) fused     entr_megatron's vocab_parallel_linear_logprobs_entropy (no logits), its
+                default backend: the Triton kernels on CUDA, the chunked PyTorch path on CPU
+  (c) fused_torch  on CUDA only: the same op forced onto its chunked PyTorch path
   (c') liger / cce  on CUDA only, if importable: Liger's fused linear cross-entropy and
                 Cut Cross-Entropy, log-prob only, on this rank's shard alone (a local
                 softmax: a speed/memory reference, not the same result)
@@ -20,6 +22,13 @@ max_memory_allocated. "act" is that increase less the input gradients every meth
 must return (grad hidden + grad W, which a trainer keeps in its grad buffers anyway).
 Time: per repeat the slowest rank; median and range over repeats, the methods
 interleaved within each repeat so that load drifts hit them alike.
+
+GEMM equivalents: each method's median time over that of ONE output-layer GEMM
+``[N, h] x [h, V/tp]`` (torch.mm into a buffer allocated beforehand, timed in the same
+repeats). (b) runs 3 such
+GEMMs (forward, two gradients), the fused op 4 (its backward recomputes the logits), so
+"GEMM efficiency" = 4 x GEMM time / fused time is the fraction of the matmul throughput
+(cuBLAS on CUDA, BLAS on CPU) that the fused op's own FLOPs imply.
 
     python tools/bench_fused_output.py                     # 4096 tokens x h 2048 x V 65536, TP=2
     python tools/bench_fused_output.py --small             # a quick run
@@ -45,6 +54,7 @@ import torch.distributed as dist
 
 from bench_vocab_parallel import gather_then_softmax, peak_rss, reset_peak  # tools/ is sys.path[0]
 from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
+from entr_megatron.parallel.fused_output import triton_available
 from entr_megatron.utils.spawn import run_gloo
 
 BASELINE = "unfused"
@@ -65,6 +75,12 @@ def fused(x, w, targets, group, tile):
     return vocab_parallel_linear_logprobs_entropy(x, w, targets, group=group, chunk_tokens=tile[0], chunk_vocab=tile[1])
 
 
+def fused_torch(x, w, targets, group, tile):
+    return vocab_parallel_linear_logprobs_entropy(
+        x, w, targets, group=group, chunk_tokens=tile[0], chunk_vocab=tile[1], backend="torch"
+    )
+
+
 def liger(x, w, targets, group, tile):
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -80,15 +96,18 @@ def cce(x, w, targets, group, tile):
 
 
 METHODS = {"gather": gather_full_logits, "unfused": unfused, "fused": fused}
-OPTIONAL = {"liger": ("liger_kernel", liger), "cce": ("cut_cross_entropy", cce)}
+OPTIONAL = {"fused_torch": (None, fused_torch), "liger": ("liger_kernel", liger), "cce": ("cut_cross_entropy", cce)}
 
 
 def available_optional(device) -> dict:
-    """(c'): importable on CUDA, else the reason they are left out."""
+    """(c') and fused_torch: on CUDA, where importable; else the reason they are left out."""
     found, missing = {}, {}
     for name, (module, fn) in OPTIONAL.items():
         if device.type != "cuda":
-            missing[name] = "CUDA only"
+            missing[name] = "CUDA only" if module else "CUDA only (on CPU it is 'fused')"
+            continue
+        if module is None:
+            found[name] = fn
             continue
         try:
             __import__(module)
@@ -156,8 +175,16 @@ def worker(rank, world, n_tokens, hidden_size, vocab, dtype_name, repeats, tile,
     methods = {name: fn for name, fn in {**METHODS, **optional}.items() if name in chosen}
     meter = Meter(device)
 
-    mem, times = {}, {name: [] for name in methods}
-    for name, fn in methods.items():  # first round: warm-up and memory
+    mem, times, gemm_times = {}, {name: [] for name in methods}, []
+    # The reference GEMM writes into a buffer allocated once: its time is the matmul's alone,
+    # not the first touch of fresh pages (on CPU every large allocation is a new mmap here).
+    gemm_out = torch.mm(hidden, weight.t())
+    if device.type == "cuda":
+        # Untimed first calls: Triton compiles and autotunes its kernels here (the autotuner's
+        # cache-flush buffer would otherwise count as the fused op's memory).
+        for name, fn in methods.items():
+            run_once(fn, hidden, weight, targets, g_lp, g_h, group, tile)
+    for name, fn in methods.items():  # first measured round: warm-up on CPU, and memory
         gc.collect()
         dist.barrier()
         base = meter.start()
@@ -174,31 +201,63 @@ def worker(rank, world, n_tokens, hidden_size, vocab, dtype_name, repeats, tile,
             run_once(fn, hidden, weight, targets, g_lp, g_h, group, tile)
             meter.sync()
             times[name].append(_max_over_ranks(time.perf_counter() - t0, device))
+        gc.collect()
+        dist.barrier()
+        meter.sync()
+        t0 = time.perf_counter()
+        torch.mm(hidden, weight.t(), out=gemm_out)
+        meter.sync()
+        gemm_times.append(_max_over_ranks(time.perf_counter() - t0, device))
         if rank == 0:
-            print("  repeat: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()), flush=True)
+            print("  repeat: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items())
+                  + f", one GEMM {gemm_times[-1]:.3f} s", flush=True)
     if rank == 0:
         with open(results_path, "a") as f:
             for name in methods:
                 f.write(repr((world, name, mem[name], grads_bytes, times[name])) + "\n")
+            f.write(repr((world, "gemm", None, None, gemm_times)) + "\n")
             for name, why in missing.items():
                 f.write(repr((world, name, None, None, why)) + "\n")
+
+
+def fused_backend(device: str) -> str:
+    """What 'fused' (backend "auto") runs on ``device``."""
+    if device != "cuda":
+        return "torch (chunked; Triton is for CUDA)"
+    if not triton_available():
+        return "torch (chunked; triton is not installed)"
+    import triton
+
+    return f"triton {triton.__version__}"
 
 
 def print_table(rows, header):
     print()
     print(header)
-    print("| TP | method | peak mem increase | mem / (b) | act (less grads) | act / (b) | time median [min, max] | time / (b) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| TP | method | peak mem increase | mem / (b) | act (less grads) | act / (b) | time median [min, max] "
+          "| time / (b) | GEMM equivalents |")
+    print("|---|---|---|---|---|---|---|---|---|")
     base = {r[0]: r for r in rows if r[1] == BASELINE}
+    gemm = {r[0]: statistics.median(r[4]) for r in rows if r[1] == "gemm"}
     for world, name, mem, grads, times in rows:
+        if name == "gemm":
+            continue
         if mem is None:
-            print(f"| {world} | {name} | {times} | | | | | |")
+            print(f"| {world} | {name} | {times} | | | | | | |")
             continue
         b_world, _, b_mem, b_grads, b_times = base[world]
         act, b_act = mem - grads, b_mem - b_grads
         t, bt = statistics.median(times), statistics.median(b_times)
         print(f"| {world} | {name} | {mem / 2**20:.0f} MiB | {mem / b_mem:.3f}x | {act / 2**20:.0f} MiB | "
-              f"{act / b_act:.3f}x | {t:.2f} s [{min(times):.2f}, {max(times):.2f}] | {t / bt:.3f}x |")
+              f"{act / b_act:.3f}x | {t:.3f} s [{min(times):.3f}, {max(times):.3f}] | {t / bt:.3f}x | "
+              f"{t / gemm[world]:.2f} |")
+    for world, t_gemm in gemm.items():
+        fused_rows = [r for r in rows if r[0] == world and r[1] == "fused" and r[2] is not None]
+        line = f"TP={world}: one output-layer GEMM {t_gemm * 1e3:.1f} ms (median)"
+        if fused_rows:
+            line += (f"; fused GEMM efficiency (4 GEMMs' time / fused time) "
+                     f"{4 * t_gemm / statistics.median(fused_rows[0][4]):.2f}")
+        print(line)
 
 
 def main(argv=None):
@@ -226,7 +285,8 @@ def main(argv=None):
     open(results, "w").close()
     header = (f"{args.tokens} tokens x h {args.hidden} x V {args.vocab}, {args.dtype} on {args.device}, "
               f"torch {torch.__version__}, {os.cpu_count()} cores, repeats {args.repeats}, "
-              f"fused tile {args.chunk_tokens or 'default'} x {args.chunk_vocab or 'default'}")
+              f"fused tile {args.chunk_tokens or 'default'} x {args.chunk_vocab or 'default'}, "
+              f"fused backend {fused_backend(args.device)}")
     print(header, flush=True)
     for tp in args.tp:
         print(f"TP={tp}: {tp} gloo rank(s), {max(1, (os.cpu_count() or 1) // tp)} thread(s) each", flush=True)

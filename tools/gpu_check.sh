@@ -5,7 +5,7 @@
 #   1. a venv under /tmp over the machine's Python (its torch reused), megatron-core and this
 #      package installed offline from tools/gpu_wheels/ (filled beforehand by tools/gpu_wheels.sh)
 #   2. pytest tests/gpu -q
-#   3. tools/bench_fused_output.py on CUDA at 4096 x h 2048 x V 65536 and 16384 x h 4096 x V 151936
+#   3. tools/bench_fused_output.py on CUDA in bf16 at 4096 x h 2048 x V 65536 and 16384 x h 4096 x V 151936
 #      (TP=1: one GPU; TP=2 would put two gloo ranks on it and time host copies, not the op)
 #   tools/bench_vocab_parallel.py has no CUDA path (CPU gloo ranks only), so it is not run.
 #
@@ -160,6 +160,11 @@ import entr_megatron, megatron.core, torch
 print("entr_megatron from", entr_megatron.__file__)
 print("megatron.core", megatron.core.__version__, "from", megatron.core.__file__)
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())
+try:
+    import triton
+    print("triton", triton.__version__, "from", triton.__file__)
+except ImportError:
+    print("triton: not installed (the fused op falls back to its chunked PyTorch path)")
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 '
 }
@@ -182,7 +187,7 @@ skip_step "tools/bench_vocab_parallel.py" "no CUDA path: it runs CPU gloo ranks 
 for size in "${BENCH_SIZES[@]}"; do
     read -r tokens hidden vocab <<<"$size"
     run_step "bench_fused_output $tokens x h $hidden x V $vocab" 150 \
-        "$VENV_PY" tools/bench_fused_output.py --device cuda --tp 1 \
+        "$VENV_PY" tools/bench_fused_output.py --device cuda --tp 1 --dtype bfloat16 \
         --tokens "$tokens" --hidden "$hidden" --vocab "$vocab"
 done
 
@@ -208,6 +213,7 @@ bench_table() {
     echo "- commit: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$REPO" status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
     echo "- GPU (nvidia-smi): $(log_line "${STEP_LOGS[0]}" . || echo "dry run / not read")"
     echo "- torch / CUDA: $(log_line "${STEP_LOGS[1]}" '^torch ' || echo "dry run / not read")"
+    echo "- triton: $(log_line "${STEP_LOGS[4]}" '^triton' || echo "dry run / not read")"
     echo "- budget: ${BUDGET_S} s; total wall: $(($(date +%s) - T_START)) s"
     echo
     echo "| step | exit | wall | note |"
