@@ -60,12 +60,18 @@ def _stats_fn(
     x_ptr, w_ptr, t_ptr, out_ptr,
     n_tokens, width, hdim, vocab_start, inv_temp,
     stride_xn, stride_xh, stride_wv, stride_wh,
+    n_splits,
     ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    n_splits = tl.num_programs(1)
+    # Grouped order (Triton's matmul tutorial): the programs that run together take GROUP_M
+    # token blocks x every split, so L2 holds their row tiles of x and column tiles of W.
+    # (Inlined: a jitted helper cannot be called from a kernel run by the interpreter.)
+    pid = tl.program_id(0)
+    first_m = (pid // (GROUP_M * n_splits)) * GROUP_M
+    size_m = tl.minimum(tl.cdiv(n_tokens, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_splits)) % size_m
+    pid_s = (pid % (GROUP_M * n_splits)) // size_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_tokens
     local_t = tl.load(t_ptr + rows, mask=row_ok, other=0) - vocab_start
@@ -137,10 +143,15 @@ def _grad_fn(
     n_tokens, width, hdim, vocab_start, inv_temp,
     stride_xn, stride_xh, stride_wv, stride_wh, stride_dn, stride_dv,
     ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Grouped order, as in _stats_fn (GROUP_M token blocks x every column block).
+    pid = tl.program_id(0)
+    n_col_blocks = tl.cdiv(width, BLOCK_N)
+    first_m = (pid // (GROUP_M * n_col_blocks)) * GROUP_M
+    size_m = tl.minimum(tl.cdiv(n_tokens, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_col_blocks)) % size_m
+    pid_n = (pid % (GROUP_M * n_col_blocks)) // size_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_tokens
@@ -196,12 +207,12 @@ _CUDA_CONFIGS_16 = [
 ]
 _CUDA_CONFIGS_32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]
 # The interpreter runs each program in numpy: tl.dot's smallest shape (16) keeps tests fast.
-_INTERPRET_BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+_INTERPRET_BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)
 
 
 def _configs(shapes):
     return [
-        triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), num_warps=w, num_stages=st)
+        triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=st)
         for m, n, k, w, st in shapes
     ]
 
@@ -247,13 +258,21 @@ def _flags(x):
 
 
 def default_splits(n_tokens: int, width: int, device) -> int:
-    """Vocabulary splits per token block: enough programs to fill the GPU twice over (2 on CPU)."""
+    """Vocabulary splits per token block (2 on CPU).
+
+    On CUDA at least enough programs to fill the GPU twice over, and at least 16 splits
+    where the vocabulary has 32 column blocks per split to give: with the grouped order
+    (8 token blocks at a time) the programs running together then read 8 row tiles of x
+    and ~16 column tiles of W, which L2 holds, instead of one row tile each.
+    """
     if device.type != "cuda":
         return 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     # Estimated with 128-wide blocks (the autotuner picks the real shape later).
-    token_blocks = triton.cdiv(n_tokens, 128)
-    return max(1, min(triton.cdiv(width, 128), triton.cdiv(2 * sms, token_blocks), 64))
+    token_blocks, col_blocks = triton.cdiv(n_tokens, 128), triton.cdiv(width, 128)
+    fill = triton.cdiv(2 * sms, token_blocks)
+    share = min(16, triton.cdiv(col_blocks, 32))
+    return max(1, min(max(fill, share), col_blocks, 64))
 
 
 def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: float,
@@ -269,10 +288,10 @@ def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: flo
     n_splits = n_splits or default_splits(n_tokens, width, hidden_NH.device)
     out = torch.empty(n_splits, n_tokens, _N_STATS, dtype=torch.float32, device=hidden_NH.device)
     extra = _INTERPRET_BLOCKS if interpreting() else {}
-    stats_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]), n_splits)](
+    stats_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * n_splits,)](
         hidden_NH, weight_VH, targets_N, out,
         n_tokens, width, hdim, vocab_start, inv_temp,
-        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1),
+        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1), n_splits,
         **_flags(hidden_NH), **extra,
     )
     return fold_splits(out)
@@ -305,7 +324,7 @@ def logits_grad_tile(x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_gr
     width = w_c.shape[0]
     _, grad_kernel = kernels()
     extra = _INTERPRET_BLOCKS if interpreting() else {}
-    grad_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_N"]))](
+    grad_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)](
         x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, out,
         n_tokens, width, hdim, vocab_start, inv_temp,
         x_t.stride(0), x_t.stride(1), w_c.stride(0), w_c.stride(1), out.stride(0), out.stride(1),

@@ -372,7 +372,7 @@ def test_vocabulary_splits_merge_exactly(n_splits, monkeypatch):
     from entr_megatron.parallel import fused_output_triton
     from entr_megatron.parallel.vocab_parallel import _VocabParallelLogProbEntropy as Ops
 
-    hidden, weight, targets, g_lp, g_h = make_case(41, shape=(19,))
+    hidden, weight, targets, g_lp, g_h = make_case(41, shape=(37,))  # 3 token blocks of 16: a partial group
     ref_lp, ref_h, ref_coll, *_ = reference_f64(hidden, weight, targets, g_lp, g_h, 0.8)
     stats = fused_output_triton.local_stats(hidden, weight, targets, 0, 1 / 0.8, n_splits=n_splits)
     lp, ent, _ = Ops.merge_stats(stats.unsqueeze(0))
@@ -398,3 +398,15 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not fused_output._use_triton("auto", torch.zeros(1)), "auto never picks the interpreter"
     assert fused_output._use_triton("triton", torch.zeros(1)) == triton_available()
+
+
+@needs_triton
+def test_autotuner_tries_the_shapes_of_the_operand_dtype():
+    """On CUDA the autotuner times only the tile shapes meant for the operands' dtype."""
+    from entr_megatron.parallel import fused_output_triton as ft
+
+    configs = ft._configs(ft._CUDA_CONFIGS_16) + ft._configs(ft._CUDA_CONFIGS_32)
+    for ieee, want in ((False, ft._CUDA_CONFIGS_16), (True, ft._CUDA_CONFIGS_32)):
+        kept = ft._prune(configs, {}, IEEE=ieee, ROUND_Z=not ieee)
+        got = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in kept]
+        assert got == want, f"IEEE={ieee}"
