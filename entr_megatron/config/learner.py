@@ -14,6 +14,7 @@ from typing import Literal, get_args
 from entr_megatron.config.validate import bad, boolean, choice, integer, number
 
 LrDecayStyle = Literal["constant", "linear", "cosine"]
+FusedOutputBackend = Literal["auto", "torch", "triton"]
 LR_DECAY_STYLES: tuple[str, ...] = get_args(LrDecayStyle)
 
 
@@ -123,6 +124,11 @@ class LearnerConfig:
     [tokens, V/tp] logits are never written or kept for backward (learner/fused_output.py).
     Exact (the same math; rounding differs at the level of fp32 accumulation order)."""
 
+    fused_output_backend: FusedOutputBackend = "auto"
+    """Implementation of the fused op: "auto" (its Triton kernels on CUDA when triton is
+    installed, else the chunked PyTorch path), "torch" (the chunked PyTorch path, the
+    reference) or "triton" (CUDA only, or on CPU under TRITON_INTERPRET=1, as the tests do)."""
+
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer, clipping and LR schedule."""
 
@@ -137,6 +143,7 @@ class LearnerConfig:
         if self.logprob_chunk_size is not None:
             integer(self, "logprob_chunk_size", low=1)
         boolean(self, "fused_output")
+        choice(self, "fused_output_backend", FusedOutputBackend)
 
     @property
     def steps_per_batch(self) -> int:

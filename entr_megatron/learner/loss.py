@@ -95,7 +95,8 @@ def packed_logprobs_entropy(output_bsx: Tensor, mb: MicroBatch, tp_group, learne
     else:  # Float16Module hands the last stage's output back in fp32: the layer's own dtype again (lossless)
         out = vocab_parallel_linear_logprobs_entropy(
             output_bsx[0].to(output_weight.dtype), output_weight, targets, tp_group, temperature, vocab_size,
-            chunk_tokens=learner_cfg.logprob_chunk_size, return_collision=collision)
+            chunk_tokens=learner_cfg.logprob_chunk_size, return_collision=collision,
+            backend=learner_cfg.fused_output_backend)
     return (out[0], out[1].detach(), *out[2:])
 
 

@@ -356,4 +356,12 @@ def _use_triton(backend: str, hidden) -> bool:
             f"backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got a tensor on "
             f"{hidden.device}; use 'auto' or 'torch'"
         )
+    if interpret:
+        from entr_megatron.parallel.fused_output_triton import interpreter_ready
+
+        if not interpreter_ready():
+            raise ValueError(
+                "backend='triton' under TRITON_INTERPRET=1 needs the variable set before triton is first "
+                "imported (triton builds its own library functions then); set it at the start of the process"
+            )
     return True

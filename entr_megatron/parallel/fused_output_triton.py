@@ -28,8 +28,10 @@ low-precision product is wrong (products of two bf16 numbers are exact in fp32, 
 this changes nothing but the order of summation), and fp32 -> bf16 rounding is done
 by hand to nearest even, because the interpreter's cast truncates.
 
-Kernels are built on first use (``kernels``), so the interpreter flag is read then,
-not at import. On CUDA each kernel is autotuned over a few tile shapes per
+The interpreter must be on (``TRITON_INTERPRET=1``) before triton is first imported,
+which builds triton's own library functions (``interpreter_ready`` checks it); these
+kernels are built on first use (``kernels``), once for the interpreter and once for
+the GPU. On CUDA each kernel is autotuned over a few tile shapes per
 (hidden size, dtype); the shapes were chosen without a GPU to measure them on, and
 ``tools/bench_fused_output.py`` reports the throughput they reach.
 """
@@ -43,7 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["default_splits", "fold_splits", "interpreting", "kernels", "local_stats", "logits_grad_tile"]
+__all__ = [
+    "default_splits", "fold_splits", "interpreter_ready", "interpreting", "kernels", "local_stats", "logits_grad_tile",
+]
 
 # Statistics columns, the same order as vocab_parallel's _MAX, _SUM_EXP, _SUM_EXP_Y,
 # _TARGET_LOGIT, _SUM_EXP2.
@@ -54,6 +58,14 @@ _LOWEST = tl.constexpr(-3.4028234663852886e38)  # float32's lowest finite: exp(_
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_ready() -> bool:
+    """Whether triton was imported with its interpreter on: its library functions (``tl.cdiv``,
+    ``tl.sum``, ...) are then interpreted too; built for the GPU they cannot run on CPU."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
 def _stats_fn(

@@ -21,6 +21,7 @@ many layouts, destroying and re-initialising model parallel between them.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import close, model_config
+from entr_megatron.parallel.fused_output import triton_available
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB, MAX_SEQ = 128, 32
@@ -74,11 +76,12 @@ def algo_config(**overrides):
     return AlgorithmConfig(**{"correction": "entr", "tau": 0.02, **overrides})
 
 
-def learner_config(max_tokens=24, distributed_optimizer=False, mini_batches=1, epochs=1):
+def learner_config(max_tokens=24, distributed_optimizer=False, mini_batches=1, epochs=1, fused_backend="auto"):
     from entr_megatron.config.learner import LearnerConfig, OptimConfig
 
     return LearnerConfig(max_tokens_per_microbatch=max_tokens, mini_batches=mini_batches,
-                         epochs=epochs, optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer))
+                         epochs=epochs, optim=OptimConfig(**OPTIM, use_distributed_optimizer=distributed_optimizer),
+                         fused_output_backend=fused_backend)
 
 
 # --- the independent single-rank reference ----------------------------------------------------------
@@ -240,7 +243,8 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
     t0 = time.perf_counter()
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp, pp, vpp, ep, sp, moe, num_layers, learner_cfg,
                                                           fused, dispatcher)
-    where = (f"tp={tp} pp={pp} vpp={vpp} ep={ep} dp={groups.dp_size} sp={sp} moe={moe} fused={fused} "
+    fused_as = f"fused={fused}" + (f" ({learner_cfg.fused_output_backend})" if fused else "")
+    where = (f"tp={tp} pp={pp} vpp={vpp} ep={ep} dp={groups.dp_size} sp={sp} moe={moe} {fused_as} "
              f"{dispatcher if moe else ''} "
              f"{algo_cfg.loss_agg_mode} {algo_cfg.correction} H={algo_cfg.entropy_source} "
              f"budget={learner_cfg.max_tokens_per_microbatch} distopt={learner_cfg.optim.use_distributed_optimizer}")
@@ -440,6 +444,10 @@ def _two_ranks(rank, world):
     run_layout(dense, batch, algo, small, pp=2, vpp=2)
     run_layout(dense, batch, algo, small, tp=2, sp=True, check_logprobs=True, fused=True)
     run_layout(dense, batch, algo, small, pp=2, vpp=2, check_logprobs=True, fused=True)
+    if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":  # tests/conftest.py, without CUDA
+        # The fused op's Triton kernels, run by Triton's CPU interpreter.
+        triton_cfg = learner_config(max_tokens=24, fused_backend="triton")
+        run_layout(dense, batch, algo, triton_cfg, tp=2, sp=True, check_logprobs=True, fused=True)
     # DP=2; the micro-batch count must not change the loss: one per rank, then several.
     one = run_layout(dense, batch, algo, learner_config(max_tokens=10_000))
     many = run_layout(dense, batch, algo, learner_config(max_tokens=10))  # 3 on one rank, 2 + padding on the other
