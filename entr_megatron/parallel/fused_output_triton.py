@@ -33,7 +33,8 @@ which builds triton's own library functions (``interpreter_ready`` checks it); t
 kernels are built on first use (``kernels``), once for the interpreter and once for
 the GPU. On CUDA each kernel is autotuned over a few tile shapes per
 (hidden size, dtype); the shapes were chosen without a GPU to measure them on, and
-``tools/bench_fused_output.py`` reports the throughput they reach.
+``tools/bench_fused_output.py`` reports the throughput they reach. Row offsets are
+int64: a ``[V/tp, h]`` shard passes 2**31 elements at 128k x 16k (Llama 3 405B at TP 1).
 """
 
 from __future__ import annotations
@@ -105,11 +106,11 @@ def _stats_fn(
         for k0 in range(0, hdim, BLOCK_K):
             k_ok = (k0 + ks) < hdim
             xk = tl.load(
-                x_ptr + rows[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
+                x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
                 mask=row_ok[:, None] & k_ok[None, :], other=0.0,
             )
             wk = tl.load(
-                w_ptr + cols[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
+                w_ptr + cols.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
                 mask=col_ok[:, None] & k_ok[None, :], other=0.0,
             )
             if UPCAST:
@@ -142,7 +143,7 @@ def _stats_fn(
         s = a * s + a_c * s_c
         m = m_new
 
-    base = out_ptr + (pid_s * n_tokens + rows) * 5
+    base = out_ptr + (pid_s * n_tokens + rows.to(tl.int64)) * 5
     tl.store(base + 0, m, mask=row_ok)
     tl.store(base + 1, s, mask=row_ok)
     tl.store(base + 2, sy, mask=row_ok)
@@ -173,11 +174,11 @@ def _grad_fn(
     for k0 in range(0, hdim, BLOCK_K):
         k_ok = (k0 + ks) < hdim
         xk = tl.load(
-            x_ptr + rows[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
+            x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
             mask=row_ok[:, None] & k_ok[None, :], other=0.0,
         )
         wk = tl.load(
-            w_ptr + cols[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
+            w_ptr + cols.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
             mask=col_ok[:, None] & k_ok[None, :], other=0.0,
         )
         if UPCAST:
@@ -206,7 +207,7 @@ def _grad_fn(
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         d = bits.to(tl.float32, bitcast=True)
     tl.store(
-        d_ptr + rows[:, None] * stride_dn + cols[None, :] * stride_dv,
+        d_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :] * stride_dv,
         d.to(d_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )

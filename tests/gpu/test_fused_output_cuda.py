@@ -76,12 +76,15 @@ def test_triton_fp32_matches_float64(temperature, tile):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_16bit_matches_the_torch_path(dtype):
-    """The same logits rounded to the input dtype: values to fp32 summation order, gradients
-    within a few ulps of the 16-bit tile gradient."""
+    """Both paths round fp32-accumulated logits to the input dtype, but cuBLAS and the Triton
+    kernel sum in different orders, so a logit may round to the neighbouring 16-bit value:
+    values agree to two ulps of the largest |logit| / T, gradients to 2% of their largest entry."""
     case = make_case(dtype, seed=1)
     got = run("triton", *case, 0.8)
     want = run("torch", *case, 0.8)
+    z_max = (case[0].float() @ case[1].float().t()).abs().max().item()
+    ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)  # relative spacing of the 16-bit type, rounded up
     for name, g, w in zip(("logprob", "entropy", "collision"), got[:3], want[:3]):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=0, msg=f"{dtype} {name}")
+        torch.testing.assert_close(g, w, atol=2 * ulp * z_max / 0.8, rtol=0, msg=f"{dtype} {name}")
     assert_relative(got[3], want[3], 2e-2, f"{dtype} grad hidden")
     assert_relative(got[4], want[4], 2e-2, f"{dtype} grad weight")
