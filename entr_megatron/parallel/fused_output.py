@@ -218,7 +218,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
             from entr_megatron.parallel import fused_output_triton
 
             stats = fused_output_triton.local_stats(
-                hidden_NH, weight[:width], targets_N, vocab_start, inv_temp
+                hidden_NH, weight[:width], targets_N, vocab_start, inv_temp, with_q=return_collision
             )[:, :n_stats].contiguous()
         elif width > 0 and hidden_NH.shape[0] > 0:
             stats = _FusedLinearLogProbEntropy.local_stats(

@@ -32,8 +32,10 @@ The interpreter must be on (``TRITON_INTERPRET=1``) before triton is first impor
 which builds triton's own library functions (``interpreter_ready`` checks it); these
 kernels are built on first use (``kernels``), once for the interpreter and once for
 the GPU. On CUDA each kernel is autotuned over a few tile shapes per
-(hidden size, dtype); the shapes were chosen without a GPU to measure them on, and
-``tools/bench_fused_output.py`` reports the throughput they reach. Row offsets are
+(hidden size, dtype). They were chosen without a GPU to time them on: the tests compile
+every one for sm_90 (H100/H200) ahead of time, as a real call would specialise it, and
+check that 16-bit operands run on wgmma, loads are pipelined and no registers spill;
+``tools/bench_fused_output.py`` reports the throughput they reach on a GPU. Row offsets are
 int64: a ``[V/tp, h]`` shard passes 2**31 elements at 128k x 16k (Llama 3 405B at TP 1).
 """
 
@@ -74,6 +76,7 @@ def _stats_fn(
     n_tokens, width, hdim, vocab_start, inv_temp,
     stride_xn, stride_xh, stride_wv, stride_wh,
     n_splits,
+    HAS_Q: tl.constexpr,
     ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -127,20 +130,18 @@ def _stats_fn(
         elif ROUND_Z:
             acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
         z = acc * inv_temp
-        m_c = tl.max(tl.where(col_ok[None, :], z, _LOWEST), 1)
-        y = z - m_c[:, None]  # finite on masked columns too (their weight rows load as 0)
+        # Online log-sum-exp straight onto the new running max: this block's sums are taken
+        # about m_new, the running ones re-centred from m to m_new (the fold of
+        # fused_output.py with the block's own max skipped: fewer live tiles, no spills).
+        m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, _LOWEST), 1))
+        y = z - m_new[:, None]  # finite on masked columns too (their weight rows load as 0)
         e = tl.where(col_ok[None, :], tl.exp(y), 0.0)
-        s_c = tl.sum(e, 1)
-        sy_c = tl.sum(e * y, 1)
-        q_c = tl.sum(e * e, 1)
-        zt += tl.sum(tl.where(cols[None, :] == local_t[:, None], z, 0.0), 1)
-        # Online log-sum-exp, sy re-centred on the new running max (see fused_output.py).
-        m_new = tl.maximum(m, m_c)
         a = tl.exp(m - m_new)
-        a_c = tl.exp(m_c - m_new)
-        sy = a * (sy + (m - m_new) * s) + a_c * (sy_c + (m_c - m_new) * s_c)
-        q = a * a * q + a_c * a_c * q_c
-        s = a * s + a_c * s_c
+        sy = a * (sy + (m - m_new) * s) + tl.sum(e * y, 1)
+        s = a * s + tl.sum(e, 1)
+        if HAS_Q:
+            q = a * a * q + tl.sum(e * e, 1)
+        zt += tl.sum(tl.where(cols[None, :] == local_t[:, None], z, 0.0), 1)
         m = m_new
 
     base = out_ptr + (pid_s * n_tokens + rows.to(tl.int64)) * 5
@@ -213,11 +214,13 @@ def _grad_fn(
     )
 
 
-# Tile shapes tried by the autotuner on CUDA (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages):
-# the common Hopper/Ampere GEMM shapes for 16-bit operands, and smaller ones for fp32.
-_CUDA_CONFIGS_16 = [
-    (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4),
-]
+# Tile shapes tried by the autotuner on CUDA (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the
+# common Hopper/Ampere GEMM shapes with at most 64 accumulator elements per thread for the
+# forward kernel (its epilogue keeps several tiles live: more spills registers on sm_90, as
+# compiling them for it shows: tests/distributed/test_fused_output.py), larger ones for the
+# backward kernel, and smaller ones for fp32 operands.
+_CUDA_STATS_16 = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3)]
+_CUDA_GRAD_16 = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4)]
 _CUDA_CONFIGS_32 = [(64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]
 # The interpreter runs each program in numpy: tl.dot's smallest shape (16) keeps tests fast.
 _INTERPRET_BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)
@@ -236,26 +239,31 @@ def _build(interpret: bool):
     grad = triton.jit(_grad_fn)
     if interpret:
         return stats, grad
-    key = ["hdim", "ROUND_Z", "IEEE"]
+    key = ["hdim", "ROUND_Z", "IEEE"]  # the dtypes of the tensor arguments are part of it too
     # The autotuner times each config with the kernel's real arguments: both kernels only
     # write their outputs (never read them), so rerunning them is harmless.
     return (
-        triton.autotune(_configs(_CUDA_CONFIGS_16) + _configs(_CUDA_CONFIGS_32), key=key,
-                        prune_configs_by={"early_config_prune": _prune})(stats),
-        triton.autotune(_configs(_CUDA_CONFIGS_16) + _configs(_CUDA_CONFIGS_32), key=key,
-                        prune_configs_by={"early_config_prune": _prune})(grad),
+        triton.autotune(_configs(_CUDA_STATS_16 + _CUDA_CONFIGS_32), key=key + ["HAS_Q"],
+                        prune_configs_by={"early_config_prune": _prune(_CUDA_STATS_16)})(stats),
+        triton.autotune(_configs(_CUDA_GRAD_16 + _CUDA_CONFIGS_32), key=key,
+                        prune_configs_by={"early_config_prune": _prune(_CUDA_GRAD_16)})(grad),
     )
 
 
-def _prune(configs, named_args, **kwargs):
-    """16-bit operands try the 16-bit shapes, fp32 the fp32 ones."""
-    ieee = kwargs.get("IEEE", named_args.get("IEEE"))
-    want = _CUDA_CONFIGS_32 if ieee else _CUDA_CONFIGS_16
-    shapes = {(m, n, k, w, st) for m, n, k, w, st in want}
-    return [
-        c for c in configs
-        if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in shapes
-    ]
+def _shape(config) -> tuple:
+    k = config.kwargs
+    return k["BLOCK_M"], k["BLOCK_N"], k["BLOCK_K"], config.num_warps, config.num_stages
+
+
+def _prune(shapes_16):
+    """An early-prune function: 16-bit operands try ``shapes_16``, fp32 the fp32 shapes."""
+
+    def prune(configs, named_args, **kwargs):
+        ieee = kwargs.get("IEEE", named_args.get("IEEE"))
+        want = set(_CUDA_CONFIGS_32 if ieee else shapes_16)
+        return [c for c in configs if _shape(c) in want]
+
+    return prune
 
 
 def kernels():
@@ -289,8 +297,9 @@ def default_splits(n_tokens: int, width: int, device) -> int:
 
 
 def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: float,
-                n_splits: int | None = None) -> torch.Tensor:
-    """This rank's per-token ``[N, 5]`` statistics (m, s, sy, zt, q) over ``weight_VH``'s rows.
+                n_splits: int | None = None, with_q: bool = True) -> torch.Tensor:
+    """This rank's per-token ``[N, 5]`` statistics (m, s, sy, zt, q) over ``weight_VH``'s rows
+    (q = 0 unless ``with_q``: the collision term's sum, left out of the kernel when unused).
 
     ``n_splits``: contiguous runs of vocabulary blocks handled by separate programs
     (default ``default_splits``); more splits than blocks leave some empty, which is exact.
@@ -304,7 +313,7 @@ def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: flo
     stats_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * n_splits,)](
         hidden_NH, weight_VH, targets_N, out,
         n_tokens, width, hdim, vocab_start, inv_temp,
-        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1), n_splits,
+        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1), n_splits, with_q,
         **_flags(hidden_NH), **extra,
     )
     return fold_splits(out)
