@@ -29,9 +29,9 @@ this changes nothing but the order of summation), and fp32 -> bf16 rounding is d
 by hand to nearest even, because the interpreter's cast truncates.
 
 The interpreter must be on (``TRITON_INTERPRET=1``) before triton is first imported,
-which builds triton's own library functions (``interpreter_ready`` checks it); these
-kernels are built on first use (``kernels``), once for the interpreter and once for
-the GPU. On CUDA each kernel is autotuned over a few tile shapes per
+which builds triton's own library functions, and before this module is, whose device
+functions (``_logits_tile``, ...) are built the same way (``interpreter_ready`` checks
+it); the two kernels are built on first use (``kernels``). On CUDA each kernel is autotuned over a few tile shapes per
 (hidden size, dtype). They were chosen without a GPU to time them on: the tests compile
 every one for sm_90 (H100/H200) ahead of time, as a real call would specialise it, and
 check that 16-bit operands run on wgmma, loads are pipelined and no registers spill;
@@ -71,6 +71,59 @@ def interpreter_ready() -> bool:
     return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
+@triton.jit
+def _grouped(pid, n_m, n_n, GROUP_M: tl.constexpr):
+    """Program id -> (token block, column block or vocabulary split) in grouped order (Triton's
+    matmul tutorial): programs that run together take GROUP_M token blocks x every column
+    block, so L2 holds their row tiles of x and column tiles of W."""
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32: the interpreter's cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _logits_tile(
+    x_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, stride_xn, stride_xh, stride_wv, stride_wh,
+    ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The raw ``[BLOCK_M, BLOCK_N]`` logits x[rows] @ W[cols]^T in fp32 (0 on masked rows and
+    columns), rounded to the input dtype with ROUND_Z."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hdim, BLOCK_K):
+        k_ok = (k0 + ks) < hdim
+        xk = tl.load(
+            x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
+            mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+        )
+        wk = tl.load(
+            w_ptr + cols.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
+            mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+        )
+        if UPCAST:
+            xk = xk.to(tl.float32)
+            wk = wk.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xk, tl.trans(wk), acc)
+    if ROUND_Z and RN_BF16:
+        acc = _round_bf16(acc)
+    elif ROUND_Z:
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return acc
+
+
 def _stats_fn(
     x_ptr, w_ptr, t_ptr, out_ptr,
     n_tokens, width, hdim, vocab_start, inv_temp,
@@ -80,14 +133,7 @@ def _stats_fn(
     ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped order (Triton's matmul tutorial): the programs that run together take GROUP_M
-    # token blocks x every split, so L2 holds their row tiles of x and column tiles of W.
-    # (Inlined: a jitted helper cannot be called from a kernel run by the interpreter.)
-    pid = tl.program_id(0)
-    first_m = (pid // (GROUP_M * n_splits)) * GROUP_M
-    size_m = tl.minimum(tl.cdiv(n_tokens, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_splits)) % size_m
-    pid_s = (pid % (GROUP_M * n_splits)) // size_m
+    pid_m, pid_s = _grouped(tl.program_id(0), tl.cdiv(n_tokens, BLOCK_M), n_splits, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_tokens
     local_t = tl.load(t_ptr + rows, mask=row_ok, other=0) - vocab_start
@@ -101,34 +147,13 @@ def _stats_fn(
     sy = tl.zeros([BLOCK_M], tl.float32)
     q = tl.zeros([BLOCK_M], tl.float32)
     zt = tl.zeros([BLOCK_M], tl.float32)
-    ks = tl.arange(0, BLOCK_K)
     for b in range(b_begin, b_end):
         cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < width
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, hdim, BLOCK_K):
-            k_ok = (k0 + ks) < hdim
-            xk = tl.load(
-                x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
-                mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-            )
-            wk = tl.load(
-                w_ptr + cols.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
-                mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-            )
-            if UPCAST:
-                xk = xk.to(tl.float32)
-                wk = wk.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xk, tl.trans(wk), acc)
-        if ROUND_Z and RN_BF16:  # round to nearest even by hand: the interpreter's cast truncates
-            bits = acc.to(tl.uint32, bitcast=True)
-            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-            acc = bits.to(tl.float32, bitcast=True)
-        elif ROUND_Z:
-            acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc = _logits_tile(
+            x_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, stride_xn, stride_xh, stride_wv, stride_wh,
+            ROUND_Z, UPCAST, IEEE, RN_BF16, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
         z = acc * inv_temp
         # Online log-sum-exp straight onto the new running max: this block's sums are taken
         # about m_new, the running ones re-centred from m to m_new (the fold of
@@ -159,42 +184,15 @@ def _grad_fn(
     ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped order, as in _stats_fn (GROUP_M token blocks x every column block).
-    pid = tl.program_id(0)
-    n_col_blocks = tl.cdiv(width, BLOCK_N)
-    first_m = (pid // (GROUP_M * n_col_blocks)) * GROUP_M
-    size_m = tl.minimum(tl.cdiv(n_tokens, BLOCK_M) - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_col_blocks)) % size_m
-    pid_n = (pid % (GROUP_M * n_col_blocks)) // size_m
+    pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(n_tokens, BLOCK_M), tl.cdiv(width, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n_tokens
     col_ok = cols < width
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hdim, BLOCK_K):
-        k_ok = (k0 + ks) < hdim
-        xk = tl.load(
-            x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xh,
-            mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-        )
-        wk = tl.load(
-            w_ptr + cols.to(tl.int64)[:, None] * stride_wv + (k0 + ks)[None, :] * stride_wh,
-            mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-        )
-        if UPCAST:
-            xk = xk.to(tl.float32)
-            wk = wk.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(xk, tl.trans(wk), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xk, tl.trans(wk), acc)
-    if ROUND_Z and RN_BF16:  # as in _stats_fn
-        bits = acc.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        acc = bits.to(tl.float32, bitcast=True)
-    elif ROUND_Z:
-        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    acc = _logits_tile(
+        x_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, stride_xn, stride_xh, stride_wv, stride_wh,
+        ROUND_Z, UPCAST, IEEE, RN_BF16, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
     log_z = tl.load(log_z_ptr + rows, mask=row_ok, other=0.0)
     coef_a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
     coef_c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
@@ -204,9 +202,7 @@ def _grad_fn(
     d = tl.exp(log_p) * (coef_a[:, None] * log_p + coef_c[:, None])
     d += tl.where(cols[None, :] == local_t[:, None], t_grad[:, None], 0.0)
     if RN_BF16:  # the store below then truncates an exact bf16 value
-        bits = d.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        d = bits.to(tl.float32, bitcast=True)
+        d = _round_bf16(d)
     tl.store(
         d_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :] * stride_dv,
         d.to(d_ptr.dtype.element_ty),
