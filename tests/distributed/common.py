@@ -4,6 +4,8 @@ Imported by name (`from common import ...`): tests/distributed is on sys.path un
 pytest, and spawned ranks inherit the parent's sys.path.
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -49,3 +51,19 @@ def close(got, want, what, tol=REL_TOL, floor=1e-6, atol=0.0):
     err = (got - want).abs().max().item() if want.numel() else 0.0
     scale = want.abs().max().item() if want.numel() else 0.0
     assert err <= tol * max(scale, floor) + atol, f"{what}: max error {err:.3g}, max |want| {scale:.3g}"
+
+
+def _triton_version() -> tuple[int, ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(p) for p in version("triton").split(".")[:2] if p.isdigit())
+    except PackageNotFoundError:
+        return ()
+
+
+# Whether the fused output op's Triton kernels can run here in Triton's CPU interpreter:
+# TRITON_INTERPRET=1 from the start (tests/conftest.py sets it without CUDA) and triton >= 3.9
+# (requirements/constraints-cpu.txt); 3.6's interpreter fails on a loop over tensor bounds
+# with numpy 2 (int() of a 1-element array).
+INTERPRETER = _triton_version() >= (3, 9) and os.environ.get("TRITON_INTERPRET") == "1"

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from common import close
+from common import INTERPRETER, close
 
 from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
 from entr_megatron.parallel.fused_output import triton_available
@@ -228,10 +228,9 @@ def _ranks_main(rank, world, backend="torch"):
 # Both implementations run every check: "torch" (the chunked reference path) and "triton",
 # its kernels run on CPU by Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1
 # without CUDA, before anything imports triton (spawned ranks inherit it).
-INTERPRETER = triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(
     not INTERPRETER,
-    reason="needs triton (the dev extra installs it) and TRITON_INTERPRET=1 from the start (set without CUDA)",
+    reason="needs triton >= 3.9 (the dev extra installs it) and TRITON_INTERPRET=1 from the start (set without CUDA)",
 )
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 

@@ -21,7 +21,6 @@ many layouts, destroying and re-initialising model parallel between them.
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 
@@ -29,8 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import close, model_config
-from entr_megatron.parallel.fused_output import triton_available
+from common import INTERPRETER, close, model_config
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB, MAX_SEQ = 128, 32
@@ -444,7 +442,7 @@ def _two_ranks(rank, world):
     run_layout(dense, batch, algo, small, pp=2, vpp=2)
     run_layout(dense, batch, algo, small, tp=2, sp=True, check_logprobs=True, fused=True)
     run_layout(dense, batch, algo, small, pp=2, vpp=2, check_logprobs=True, fused=True)
-    if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":  # tests/conftest.py, without CUDA
+    if INTERPRETER:  # triton >= 3.9, TRITON_INTERPRET=1 from tests/conftest.py without CUDA
         # The fused op's Triton kernels, run by Triton's CPU interpreter.
         triton_cfg = learner_config(max_tokens=24, fused_backend="triton")
         run_layout(dense, batch, algo, triton_cfg, tp=2, sp=True, check_logprobs=True, fused=True)
