@@ -169,7 +169,24 @@ assert torch.cuda.is_available(), "torch sees no CUDA device"
 '
 }
 
-export -f make_venv install_wheels check_import
+# The benchmark's baselines (Liger, CCE), when carried: their only needs, torch and triton, are
+# the image's. A failure here leaves them out of the benchmark, nothing else.
+# shellcheck disable=SC2317  # run through `bash -c` (exported), not called here
+install_baselines() {
+    export PYTHONSAFEPATH=1
+    local -a found=()
+    local w
+    for w in "$WHEELS"/liger_kernel-*.whl "$WHEELS"/cut_cross_entropy-*.whl; do
+        [ -f "$w" ] && found+=("$w")
+    done
+    if [ "${#found[@]}" -eq 0 ]; then
+        echo "no liger_kernel / cut_cross_entropy wheels in $WHEELS"
+        return 1
+    fi
+    "$VENV_PY" -m pip install --no-index --no-deps --no-cache-dir --disable-pip-version-check "${found[@]}"
+}
+
+export -f make_venv install_wheels install_baselines check_import
 export SYS_PY VENV VENV_PY WHEELS
 
 # ---- the steps ------------------------------------------------------------------------------
@@ -181,6 +198,7 @@ run_step "nvidia-smi --query-gpu (read only)" 30 nvidia-smi --query-gpu=name,dri
 run_step "torch and CUDA versions" 60 "$SYS_PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "available", torch.cuda.is_available())'
 run_step "venv $VENV" 90 bash -c make_venv
 run_step "pip install --no-index (tools/gpu_wheels)" 120 bash -c install_wheels
+run_step "pip install the benchmark's baselines (Liger, CCE)" 60 bash -c install_baselines
 run_step "import the installed package" 60 bash -c check_import
 run_step "pytest tests/gpu -q" 150 env PYTHONSAFEPATH=1 "$VENV_PY" -m pytest tests/gpu -q -p no:cacheprovider
 skip_step "tools/bench_vocab_parallel.py" "no CUDA path: it runs CPU gloo ranks only"
@@ -213,7 +231,7 @@ bench_table() {
     echo "- commit: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$REPO" status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
     echo "- GPU (nvidia-smi): $(log_line "${STEP_LOGS[0]}" . || echo "dry run / not read")"
     echo "- torch / CUDA: $(log_line "${STEP_LOGS[1]}" '^torch ' || echo "dry run / not read")"
-    echo "- triton: $(log_line "${STEP_LOGS[4]}" '^triton' || echo "dry run / not read")"
+    echo "- triton: $(log_line "${STEP_LOGS[5]}" '^triton' || echo "dry run / not read")"
     echo "- budget: ${BUDGET_S} s; total wall: $(($(date +%s) - T_START)) s"
     echo
     echo "| step | exit | wall | note |"

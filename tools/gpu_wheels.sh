@@ -25,6 +25,9 @@ DEST=tools/gpu_wheels
 MEGATRON_CORE="megatron-core==0.16.1"
 # megatron-core 0.16.1 declares packaging>=24.2; the image's may be older. Pure Python.
 PURE_PYTHON=("packaging==26.4")
+# The fused output benchmark's GPU baselines, pure Python over the image's torch and triton:
+# Liger's fused linear cross-entropy and Apple's Cut Cross-Entropy.
+BASELINES=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")
 
 rm -rf "$DEST"
 mkdir -p "$DEST"
@@ -39,6 +42,7 @@ mkdir -p "$DEST"
     -d "$DEST" "$MEGATRON_CORE"
 
 "$PY" -m pip download --no-deps --only-binary=:all: -d "$DEST" "${PURE_PYTHON[@]}"
+"$PY" -m pip download --no-deps --only-binary=:all: -d "$DEST" "${BASELINES[@]}"
 
 # Our package, pure Python, built from a copy of its sources: setuptools leaves build/lib behind
 # and reuses it next time, so a module deleted here could reach the wheel. Without build
