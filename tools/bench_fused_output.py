@@ -25,10 +25,9 @@ interleaved within each repeat so that load drifts hit them alike.
 
 GEMM equivalents: each method's median time over that of ONE output-layer GEMM
 ``[N, h] x [h, V/tp]`` (torch.mm into a buffer allocated beforehand, timed in the same
-repeats). (b) runs 3 such
-GEMMs (forward, two gradients), the fused op 4 (its backward recomputes the logits), so
-"GEMM efficiency" = 4 x GEMM time / fused time is the fraction of the matmul throughput
-(cuBLAS on CUDA, BLAS on CPU) that the fused op's own FLOPs imply.
+repeats). (b) runs 3 such GEMMs (forward, two gradients), the fused op 4 (its backward
+recomputes the logits), so "GEMM efficiency" = 4 x GEMM time / fused time is the fraction
+of the matmul throughput (cuBLAS on CUDA, BLAS on CPU) that the fused op's own FLOPs imply.
 
     python tools/bench_fused_output.py                     # 4096 tokens x h 2048 x V 65536, TP=2
     python tools/bench_fused_output.py --small             # a quick run

@@ -215,12 +215,13 @@ done
 log_line() { [ -n "$1" ] && [ -s "$1" ] && grep -m 1 -E "$2" "$1"; }
 
 # The benchmark's own table as it printed it: the line above "| TP | method ..." (its header:
-# sizes, dtype, versions) and the table's rows.
+# sizes, dtype, versions), the table's rows, and its GEMM-efficiency line(s) below it.
 bench_table() {
     awk '/^\| TP \| method/ && !done { print prev; t = 1 }
          t && /^\|/ { print; next }
          t { t = 0; done = 1 }
          { prev = $0 }' "$1"
+    grep -E '^TP=[0-9]+: one output-layer GEMM' "$1"
 }
 
 {
