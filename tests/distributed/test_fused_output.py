@@ -1,5 +1,7 @@
 """vocab_parallel_linear_logprobs_entropy on 1, 2 and 4 gloo ranks against float64 single-rank math
-and against the unfused path (output matmul + vocab_parallel_logprobs_entropy)."""
+and against the unfused path (output matmul + vocab_parallel_logprobs_entropy), on both backends:
+the chunked PyTorch path and the Triton kernels (run here by Triton's CPU interpreter), which are
+also compiled for sm_90 and checked for pipelining and register spills."""
 
 import itertools
 import os
