@@ -4,8 +4,8 @@ Two kernels, each a tiled GEMM ``z = x @ W^T`` (bf16/fp16 operands with fp32
 accumulation; fp32 operands in full fp32, never TF32) whose ``[BLOCK_M, BLOCK_N]``
 accumulator is consumed in registers instead of being written out:
 
-``stats`` (forward): program ``(i, s)`` takes token block i and the s-th of
-    ``n_splits`` contiguous runs of this rank's vocabulary blocks, and folds every
+``stats`` (forward): one program per (token block i, split s) takes token block i and
+    the s-th of ``n_splits`` contiguous runs of this rank's vocabulary blocks, and folds every
     block's logits into running per-token statistics (m, s, sy, zt, q) by the same
     online log-sum-exp as the chunked PyTorch path (``_FusedLinearLogProbEntropy.fold_stats``).
     Output: ``[n_splits, N, 5]`` fp32 partial statistics, merged on the host
@@ -31,12 +31,14 @@ by hand to nearest even, because the interpreter's cast truncates.
 The interpreter must be on (``TRITON_INTERPRET=1``) before triton is first imported,
 which builds triton's own library functions, and before this module is, whose device
 functions (``_logits_tile``, ...) are built the same way (``interpreter_ready`` checks
-it); the two kernels are built on first use (``kernels``). On CUDA each kernel is autotuned over a few tile shapes per
-(hidden size, dtype). They were chosen without a GPU to time them on: the tests compile
-every one for sm_90 (H100/H200) ahead of time, as a real call would specialise it, and
-check that 16-bit operands run on wgmma, loads are pipelined and no registers spill;
-``tools/bench_fused_output.py`` reports the throughput they reach on a GPU. Row offsets are
-int64: a ``[V/tp, h]`` shard passes 2**31 elements at 128k x 16k (Llama 3 405B at TP 1).
+it); the two kernels are built on first use (``kernels``).
+
+On CUDA each kernel is autotuned over a few tile shapes per (hidden size, dtype). They
+were chosen without a GPU to time them on: the tests compile every one for sm_90
+(H100/H200) ahead of time, as a real call would specialise it, and check that 16-bit
+operands run on wgmma, loads are pipelined and no registers spill;
+``tools/bench_fused_output.py`` reports the throughput they reach on a GPU. Row offsets
+are int64: a ``[V/tp, h]`` shard passes 2**31 elements at 128k x 16k (Llama 3 405B at TP 1).
 """
 
 from __future__ import annotations
