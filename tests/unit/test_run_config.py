@@ -148,6 +148,7 @@ def test_unknown_file_key_names_the_key_and_suggests(tmp_path):
         ("algorithm.tau=0", "algorithm.tau=0", "(0.0, inf]"),
         ("learner.optim.lr_decay_style=step", "learner.optim.lr_decay_style='step'", "cosine"),
         ("learner.max_tokens_per_microbatch=0", "learner.max_tokens_per_microbatch=0", ">= 1"),
+        ("learner.fused_output_backend=cuda", "learner.fused_output_backend='cuda'", "auto, torch, triton"),
         ("task.name=chess", "task.name='chess'", "arithmetic, math, calculator, search"),
         ("task.search.hops=4", "task.search.hops=4", "[2, 3]"),
         ("rollout.agent.tool_timeout_s=.inf", "rollout.agent.tool_timeout_s", "finite"),
