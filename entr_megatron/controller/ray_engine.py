@@ -89,9 +89,11 @@ class RayEngine:
 
     def __init__(self, config: Any, *, num_cpus: float = 1.0, num_gpus: float = 0.0, scheduling_strategy: Any = None,
                  startup_timeout_s: float | None = None, answer_timeout_s: float | None = None,
-                 ray_module: Any = None):
+                 ray_module: Any = None, wait: bool = True):
         """Starts the actor and waits until its engine loaded the model (`startup_timeout_s`,
-        default `config.startup_timeout_s`); raises EngineError (the actor killed) if it did not.
+        default `config.startup_timeout_s`, counted from here); raises EngineError (the actor
+        killed) if it did not. `wait=False` returns at once: `wait_ready` waits, so that several
+        engines load at the same time, as local ones do.
         `answer_timeout_s` (default `config.rpc_timeout_s`): how long a call (submit, abort,
         pause, health...) may go unanswered before it raises EngineError; a local engine's
         submit and abort never wait, so wiring gives rollout.embedded.health_timeout_s.
@@ -108,18 +110,26 @@ class RayEngine:
         self._killed = self._closed = False
         self.where = "not started"
         """The actor's pid and node, for messages."""
+        self._version: int | None = None  # the engine's, once it told it (wait_ready)
         self._actor = ray_module.remote(_EngineActor).options(**options).remote(config)
+        self._start = self._actor.describe.remote()
+        self._start_by = time.monotonic() + float(startup_timeout_s or config.startup_timeout_s)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> RayEngine:
+        """Waits until the engine loaded the model (within the start timeout, counted from the
+        constructor); raises EngineError, the actor killed, if it did not. Returns self."""
+        if self._start is None:
+            return self
         try:
-            version, ip, pid = self._get(self._actor.describe.remote(), startup_timeout_s or config.startup_timeout_s,
-                                         "its start")
+            version, ip, pid = self._get(self._start, max(self._start_by - time.monotonic(), 0.0), "its start")
         except BaseException:
             self.kill()
             raise
+        self._start = None
         self._version = version
         self.where = f"pid {pid} on {ip}"
-
-    def wait_ready(self) -> RayEngine:
-        """Ready when the constructor returns (the interface of a local `EmbeddedEngine`)."""
         return self
 
     def __repr__(self) -> str:

@@ -277,7 +277,7 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
     if cfg.launcher.kind == "ray":
         _ray_init(cfg)
     engines = []
-    for i in range(r.num_engines):  # local ones all load at once
+    for i in range(r.num_engines):  # they all load at once (local processes and Ray actors)
         engine = embedded_engine(cfg, model_dir, i, wait=False)
         stack.callback(engine.shutdown)
         engines.append(engine)
@@ -286,13 +286,13 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
 
 def embedded_engine(cfg: RunConfig, model_dir: Path, index: int, wait: bool = True) -> RolloutEngine:
     """Embedded engine `index` of the run: a local process, or a Ray actor with launcher.kind 'ray'
-    (ready when returned; `wait=False`: a local one may still be loading, see `wait_ready`)."""
+    (ready when returned; `wait=False`: it may still be loading, see `wait_ready`)."""
     config = _embedded_config(cfg, model_dir, index)
     if cfg.launcher.kind == "ray":
         from entr_megatron.controller.ray_engine import RayEngine
 
         return RayEngine(config, num_cpus=cfg.rollout.embedded.num_threads or 1,
-                         answer_timeout_s=cfg.rollout.embedded.health_timeout_s)
+                         answer_timeout_s=cfg.rollout.embedded.health_timeout_s, wait=wait)
     from entr_megatron.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(config, wait=wait)

@@ -248,6 +248,7 @@ class FakeRay:
     def __init__(self):
         self.exceptions = pytest.importorskip("ray.exceptions")
         self.actors, self.killed = [], []
+        self.on_describe = None  # called inside each actor's start call (describe), when set
 
     def remote(self, cls):
         ray = self
@@ -294,7 +295,13 @@ class FakeActor:
         self.running.set()
         self.target = _EngineActor.__new__(_EngineActor)  # its forwarding, around a fake engine
         self.target.engine = engine
-        self.target.describe = lambda: (engine.weight_version, "10.0.0.7", 4242)
+
+        def describe():
+            if ray.on_describe is not None:
+                ray.on_describe()
+            return engine.weight_version, "10.0.0.7", 4242
+
+        self.target.describe = describe
         self.pool = concurrent.futures.ThreadPoolExecutor(ACTOR_CONCURRENCY)
 
     def __getattr__(self, name):
@@ -374,6 +381,30 @@ def test_a_ray_engine_actor_that_dies_or_stalls_is_killed_and_replaced_by_a_new_
     assert sorted(trained + held) == list(range(ctrl.prompts.next_index))  # none lost
     ctrl.drain()
     assert engines.engines[1].weight_version == engines.engines[0].weight_version == 8  # it follows the pushes
+
+
+def test_ray_engines_load_at_the_same_time(monkeypatch):
+    """make_engines starts every actor before waiting for any: each start call here returns
+    only once all three actors are loading (a barrier), which one-after-another starts never
+    reach (shown below: one engine alone waiting for a second that is not started)."""
+    from entr_megatron.controller import ray_engine, wiring
+    from entr_megatron.rollout.embedded_protocol import EmbeddedEngineConfig
+
+    fake = FakeRay()
+    monkeypatch.setattr(ray_engine, "RayEngine", functools.partial(ray_engine.RayEngine, ray_module=fake))
+    monkeypatch.setattr(wiring, "_ray_init", lambda cfg: None)
+    fake.on_describe = threading.Barrier(3, timeout=10).wait
+    cfg = load_config(None, ["launcher.kind=ray", "rollout.num_engines=3"])
+    with ExitStack() as stack:
+        engines = wiring.make_engines(cfg, "model", stack)
+        assert len(engines) == len(fake.actors) == 3
+        assert all("pid 4242 on 10.0.0.7" in repr(e) and e.weight_version == 0 for e in engines)
+    assert set(fake.killed) == set(fake.actors)  # shut down with the stack
+
+    fake.on_describe = threading.Barrier(2, timeout=0.3).wait
+    with pytest.raises(threading.BrokenBarrierError):
+        ray_engine.RayEngine(EmbeddedEngineConfig(model_dir="model"))  # waits: the second never starts
+    assert fake.killed[-1] is fake.actors[-1]  # a start that failed kills its actor
 
 
 def test_ray_engine_calls_fail_like_a_local_engines_and_a_slow_poll_loses_nothing():
