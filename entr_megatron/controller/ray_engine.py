@@ -113,7 +113,8 @@ class RayEngine:
         self._version: int | None = None  # the engine's, once it told it (wait_ready)
         self._actor = ray_module.remote(_EngineActor).options(**options).remote(config)
         self._start = self._actor.describe.remote()
-        self._start_by = time.monotonic() + float(startup_timeout_s or config.startup_timeout_s)
+        self._start_s = float(startup_timeout_s or config.startup_timeout_s)
+        self._start_by = time.monotonic() + self._start_s
         if wait:
             self.wait_ready()
 
@@ -123,7 +124,8 @@ class RayEngine:
         if self._start is None:
             return self
         try:
-            version, ip, pid = self._get(self._start, max(self._start_by - time.monotonic(), 0.0), "its start")
+            version, ip, pid = self._get(self._start, max(self._start_by - time.monotonic(), 0.0),
+                                         f"its start ({self._start_s:g} s from its launch)")
         except BaseException:
             self.kill()
             raise
