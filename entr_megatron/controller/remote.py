@@ -80,6 +80,12 @@ class RemotePush:
                                       f"{timeout:.0f} s (rollout.push_timeout_s)")
         errors = [u.error for u in self.updates if u.error is not None]
         if errors:
+            # A learner rank that died mid-push breaks the engines' side first (their broadcast
+            # peer is gone): that is the learner's failure (WorkerError: relaunch the ranks), not
+            # the engines'. Groups without the check (test fakes) skip it.
+            check = getattr(self.pusher.group, "raise_if_dead", None)
+            if check is not None:
+                check(f"the push of weight version {self.version}")
             raise EnginePushError(f"weight version {self.version} did not reach every engine: {errors[0]}") \
                 from errors[0]
         if deadline is None:

@@ -167,6 +167,18 @@ class ProcessWorkerGroup:
         self._busy = False
         return [results[r] for r in range(self.world_size)]
 
+    def raise_if_dead(self, what: str, grace_s: float = 1.0) -> None:
+        """Raises WorkerError (as a call would) if a rank's process has died; waits up to
+        `grace_s` for one to show as dead (a peer can see the broken connection first)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if not proc.is_alive():
+                    self._dead(rank, what)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
     def _dead(self, rank: int, what: str):
         self._procs[rank].join(10)  # the pipe closes before the process is reaped
         code = self._procs[rank].exitcode
@@ -291,6 +303,21 @@ class RayWorkerGroup:
     def wait_ready(self) -> RayWorkerGroup:
         """The ranks are ready when the constructor returns (the same interface as the local group)."""
         return self
+
+    def raise_if_dead(self, what: str, grace_s: float = 1.0) -> None:
+        """Raises WorkerError if a rank's actor has died (its cheap `node_ip` call fails within
+        `grace_s`); a rank busy in a call answers late, which counts as alive."""
+        import ray
+
+        refs = [a.node_ip.remote() for a in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - a dead actor: re-raised with the rank
+                    self._broken = True
+                    raise WorkerError(f"{self.name} rank {rank} died during {what}:\n{e}") from e
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> _RayPending:
         return _RayPending(self, [a.call.remote(method, args, kwargs) for a in self._actors], method)

@@ -75,6 +75,31 @@ def test_a_local_rank_killed_while_its_forked_child_runs_takes_the_child_with_it
         group.shutdown()
 
 
+def test_a_push_broken_by_a_dead_rank_is_the_learners_failure(group):
+    """A learner rank killed mid-push breaks the engines' side of the broadcast first: the push
+    then raises the rank's WorkerError (the job relaunches the learner), not EnginePushError
+    (which, with every engine healthy, ended the job: seen in the fault e2e test). With the ranks
+    alive the engines' error stands."""
+    from entr_megatron.controller.remote import EnginePushError, RemotePush, RemotePusher
+
+    class BrokenUpdate:  # an engine's side of the push that saw its broadcast peer go away
+        error = RuntimeError("gloo: Connection reset by peer")
+
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return False
+
+    pusher = RemotePusher(group, push_timeout_s=5.0)
+    with pytest.raises(EnginePushError, match="version 7 did not reach every engine: gloo: Connection reset"):
+        RemotePush(pusher, 7, [BrokenUpdate()], 0.0).wait()
+    [pid, *_] = group.call("pid")
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=r"rank 0 died during the push of weight version 8 \(exit code -9"):
+        RemotePush(pusher, 8, [BrokenUpdate()], 0.0).wait()
+
+
 def test_construction_failure_names_the_rank():
     with pytest.raises(WorkerError, match=r"(?s)rank \d failed in startup.*cannot build x"):
         ProcessWorkerGroup(2, make_broken, ("x",), startup_timeout_s=120)
