@@ -53,7 +53,9 @@ def test_offline_run_resumes_the_same_run_with_the_training_step(tmp_path, monke
     with MetricsLogger(tmp_path, tensorboard=False, resume_from_step=3, wandb=cfg) as log:
         log.log({"step": 3, "reward/mean": 0.3})
     assert (tmp_path / RUN_ID_FILE).read_text().strip() == run_id
-    files = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    # W&B names a start's directory by its second and the run id, with "-1", "-2"... added when
+    # a start of the same id in the same second made that one already (as here, often)
+    files = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb"))
     assert len(files) == 2  # two starts, one W&B run id (wandb sync merges them)
     history, runs = [], []
     for path in files:
