@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from entr_megatron.controller.workers import WorkerGroup
 from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
 from entr_megatron.types import TrainBatch
 
@@ -82,10 +83,8 @@ class RemotePush:
         if errors:
             # A learner rank that died mid-push breaks the engines' side first (their broadcast
             # peer is gone): that is the learner's failure (WorkerError: relaunch the ranks), not
-            # the engines'. Groups without the check (test fakes) skip it.
-            check = getattr(self.pusher.group, "raise_if_dead", None)
-            if check is not None:
-                check(f"the push of weight version {self.version}")
+            # the engines'.
+            self.pusher.group.raise_if_dead(f"the push of weight version {self.version}")
             raise EnginePushError(f"weight version {self.version} did not reach every engine: {errors[0]}") \
                 from errors[0]
         if deadline is None:
@@ -122,7 +121,7 @@ class RemoteLearner:
     """`Learner` (controller/interfaces.py) over learner ranks in other processes; also their
     checkpoints and HF export (rank 0's answer of each call)."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: WorkerGroup):
         self.group = group
 
     def train(self, batch: TrainBatch, current_version: int) -> dict[str, float]:
@@ -151,7 +150,7 @@ class RemotePusher:
     through `receivers[i]` in a thread here; none for engines the ranks update themselves.
     `on_delivered(version)` runs once a waited push has reached every engine."""
 
-    def __init__(self, group: Any, engines: Sequence[RolloutEngine] = (), receivers: Sequence[WeightReceiver] = (),
+    def __init__(self, group: WorkerGroup, engines: Sequence[RolloutEngine] = (), receivers: Sequence[WeightReceiver] = (),
                  on_delivered: Callable[[int], None] | None = None, push_timeout_s: float | None = None):
         if len(engines) != len(receivers):
             raise ValueError(f"one receiver per engine: {len(engines)} engines, {len(receivers)} receivers")

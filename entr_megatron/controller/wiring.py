@@ -40,7 +40,7 @@ from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_lear
 from entr_megatron.controller.remote import ABANDON_TIMEOUT_S, RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, start_servers
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions, sglang_engine
-from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup
+from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
 from entr_megatron.utils.spawn import free_port_range
 
@@ -249,7 +249,7 @@ def _meeting_point(cfg: RunConfig, group) -> tuple[str, int]:
     return address, free_port_range(cfg.parallel.pp)
 
 
-def learner_group(cfg: RunConfig, model_dir: Path, phase: str, wait: bool = True):
+def learner_group(cfg: RunConfig, model_dir: Path, phase: str, wait: bool = True) -> WorkerGroup:
     """The learner ranks (`launcher.world_size` processes or Ray actors) of `phase` ("sft", "rl").
     `wait=False`: local ranks are spawned and go on loading while the caller starts other
     processes; `group.wait_ready()` before the first call (Ray actors are always ready)."""

@@ -21,7 +21,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch.multiprocessing as mp
 
@@ -35,13 +35,47 @@ from entr_megatron.utils.spawn import (
     torchrun_env,
 )
 
-__all__ = ["ProcessWorkerGroup", "RayWorkerGroup", "WorkerError"]
+__all__ = ["PendingCall", "ProcessWorkerGroup", "RayWorkerGroup", "WorkerError", "WorkerGroup"]
 
 POLL_S = 0.5
 
 
 class WorkerError(RuntimeError):
     """A rank raised or died; the group is unusable afterwards."""
+
+
+class PendingCall(Protocol):
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Every rank's answer, in rank order (raises WorkerError as `call` does)."""
+        ...
+
+
+class WorkerGroup(Protocol):
+    """What each launcher's group offers (local processes, Ray actors): what RemoteLearner and
+    RemotePusher (controller/remote.py) call."""
+
+    name: str
+    world_size: int
+
+    def wait_ready(self) -> WorkerGroup:
+        """Blocks until every rank built its worker."""
+        ...
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """`method(*args, **kwargs)` on every rank's worker at once; their answers in rank order."""
+        ...
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """As `call`, without waiting; one call in flight at a time."""
+        ...
+
+    def raise_if_dead(self, what: str, grace_s: float = 1.0) -> None:
+        """Raises WorkerError (naming `what`) if a rank has died, else returns."""
+        ...
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stops the ranks (kills those that do not stop in time)."""
+        ...
 
 
 def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: tuple, conn) -> None:

@@ -27,6 +27,9 @@ class FakeGroup:
             return [{"sender": 1.0, "transfer_s": 2.0, "gbytes_per_s": 3.0}, {}]
         return [(method, "rank0"), (method, "rank1")]
 
+    def raise_if_dead(self, what, grace_s=1.0):
+        pass  # its ranks never die
+
 
 class FakeEngine:
     """Generates one token per request at a fixed weight version; counts its updates."""

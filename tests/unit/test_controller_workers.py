@@ -109,7 +109,8 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
     """Ray actors inherit the environment of the cluster, not of the driver (here: a variable set
     after the local cluster started stands for one only the driver's shell has). And (the same
     cluster: it is slow to start) a rank killed while a child it forked runs (a checkpoint writer,
-    which holds the rank's sockets) fails the call at once, and the child dies with it."""
+    which holds the rank's sockets) is seen dead by `raise_if_dead` and fails the call at once,
+    and the child dies with it."""
     ray = pytest.importorskip("ray")
     from entr_megatron.controller.workers import RayWorkerGroup
 
@@ -125,8 +126,12 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
             names = ["ENTR_TEST_API_KEY", "ENTR_TEST_OTHER", "ENTR_TEST_UNSET"]
             assert group.call("getenv", names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
                                                    "ENTR_TEST_UNSET": None}]
+            group.raise_if_dead("a push", grace_s=5.0)  # alive: returns
             pending, child = _kill_rank_while_its_child_runs(group, tmp_path)
             t0 = time.monotonic()
+            with pytest.raises(WorkerError, match="rank 0 died during the push of weight version 8"):
+                group.raise_if_dead("the push of weight version 8", grace_s=30.0)  # what RemotePush.wait asks
+            assert time.monotonic() - t0 < 20  # seen dead, not the grace running out
             with pytest.raises(WorkerError, match="rank 0 failed in fork_and_wait"):
                 pending.result(timeout=60)
             assert time.monotonic() - t0 < 30  # not Ray's keepalive (minutes)
