@@ -68,7 +68,7 @@ from entr_megatron.parallel.vocab_parallel import (
     check_vocab_and_targets,
 )
 
-__all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape", "triton_available"]
+__all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape", "triton_available", "triton_interpreting"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -340,13 +340,18 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _use_triton(backend: str, hidden) -> bool:
     """Resolves ``backend`` for ``hidden``; raises ValueError naming what the choice needs."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpret = triton_interpreting()
     if backend == "auto":
         return hidden.is_cuda and not interpret and triton_available()
     if not triton_available():

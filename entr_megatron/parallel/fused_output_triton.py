@@ -44,25 +44,21 @@ are int64: a ``[V/tp, h]`` shard passes 2**31 elements at 128k x 16k (Llama 3 40
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from entr_megatron.parallel.fused_output import triton_interpreting
+
 __all__ = [
-    "default_splits", "fold_splits", "interpreter_ready", "interpreting", "kernels", "local_stats", "logits_grad_tile",
+    "default_splits", "fold_splits", "interpreter_ready", "kernels", "local_stats", "logits_grad_tile",
 ]
 
 # Statistics columns, the same order as vocab_parallel's _MAX, _SUM_EXP, _SUM_EXP_Y,
 # _TARGET_LOGIT, _SUM_EXP2.
 _N_STATS = 5
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # float32's lowest finite: exp(_LOWEST - m) = 0 and (_LOWEST - m) * 0 = 0
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def interpreter_ready() -> bool:
@@ -266,13 +262,13 @@ def _prune(shapes_16):
 
 def kernels():
     """``(stats, logits_grad)`` kernels: interpreted under ``TRITON_INTERPRET=1``, autotuned JIT otherwise."""
-    return _build(interpreting())
+    return _build(triton_interpreting())
 
 
 def _flags(x):
     """Compile-time switches for ``x``'s dtype: ROUND_Z, UPCAST, IEEE, RN_BF16 (as keyword arguments)."""
     low = x.dtype != torch.float32
-    interp = interpreting()
+    interp = triton_interpreting()
     return dict(ROUND_Z=low, UPCAST=low and interp, IEEE=not low, RN_BF16=interp and x.dtype == torch.bfloat16)
 
 
@@ -307,7 +303,7 @@ def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: flo
     stats_kernel, _ = kernels()
     n_splits = n_splits or default_splits(n_tokens, width, hidden_NH.device)
     out = torch.empty(n_splits, n_tokens, _N_STATS, dtype=torch.float32, device=hidden_NH.device)
-    extra = _INTERPRET_BLOCKS if interpreting() else {}
+    extra = _INTERPRET_BLOCKS if triton_interpreting() else {}
     stats_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * n_splits,)](
         hidden_NH, weight_VH, targets_N, out,
         n_tokens, width, hdim, vocab_start, inv_temp,
@@ -343,7 +339,7 @@ def logits_grad_tile(x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_gr
     n_tokens, hdim = x_t.shape
     width = w_c.shape[0]
     _, grad_kernel = kernels()
-    extra = _INTERPRET_BLOCKS if interpreting() else {}
+    extra = _INTERPRET_BLOCKS if triton_interpreting() else {}
     grad_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)](
         x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, out,
         n_tokens, width, hdim, vocab_start, inv_temp,
