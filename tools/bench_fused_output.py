@@ -279,6 +279,8 @@ def main(argv=None):
     bad = [tp for tp in args.tp if tp < 1 or args.vocab % tp]
     if bad:
         ap.error(f"--vocab {args.vocab} is not divisible by --tp {bad}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device (use --device cpu)")
     chosen = sorted(set(args.methods) | {BASELINE}, key=[*METHODS, *OPTIONAL].index)
     results = f"/tmp/bench_fused_output.{os.getpid()}.txt"
     open(results, "w").close()
