@@ -11,8 +11,11 @@ all methods alike):
                 default backend: the Triton kernels on CUDA, the chunked PyTorch path on CPU
   (c) fused_torch  on CUDA only: the same op forced onto its chunked PyTorch path
   (c') liger / cce  on CUDA only, if importable: Liger's fused linear cross-entropy and
-                Cut Cross-Entropy, log-prob only, on this rank's shard alone (a local
-                softmax: a speed/memory reference, not the same result)
+                Cut Cross-Entropy (its defaults, gradient filtering on), log-prob only, on
+                this rank's shard alone (a local softmax: a speed/memory reference, not the
+                same result)
+  (c') liger_ent / cce_ent  the same with the entropy added unfused (this shard's logits
+                materialised once more), which is what an RL loss on them needs
 
 Printed as ratios against (b) measured in the same run. Memory: the peak increase
 over the call, per rank, maximum over ranks; on CPU the resident set's high-water
@@ -94,8 +97,23 @@ def cce(x, w, targets, group, tile):
     return -linear_cross_entropy(x, w, local, reduction="none"), None
 
 
+def _entropy_unfused(x, w):
+    """The entropy of this shard's softmax from its materialised logits (fp32)."""
+    logits = (x @ w.t()).float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def liger_ent(x, w, targets, group, tile):
+    return liger(x, w, targets, group, tile)[0], _entropy_unfused(x, w)
+
+
+def cce_ent(x, w, targets, group, tile):
+    return cce(x, w, targets, group, tile)[0], _entropy_unfused(x, w)
+
+
 METHODS = {"gather": gather_full_logits, "unfused": unfused, "fused": fused}
-OPTIONAL = {"fused_torch": (None, fused_torch), "liger": ("liger_kernel", liger), "cce": ("cut_cross_entropy", cce)}
+OPTIONAL = {"fused_torch": (None, fused_torch), "liger": ("liger_kernel", liger), "cce": ("cut_cross_entropy", cce),
+            "liger_ent": ("liger_kernel", liger_ent), "cce_ent": ("cut_cross_entropy", cce_ent)}
 
 
 def available_optional(device) -> dict:
