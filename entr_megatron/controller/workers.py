@@ -21,7 +21,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch.multiprocessing as mp
 
@@ -50,6 +50,7 @@ class PendingCall(Protocol):
         ...
 
 
+@runtime_checkable
 class WorkerGroup(Protocol):
     """What each launcher's group offers (local processes, Ray actors): what RemoteLearner and
     RemotePusher (controller/remote.py) call."""

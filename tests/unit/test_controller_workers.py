@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerError
+from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerError, WorkerGroup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workers_fixture import make_broken, make_echo  # noqa: E402
@@ -38,6 +38,7 @@ def group():
 
 
 def test_every_rank_answers_in_rank_order_with_torchrun_env(group):
+    assert isinstance(group, WorkerGroup)
     envs = group.call("whoami")
     assert [e["RANK"] for e in envs] == ["0", "1", "2"] and all(e["WORLD_SIZE"] == "3" for e in envs)
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
@@ -123,6 +124,7 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
         group = RayWorkerGroup(1, make_echo, ("t",),
                                env_from_driver=("ENTR_TEST_API_KEY", "ENTR_TEST_UNSET"))
         try:
+            assert isinstance(group, WorkerGroup)
             names = ["ENTR_TEST_API_KEY", "ENTR_TEST_OTHER", "ENTR_TEST_UNSET"]
             assert group.call("getenv", names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
                                                    "ENTR_TEST_UNSET": None}]
