@@ -13,7 +13,8 @@ forward, per tile (t: a chunk of tokens, c: a chunk of this rank's columns)
                                                 exactly as the unfused output layer)
   the tile's statistics (m, s, sy, zt[, q]) come from the unfused op's own step
   ``_VocabParallelLogProbEntropy.local_stats``, and are folded into the running
-  per-token statistics of this rank by an online log-sum-exp:
+  per-token statistics of this rank by an online log-sum-exp (``fold_stats``, the
+  same exact merge as the ranks' statistics get after the all-gather):
     m'  = max(m, m_c),   a = exp(m - m'),   a_c = exp(m_c - m')
     s'  = a s + a_c s_c
     sy' = a (sy + (m - m') s) + a_c (sy_c + (m_c - m') s_c)
@@ -58,11 +59,6 @@ import os
 import torch
 
 from entr_megatron.parallel.vocab_parallel import (
-    _MAX,
-    _SUM_EXP,
-    _SUM_EXP2,
-    _SUM_EXP_Y,
-    _TARGET_LOGIT,
     _VocabParallelLogProbEntropy,
     _group_rank_size,
     check_vocab_and_targets,
@@ -106,21 +102,6 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     """Autograd function; the math is split into the named static steps below."""
 
     @staticmethod
-    def fold_stats(run, tile):
-        """Online log-sum-exp: folds one vocab tile's ``[n, C]`` statistics into ``run`` in place."""
-        m, m_c = run[:, _MAX], tile[:, _MAX]
-        m_new = torch.maximum(m, m_c)
-        a, a_c = torch.exp(m - m_new), torch.exp(m_c - m_new)
-        s, s_c = run[:, _SUM_EXP], tile[:, _SUM_EXP]
-        # sy is centred on the running max: re-centre both terms on m_new before summing.
-        run[:, _SUM_EXP_Y] = a * (run[:, _SUM_EXP_Y] + (m - m_new) * s) + a_c * (tile[:, _SUM_EXP_Y] + (m_c - m_new) * s_c)
-        if run.shape[1] > _SUM_EXP2:
-            run[:, _SUM_EXP2] = a.square() * run[:, _SUM_EXP2] + a_c.square() * tile[:, _SUM_EXP2]
-        run[:, _SUM_EXP] = a * s + a_c * s_c
-        run[:, _TARGET_LOGIT] += tile[:, _TARGET_LOGIT]
-        run[:, _MAX] = m_new
-
-    @staticmethod
     def local_stats(hidden_NH, weight_VH, targets_N, vocab_start, inv_temp, ct, cv, n_stats):
         """Per-token ``[N, n_stats]`` statistics of this rank's (unpadded) shard, tile by tile."""
         n_tokens, width = hidden_NH.shape[0], weight_VH.shape[0]
@@ -138,10 +119,8 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
                     z, targets_N[s:e_], vocab_start + v0, inv_temp, e_ - s,
                     _tile(buf_y, e_ - s, v1 - v0), _tile(buf_e, e_ - s, v1 - v0), n_stats,
                 )
-                if v0 == 0:
-                    stats[s:e_] = tile
-                else:
-                    _FusedLinearLogProbEntropy.fold_stats(stats[s:e_], tile)
+                # online log-sum-exp: the running statistics and this tile's, merged exactly
+                stats[s:e_] = tile if v0 == 0 else _Ops.fold_stats(torch.stack((stats[s:e_], tile)))
         return stats
 
     @staticmethod

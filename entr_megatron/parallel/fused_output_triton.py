@@ -6,11 +6,11 @@ accumulator is consumed in registers instead of being written out:
 
 ``stats`` (forward): one program per (token block i, split s) takes token block i and
     the s-th of ``n_splits`` contiguous runs of this rank's vocabulary blocks, and folds every
-    block's logits into running per-token statistics (m, s, sy, zt, q) by the same
-    online log-sum-exp as the chunked PyTorch path (``_FusedLinearLogProbEntropy.fold_stats``).
-    Output: ``[n_splits, N, 5]`` fp32 partial statistics, merged on the host
-    (``fold_splits``). Splitting the vocabulary keeps the GPU busy when there are few
-    token blocks; the partials are ``n_splits x N x 20`` bytes, never logits.
+    block's logits into running per-token statistics (m, s, sy, zt, q) by an online
+    log-sum-exp. Output: ``[n_splits, N, 5]`` fp32 partial statistics, merged on the host
+    by the same exact merge as the ranks' statistics (``vocab_parallel``'s ``fold_stats``).
+    Splitting the vocabulary keeps the GPU busy when there are few token blocks; the
+    partials are ``n_splits x N x 20`` bytes, never logits.
 
 ``logits_grad`` (backward): recomputes one ``[chunk_tokens, chunk_vocab]`` tile of z
     and writes d(sum g_lp*logprob + g_h*H)/dz for it,
@@ -50,9 +50,10 @@ import triton
 import triton.language as tl
 
 from entr_megatron.parallel.fused_output import triton_interpreting
+from entr_megatron.parallel.vocab_parallel import _VocabParallelLogProbEntropy as _Ops
 
 __all__ = [
-    "default_splits", "fold_splits", "interpreter_ready", "kernels", "local_stats", "logits_grad_tile",
+    "default_splits", "interpreter_ready", "kernels", "local_stats", "logits_grad_tile",
 ]
 
 # Statistics columns, the same order as vocab_parallel's _MAX, _SUM_EXP, _SUM_EXP_Y,
@@ -154,8 +155,8 @@ def _stats_fn(
         )
         z = acc * inv_temp
         # Online log-sum-exp straight onto the new running max: this block's sums are taken
-        # about m_new, the running ones re-centred from m to m_new (the fold of
-        # fused_output.py with the block's own max skipped: fewer live tiles, no spills).
+        # about m_new, the running ones re-centred from m to m_new (the merge of
+        # fused_output.py's docstring with the block's own max skipped: fewer live tiles, no spills).
         m_new = tl.maximum(m, tl.max(tl.where(col_ok[None, :], z, _LOWEST), 1))
         y = z - m_new[:, None]  # finite on masked columns too (their weight rows load as 0)
         e = tl.where(col_ok[None, :], tl.exp(y), 0.0)
@@ -310,27 +311,7 @@ def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: flo
         hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1), n_splits, with_q,
         **_flags(hidden_NH), **extra,
     )
-    return fold_splits(out)
-
-
-def fold_splits(partial_SNC: torch.Tensor) -> torch.Tensor:
-    """Exact merge of ``[S, N, 5]`` per-split statistics into ``[N, 5]``.
-
-    A split that saw no column has m = lowest finite and s = sy = q = 0, which the
-    merge weighs by exp(lowest - M) = 0.
-    """
-    m = partial_SNC[..., 0]
-    big_m = m.amax(dim=0)
-    shift = m - big_m
-    scale = torch.exp(shift)
-    s = partial_SNC[..., 1]
-    out = torch.empty(partial_SNC.shape[1:], dtype=torch.float32, device=partial_SNC.device)
-    out[:, 0] = big_m
-    out[:, 1] = (scale * s).sum(dim=0)
-    out[:, 2] = (scale * (partial_SNC[..., 2] + shift * s)).sum(dim=0)
-    out[:, 3] = partial_SNC[..., 3].sum(dim=0)
-    out[:, 4] = (scale.square() * partial_SNC[..., 4]).sum(dim=0)
-    return out
+    return _Ops.fold_stats(out)
 
 
 def logits_grad_tile(x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, vocab_start: int,

@@ -92,31 +92,39 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return stats
 
     @staticmethod
-    def merge_stats(stats_RNC):
-        """Exact log-sum-exp merge of the ranks' ``[R, N, C]`` statistics -> (logprob_N, entropy_N, logZ_N).
-
-        Reads the first four columns only: the same merge with or without q.
-        """
+    def fold_stats(stats_RNC):
+        """Exact merge of ``[R, N, C]`` partial statistics (ranks, or vocabulary splits) into
+        ``[N, C]``: every sum re-centred on the largest max. A part that saw no column (max
+        the lowest finite float, sums 0: ``padding_stats``) weighs exp(lowest - M) = 0."""
         m = stats_RNC[..., _MAX]
         big_m = m.amax(dim=0)
-        scale = torch.exp(m - big_m)
         shift = m - big_m
-        sum_exp = (scale * stats_RNC[..., _SUM_EXP]).sum(dim=0)
-        sum_exp_y = (scale * (stats_RNC[..., _SUM_EXP_Y] + shift * stats_RNC[..., _SUM_EXP])).sum(dim=0)
+        scale = torch.exp(shift)
+        out = torch.empty(stats_RNC.shape[1:], dtype=stats_RNC.dtype, device=stats_RNC.device)
+        out[:, _MAX] = big_m
+        out[:, _SUM_EXP] = (scale * stats_RNC[..., _SUM_EXP]).sum(dim=0)
+        out[:, _SUM_EXP_Y] = (scale * (stats_RNC[..., _SUM_EXP_Y] + shift * stats_RNC[..., _SUM_EXP])).sum(dim=0)
+        out[:, _TARGET_LOGIT] = stats_RNC[..., _TARGET_LOGIT].sum(dim=0)
+        if stats_RNC.shape[-1] > _SUM_EXP2:
+            out[:, _SUM_EXP2] = (scale.square() * stats_RNC[..., _SUM_EXP2]).sum(dim=0)
+        return out
+
+    @staticmethod
+    def merge_stats(stats_RNC):
+        """Exact log-sum-exp merge of the ranks' ``[R, N, C]`` statistics -> (logprob_N, entropy_N, logZ_N)."""
+        folded = _VocabParallelLogProbEntropy.fold_stats(stats_RNC[..., :_SUM_EXP2])
+        sum_exp = folded[:, _SUM_EXP]
         log_sum = torch.log(sum_exp)
-        log_z = big_m + log_sum
-        entropy = log_sum - sum_exp_y / sum_exp
-        logprob = stats_RNC[..., _TARGET_LOGIT].sum(dim=0) - log_z
+        log_z = folded[:, _MAX] + log_sum
+        entropy = log_sum - folded[:, _SUM_EXP_Y] / sum_exp
+        logprob = folded[:, _TARGET_LOGIT] - log_z
         return logprob, entropy, log_z
 
     @staticmethod
     def merge_collision(stats_RNC):
         """Exact merge of the q column -> collision_N = 1 - sum_j p_j^2 = 1 - Q / S^2."""
-        m = stats_RNC[..., _MAX]
-        scale = torch.exp(m - m.amax(dim=0))
-        sum_exp = (scale * stats_RNC[..., _SUM_EXP]).sum(dim=0)
-        sum_exp2 = (scale.square() * stats_RNC[..., _SUM_EXP2]).sum(dim=0)
-        return 1.0 - sum_exp2 / sum_exp.square()
+        folded = _VocabParallelLogProbEntropy.fold_stats(stats_RNC)
+        return 1.0 - folded[:, _SUM_EXP2] / folded[:, _SUM_EXP].square()
 
     @staticmethod
     def logits_grad(logits_NV, targets_N, log_z, entropy, g_lp, g_h, vocab_start, inv_temp, chunk, buf_p, out):
