@@ -214,6 +214,14 @@ done
 # log_line LOG REGEX: the first line of LOG matching REGEX; fails when there is none.
 log_line() { [ -n "$1" ] && [ -s "$1" ] && grep -m 1 -E "$2" "$1"; }
 
+# step_log NAME: the log of the step called NAME (empty if there is none).
+step_log() {
+    local i
+    for i in "${!STEP_NAMES[@]}"; do
+        [ "${STEP_NAMES[$i]}" = "$1" ] && echo "${STEP_LOGS[$i]}" && return
+    done
+}
+
 # The benchmark's own table as it printed it: the line above "| TP | method ..." (its header:
 # sizes, dtype, versions), the table's rows, and its GEMM-efficiency line(s) below it.
 bench_table() {
@@ -230,9 +238,9 @@ bench_table() {
     [ "$DRY_RUN" = 1 ] && echo "**Dry run**: no command ran; each step lists what would have." && echo
     echo "- date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
     echo "- commit: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$REPO" status --porcelain 2>/dev/null | grep -q . && echo ' (with uncommitted changes)')"
-    echo "- GPU (nvidia-smi): $(log_line "${STEP_LOGS[0]}" . || echo "dry run / not read")"
-    echo "- torch / CUDA: $(log_line "${STEP_LOGS[1]}" '^torch ' || echo "dry run / not read")"
-    echo "- triton: $(log_line "${STEP_LOGS[5]}" '^triton' || echo "dry run / not read")"
+    echo "- GPU (nvidia-smi): $(log_line "$(step_log "nvidia-smi --query-gpu (read only)")" . || echo "dry run / not read")"
+    echo "- torch / CUDA: $(log_line "$(step_log "torch and CUDA versions")" '^torch ' || echo "dry run / not read")"
+    echo "- triton: $(log_line "$(step_log "import the installed package")" '^triton' || echo "dry run / not read")"
     echo "- budget: ${BUDGET_S} s; total wall: $(($(date +%s) - T_START)) s"
     echo
     echo "| step | exit | wall | note |"

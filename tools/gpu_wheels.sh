@@ -26,8 +26,13 @@ MEGATRON_CORE="megatron-core==0.16.1"
 # megatron-core 0.16.1 declares packaging>=24.2; the image's may be older. Pure Python.
 PURE_PYTHON=("packaging==26.4")
 # The fused output benchmark's GPU baselines, pure Python over the image's torch and triton:
-# Liger's fused linear cross-entropy and Apple's Cut Cross-Entropy.
-BASELINES=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")
+# Liger's fused linear cross-entropy and Apple's Cut Cross-Entropy, at the versions the CPU
+# tests check the benchmark's calls of (requirements/constraints-cpu.txt).
+mapfile -t BASELINES < <(grep -E '^(liger-kernel|cut-cross-entropy)==' requirements/constraints-cpu.txt)
+if [ "${#BASELINES[@]}" -ne 2 ]; then
+    echo "requirements/constraints-cpu.txt: want one liger-kernel== and one cut-cross-entropy== pin" >&2
+    exit 1
+fi
 
 rm -rf "$DEST"
 mkdir -p "$DEST"

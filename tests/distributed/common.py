@@ -4,10 +4,10 @@ Imported by name (`from common import ...`): tests/distributed is on sys.path un
 pytest, and spawned ranks inherit the parent's sys.path.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from entr_megatron.parallel.fused_output import triton_interpreting
 
 __all__ = ["REL_TOL", "close", "model_config"]
 
@@ -66,4 +66,4 @@ def _triton_version() -> tuple[int, ...]:
 # TRITON_INTERPRET=1 from the start (tests/conftest.py sets it without CUDA) and triton >= 3.9
 # (requirements/constraints-cpu.txt); 3.6's interpreter fails on a loop over tensor bounds
 # with numpy 2 (int() of a 1-element array).
-INTERPRETER = _triton_version() >= (3, 9) and os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETER = _triton_version() >= (3, 9) and triton_interpreting()
