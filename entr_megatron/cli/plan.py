@@ -4,10 +4,15 @@ controller mode, from a cluster description or a run directory (study/planner.py
     entr-megatron plan CLUSTER.yaml [--modes sync,fully_async] [--steps N]
     entr-megatron plan --from-run RUN_DIR [--engine-costs FILE.yaml | --measure-engine] [--response-sigma S]
 
-A cluster YAML has `costs` (Costs fields: decode_base_s, decode_per_seq_s, prefill_per_token_s,
-train_per_token_s, train_overhead_s, push_s, swap_s, engines, max_batch_size, prompt_len,
-response_median, response_sigma, max_new_tokens) and `workload` (prompts_per_step, n,
-max_policy_lag, steps, max_inflight_groups, inter_lag, intra_lag, seed). With --from-run the
+A cluster YAML has `costs`: the time costs in seconds, every one required (>= 0; write 0 for one
+that does not apply): decode_base_s, decode_per_seq_s, prefill_per_token_s, train_per_token_s,
+train_overhead_s, push_s, swap_s; and the engines' shape (defaults in brackets): engines [1],
+max_batch_size [64], prompt_len [16], response_median [64], response_sigma [0],
+max_new_tokens [128]. And optionally `workload` (defaults in brackets): prompts_per_step [8] >= 1,
+n [8] >= 1, max_policy_lag [4] in [0, 1024] (train's bound; >= 1 for one_step_off and
+fully_async), steps [50] >= 1, max_inflight_groups [null] >= 1, inter_lag [0] and intra_lag [0]
+in [0, 1024], seed [0] >= 0. Every value is checked before anything is simulated; an error names
+the field and its valid range (exit status 2). With --from-run the
 learner's costs, the push time, the response lengths and the workload come from the run; the
 engine's decode costs from --engine-costs (a YAML mapping of decode_base_s, decode_per_seq_s,
 prefill_per_token_s) or --measure-engine (times the embedded engine on the run's model).
@@ -20,6 +25,8 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from entr_megatron.config.validate import FieldError
 
 __all__ = ["add_parser"]
 
@@ -39,19 +46,22 @@ def _read_yaml(path: str) -> dict:
 
 
 def run(args) -> None:
-    from entr_megatron.study.planner import MODES, Costs, Workload, costs_from_run, measure_engine, simulate
+    from entr_megatron.study.planner import (MODES, Costs, SimulationBoundError, Workload, costs_from_run,
+                                             measure_engine, read_engine_costs, simulate)
 
     modes = args.modes.split(",") if args.modes else list(MODES)
     bad = [m for m in modes if m not in MODES]
     if bad:
         _fail(f"--modes: unknown mode(s) {bad}; valid: {list(MODES)}")
+    if args.steps is not None and args.steps < 1:
+        _fail(f"--steps must be an integer >= 1, got {args.steps}")
     try:
         if args.from_run:
             run_dir = Path(args.from_run)
             if not (run_dir / "metrics.jsonl").exists() or not (run_dir / "config.yaml").exists():
                 _fail(f"--from-run: {run_dir} is not a run directory (needs config.yaml and metrics.jsonl)")
             if args.engine_costs:
-                engine = _read_yaml(args.engine_costs)
+                engine = read_engine_costs(_read_yaml(args.engine_costs), f"--engine-costs {args.engine_costs}")
             elif args.measure_engine:
                 from entr_megatron.controller.run_dir import RunPaths
 
@@ -72,20 +82,20 @@ def run(args) -> None:
             if not args.cluster:
                 _fail("give a cluster YAML or --from-run RUN_DIR")
             data = _read_yaml(args.cluster)
-            unknown = sorted(set(data) - {"costs", "workload"})
+            unknown = sorted(set(data) - {"costs", "workload"}, key=str)
             if unknown or "costs" not in data:
                 _fail(f"{args.cluster}: needs a `costs` mapping (and optionally `workload`); unknown: {unknown}")
             costs = Costs.from_dict(data["costs"], f"{args.cluster}: costs")
-            known = {f.name for f in dataclasses.fields(Workload)}
-            wl = data.get("workload") or {}
-            if set(wl) - known:
-                _fail(f"{args.cluster}: workload: unknown key(s) {sorted(set(wl) - known)}; valid: {sorted(known)}")
-            workload = Workload(**wl)
-    except ValueError as e:
+            workload = Workload.from_dict(data.get("workload") or {}, f"{args.cluster}: workload")
+        if args.steps is not None:
+            workload = dataclasses.replace(workload, steps=args.steps)
+        for mode in modes:
+            workload.check_mode(mode)
+        rows = [simulate(costs, workload, mode).summary() for mode in modes]
+    except FieldError as e:  # a field's value: say which file it came from
+        _fail(f"{args.cluster or args.from_run}: {e}")
+    except (ValueError, SimulationBoundError) as e:
         _fail(str(e))
-    if args.steps:
-        workload = dataclasses.replace(workload, steps=args.steps)
-    rows = [simulate(costs, workload, mode).summary() for mode in modes]
     print(f"{'mode':<14}{'step_s':>9}{'tok/s':>10}{'learner idle':>14}{'engine idle':>13}{'lag mean':>10}{'lag max':>9}")
     for r in rows:
         print(f"{r['mode']:<14}{r['step_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['learner_idle']:>14.2f}"

@@ -26,387 +26,38 @@ The model (what it keeps and what it leaves out):
 Costs come from a YAML description of a cluster (`Costs.from_dict`) or a run directory
 (`costs_from_run`: the learner's cost fitted from the run's own steps, engine costs given or
 measured with `measure_engine`).
+
+Where things are: the validated inputs and the output (`Costs`, `Workload`, `Plan`) in
+workload.py, the simulation (`simulate`, bounded by an event count) in simulation.py, costs from
+measurements here. Every name is importable from this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import math
-import random
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MODES", "Costs", "Plan", "Workload", "costs_from_run", "fit_line", "measure_engine", "simulate"]
+from entr_megatron.study.simulation import SimulationBoundError, default_max_events, simulate
+from entr_megatron.study.workload import COST_FIELDS, MODES, Costs, Plan, Workload
 
-MODES = ("sync", "one_step_off", "fully_async", "fixed_lag")
+__all__ = ["COST_FIELDS", "ENGINE_COST_FIELDS", "MODES", "Costs", "Plan", "SimulationBoundError", "Workload",
+           "costs_from_run", "default_max_events", "fit_line", "measure_engine", "read_engine_costs", "simulate"]
 
-
-@dataclass(frozen=True)
-class Costs:
-    """Per-operation costs in seconds (see the module docstring)."""
-
-    decode_base_s: float
-    decode_per_seq_s: float
-    train_per_token_s: float
-    train_overhead_s: float = 0.0
-    prefill_per_token_s: float = 0.0
-    push_s: float = 0.0
-    swap_s: float = 0.0
-    engines: int = 1
-    max_batch_size: int = 64
-    prompt_len: int = 16
-    response_median: float = 64.0
-    """Response lengths: lognormal with this median and `response_sigma`, clipped to [1, max_new_tokens]."""
-    response_sigma: float = 0.0
-    max_new_tokens: int = 128
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"costs.{f.name} must be a finite number >= 0, got {value!r}")
-        for name in ("engines", "max_batch_size", "max_new_tokens"):
-            if getattr(self, name) < 1 or int(getattr(self, name)) != getattr(self, name):
-                raise ValueError(f"costs.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.decode_base_s + self.decode_per_seq_s <= 0:
-            raise ValueError("costs.decode_base_s + costs.decode_per_seq_s must be > 0 (a decode step takes time)")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "costs") -> Costs:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {sorted(known)}")
-        return cls(**data)
-
-    def response_lengths(self, count: int, rng: random.Random) -> list[int]:
-        if self.response_sigma == 0:  # floor or ceil of the median, in the proportion that keeps the mean
-            low = math.floor(self.response_median)
-            return [max(1, min(self.max_new_tokens, low + (rng.random() < self.response_median - low)))
-                    for _ in range(count)]
-        mu = math.log(max(self.response_median, 1.0))
-        return [max(1, min(self.max_new_tokens, round(rng.lognormvariate(mu, self.response_sigma))))
-                for _ in range(count)]
+ENGINE_COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s")
+"""The engine's costs that a run directory cannot give (`measure_engine` or a cluster's numbers)."""
 
 
-@dataclass(frozen=True)
-class Workload:
-    prompts_per_step: int = 8
-    n: int = 8
-    max_policy_lag: int = 4
-    steps: int = 50
-    max_inflight_groups: int | None = None
-    inter_lag: int = 0
-    intra_lag: int = 0
-    seed: int = 0
-
-
-@dataclass
-class Plan:
-    mode: str
-    step_s: list[float]
-    response_tokens: int
-    wall_s: float
-    learner_busy_s: float
-    engine_busy_s: float
-    engines: int
-    lag_tokens: dict[int, int] = field(repr=False)
-    """Trained tokens per policy lag."""
-    step_lag_mean: list[float] = field(repr=False)
-    """Mean token lag of each step's batch (the controller's policy_lag/mean)."""
-    dropped: int = 0
-
-    @property
-    def mean_step_s(self) -> float:
-        return sum(self.step_s) / len(self.step_s)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.response_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def mean_lag(self) -> float:
-        total = sum(self.lag_tokens.values())
-        return sum(lag * n for lag, n in self.lag_tokens.items()) / total if total else 0.0
-
-    @property
-    def max_lag(self) -> int:
-        return max(self.lag_tokens, default=0)
-
-    def summary(self) -> dict[str, float]:
-        return {"mode": self.mode, "step_s": self.mean_step_s, "tokens_per_s": self.tokens_per_s,
-                "learner_idle": 1 - self.learner_busy_s / self.wall_s if self.wall_s else 0.0,
-                "engine_idle": 1 - self.engine_busy_s / (self.wall_s * self.engines) if self.wall_s else 0.0,
-                "lag_mean": self.mean_lag, "lag_max": float(self.max_lag), "dropped_groups": float(self.dropped)}
-
-
-class _Group:
-    __slots__ = ("id", "left", "tokens", "versions", "submit_version", "aborted")
-
-    def __init__(self, gid: int, n: int, submit_version: int):
-        self.id, self.left, self.tokens = gid, n, 0
-        self.versions: list[list[int]] = []
-        """Runs [version, tokens] of the group's tokens."""
-        self.submit_version, self.aborted = submit_version, False
-
-    def add(self, version: int, count: int) -> None:
-        self.tokens += count
-        if self.versions and self.versions[-1][0] == version:
-            self.versions[-1][1] += count
-        else:
-            self.versions.append([version, count])
-
-    @property
-    def oldest(self) -> int:
-        return min(v for v, _ in self.versions)
-
-
-class _Seq:
-    __slots__ = ("group", "remaining", "prompt")
-
-    def __init__(self, group: _Group, length: int, prompt: int):
-        self.group, self.remaining, self.prompt = group, length, prompt
-
-
-class _Engine:
-    """Continuous batching, advanced in macro-steps: k decode steps with the same running set
-    (until the first sequence finishes), one event each. Weights arriving during a macro-step
-    take effect from the next decode step that starts after them (the swap is between steps)."""
-
-    def __init__(self, costs: Costs):
-        self.c, self.running, self.waiting = costs, [], deque()
-        self.version, self.busy, self.busy_s, self.stall = 0, False, 0.0, 0.0
-        self.k, self.start, self.first, self.step = 0, 0.0, 0.0, 0.0
-        self.old: tuple[int, int] | None = None
-        """(steps at the old version, old version) when weights arrived during the macro-step."""
-
-    def plan(self, now: float) -> float:
-        """Admits waiting sequences; returns the duration of the next macro-step (0: idle)."""
-        prefill = 0
-        self.running = [q for q in self.running if not q.group.aborted]
-        while self.waiting and len(self.running) < self.c.max_batch_size:
-            seq = self.waiting.popleft()
-            if seq.group.aborted:
-                continue
-            self.running.append(seq)
-            prefill += seq.prompt
-        if not self.running:
-            return 0.0
-        self.step = self.c.decode_base_s + self.c.decode_per_seq_s * len(self.running)
-        self.first = self.step + self.c.prefill_per_token_s * prefill + self.stall
-        self.stall, self.start, self.old = 0.0, now, None
-        self.k = min(q.remaining for q in self.running)
-        return self.first + (self.k - 1) * self.step
-
-    def new_weights(self, now: float, version: int) -> None:
-        if version <= self.version:
-            return
-        if self.busy and self.old is None:
-            elapsed = now - self.start  # decode steps started before now keep the old weights
-            started = 1 if elapsed <= self.first else 1 + math.ceil((elapsed - self.first) / self.step)
-            self.old = (min(started, self.k), self.version)
-        self.version = version
-
-    def finish(self) -> list[_Group]:
-        """The macro-step's k tokens per running sequence (at the versions they were decoded with);
-        the groups completed."""
-        done, still = [], []
-        for seq in self.running:
-            if seq.group.aborted:
-                continue
-            if self.old is not None:
-                seq.group.add(self.old[1], self.old[0])
-                if self.k > self.old[0]:
-                    seq.group.add(self.version, self.k - self.old[0])
-            else:
-                seq.group.add(self.version, self.k)
-            seq.remaining -= self.k
-            if seq.remaining == 0:
-                seq.group.left -= 1
-                if seq.group.left == 0:
-                    done.append(seq.group)
-            else:
-                still.append(seq)
-        self.running, self.old = still, None
-        return done
-
-
-def simulate(costs: Costs, workload: Workload, mode: str) -> Plan:
-    """The modelled run of `workload.steps` steps in `mode` (see the module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return _Simulation(costs, workload, mode).run()
-
-
-class _Simulation:
-    def __init__(self, costs: Costs, w: Workload, mode: str):
-        self.c, self.w, self.mode = costs, w, mode
-        self.rng = random.Random(w.seed)
-        self.engines = [_Engine(costs) for _ in range(costs.engines)]
-        self.now, self.version, self.next_gid, self.rr = 0.0, 0, 0, 0
-        self.inflight: dict[int, _Group] = {}
-        """Groups submitted and not yet received by the controller (finished ones included)."""
-        self.arrived: deque[_Group] = deque()
-        """Groups the engines finished that the controller has not received yet."""
-        self.finished: deque[_Group] = deque()
-        """The controller's buffer: received groups not yet trained on."""
-        self.events: list[tuple[float, int, str, Any]] = []
-        self.seq = 0
-        self.dropped = 0
-        self.pushed_version = 0
-
-    # ---- engines ---------------------------------------------------------------------------------
-    def submit(self, count: int) -> None:
-        for _ in range(count):
-            group = _Group(self.next_gid, self.w.n, self.version)
-            self.next_gid += 1
-            self.inflight[group.id] = group
-            engine = self.engines[self.rr % len(self.engines)]
-            self.rr += 1
-            for length in self.c.response_lengths(self.w.n, self.rng):
-                engine.waiting.append(_Seq(group, length, self.c.prompt_len))
-        for engine in self.engines:  # one submit call: its requests start decoding together
-            self._kick(engine)
-
-    def _kick(self, engine: _Engine) -> None:
-        if not engine.busy:
-            t = engine.plan(self.now)
-            if t > 0:
-                engine.busy = True
-                engine.busy_s += t
-                self._at(self.now + t, "decode", engine)
-
-    def _at(self, t: float, kind: str, payload: Any) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, payload))
-
-    def advance(self) -> None:
-        """Processes the next event (a macro-step's end or a weight arrival)."""
-        t, _, kind, payload = heapq.heappop(self.events)
-        self.now = t
-        if kind == "decode":
-            engine = payload
-            engine.busy = False
-            self.arrived.extend(g for g in engine.finish() if not g.aborted)
-            self._kick(engine)
-        elif kind == "weights":  # an in-flight swap stalls the next decode step; a waited one is in the wait
-            version, in_flight = payload
-            for engine in self.engines:
-                engine.new_weights(self.now, version)
-                engine.stall += self.c.swap_s if in_flight else 0.0
-
-    def wait_until(self, condition) -> None:
-        while not condition():
-            if not self.events:
-                raise RuntimeError("planner: nothing in flight and the condition cannot become true")
-            self.advance()
-
-    def wait_time(self, until: float) -> None:
-        while self.events and self.events[0][0] <= until:
-            self.advance()
-        self.now = max(self.now, until)
-
-    # ---- the loops -------------------------------------------------------------------------------
-    def run(self) -> Plan:
-        step_s, tokens, learner_busy = [], 0, 0.0
-        lags: dict[int, int] = {}  # token lag -> tokens
-        step_lag: list[float] = []
-        P = self.w.prompts_per_step
-        if self.mode == "one_step_off":
-            self.submit(P)
-        for _ in range(self.w.steps):
-            t0 = self.now
-            if self.mode in ("sync", "fixed_lag"):
-                self.submit(P)
-                batch = self._collect_all(P)
-            elif self.mode == "one_step_off":
-                batch = self._collect_all(P)
-                self._push(wait=True)
-                self.submit(P)
-            else:
-                batch = self._collect_async()
-            train_s = self.c.train_overhead_s + self.c.train_per_token_s * sum(
-                g.tokens + self.w.n * self.c.prompt_len for g in batch)
-            learner_busy += train_s
-            self.wait_time(self.now + train_s)
-            if self.mode == "fixed_lag":  # by construction: segment j of a response is K + J - j old
-                K, J = self.w.inter_lag, self.w.intra_lag
-                stride = max(self.c.max_new_tokens // (J + 1), 1)
-                for g in batch:
-                    for i in range(g.tokens // self.w.n):
-                        lag = min(self.version, K + J - min(J, i // stride))
-                        lags[lag] = lags.get(lag, 0) + self.w.n
-            else:
-                for g in batch:
-                    for version, count in g.versions:
-                        lags[self.version - version] = lags.get(self.version - version, 0) + count
-            tokens += sum(g.tokens for g in batch)
-            step_lag.append(sum((self.version - v) * c for g in batch for v, c in g.versions)
-                            / max(sum(g.tokens for g in batch), 1) if self.mode != "fixed_lag" else
-                            min(self.version, self.w.inter_lag + self.w.intra_lag / 2))
-            self.version += 1
-            if self.mode in ("sync", "fixed_lag"):
-                self._push(wait=True)
-            elif self.mode == "fully_async":
-                self._push(wait=False)
-                self._abort_doomed()
-            step_s.append(self.now - t0)
-        busy = sum(e.busy_s for e in self.engines)
-        return Plan(self.mode, step_s, tokens, self.now, learner_busy, min(busy, self.now * len(self.engines)),
-                    len(self.engines), lags, step_lag, self.dropped)
-
-    def _push(self, wait: bool) -> None:
-        if self.version == self.pushed_version:  # the controller pushes only a new version
-            return
-        self.pushed_version = self.version
-        arrive = self.now + self.c.push_s
-        self._at(arrive, "weights", (self.version, not wait))
-        if wait:
-            self.wait_time(arrive + self.c.swap_s)
-
-    def _receive(self) -> None:
-        """The controller's poll: waits for a finished group when none has arrived, then takes
-        every one that has (the loop receives only while it collects, not while it trains)."""
-        self.wait_until(lambda: bool(self.arrived))
-        while self.arrived:
-            group = self.arrived.popleft()
-            del self.inflight[group.id]
-            self.finished.append(group)
-
-    def _collect_all(self, count: int) -> list[_Group]:
-        while len(self.finished) < count:
-            self._receive()
-        return [self.finished.popleft() for _ in range(count)]
-
-    def _collect_async(self) -> list[_Group]:
-        """The loop's `_collect` with its fully_async in-flight target: groups not yet received
-        count as in flight, so the engines get new work only once the controller has received."""
-        P, lag = self.w.prompts_per_step, self.w.max_policy_lag
-        target = self.w.max_inflight_groups or 2 * P
-        while True:
-            fresh = [g for g in self.finished if g.oldest >= self.version - lag]
-            stale = len(self.finished) - len(fresh)
-            if stale:
-                self.dropped += stale
-                self.finished = deque(fresh)
-            cap = P * (lag + 1) - len(self.finished)
-            want = max(min(target, cap), P - len(self.finished)) - len(self.inflight)
-            if want > 0:
-                self.submit(want)
-            if len(self.finished) >= P:
-                return [self.finished.popleft() for _ in range(P)]
-            self._receive()
-
-    def _abort_doomed(self) -> None:
-        oldest = self.version - self.w.max_policy_lag
-        for gid, group in list(self.inflight.items()):
-            if group.submit_version < oldest:  # finished but not received: aborted all the same
-                group.aborted = True
-                del self.inflight[gid]
-                self.dropped += 1
-        self.arrived = deque(g for g in self.arrived if not g.aborted)
+def read_engine_costs(data: Any, where: str = "engine costs") -> dict[str, float]:
+    """The engine's decode costs from a mapping (an --engine-costs YAML): exactly ENGINE_COST_FIELDS,
+    each a finite number >= 0; a missing or unknown key is an error naming it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: must be a mapping of {list(ENGINE_COST_FIELDS)}, got {type(data).__name__}")
+    missing = [k for k in ENGINE_COST_FIELDS if k not in data]
+    unknown = sorted(set(data) - set(ENGINE_COST_FIELDS), key=str)
+    if missing or unknown:
+        raise ValueError(f"{where}: needs exactly {list(ENGINE_COST_FIELDS)} (seconds, >= 0); "
+                         f"missing {missing}, unknown {unknown}")
+    return dict(data)
 
 
 # ---- costs from measurements ---------------------------------------------------------------------
@@ -491,7 +142,7 @@ def costs_from_run(run_dir: str, engine_costs: dict[str, float], skip_steps: int
                   swap_s=sum(swaps) / len(swaps) if swaps else 0.0,
                   engines=r.num_engines, max_batch_size=r.embedded.max_batch_size, prompt_len=prompt,
                   response_median=response, response_sigma=response_sigma, max_new_tokens=r.sampling.max_new_tokens,
-                  **engine_costs)
+                  **read_engine_costs(engine_costs))
     workload = Workload(prompts_per_step=r.prompts_per_step, n=r.sampling.n, max_policy_lag=c.max_policy_lag,
                         max_inflight_groups=c.max_inflight_groups, inter_lag=c.inter_lag, intra_lag=c.intra_lag,
                         seed=c.seed)
