@@ -58,7 +58,7 @@ def main() -> int:
                 continue
             if engine is None:  # the engine's shape, timed once per configuration on its model
                 cfg = load_config(sync / "config.yaml")
-                rough, _ = costs_from_run(str(sync), {"decode_base_s": 1.0, "decode_per_seq_s": 0.0}, skip_steps=args.skip)
+                rough, _ = costs_from_run(str(sync), {"decode_base_s": 1.0, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0}, skip_steps=args.skip)
                 engine = measure_engine(str(RunPaths(sync).latest_model()), dtype=cfg.rollout.dtype,
                                         prompt_len=rough.prompt_len, tokens=max(cfg.rollout.sampling.max_new_tokens, 8) * 2,
                                         num_threads=cfg.rollout.embedded.num_threads,
