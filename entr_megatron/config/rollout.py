@@ -23,6 +23,10 @@ WeightSnapshot = Literal["borrow", "copy"]
 WEIGHT_SNAPSHOTS: tuple[str, ...] = get_args(WeightSnapshot)
 KvOnUpdate = Literal["keep", "recompute"]
 KV_ON_UPDATE: tuple[str, ...] = get_args(KvOnUpdate)
+Quantize = Literal["none", "fp8"]
+QUANTIZE: tuple[str, ...] = get_args(Quantize)
+QuantizeScale = Literal["per_tensor", "per_channel", "block"]
+QUANTIZE_SCALES: tuple[str, ...] = get_args(QuantizeScale)
 RouterPolicy = Literal["cache_aware", "round_robin", "random"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -246,6 +250,21 @@ class RolloutConfig:
     """Engine numerics. embedded: float32 | bfloat16; sglang: auto | bfloat16 | float16 | float32.
     A dtype other than the learner's makes the train-inference mismatch real."""
 
+    quantize: Quantize = "none"
+    """Round the engine's linear-layer weights to FP8 e4m3 ('fp8'), as FP8 rollout does on GPU (verl, slime,
+    NeMo-RL): the attention and MLP projections; embeddings, norms, biases, the output layer and MoE routers keep
+    `dtype`, which the matmuls still run in (`rollout/quantize.py`). Re-applied to every weight update. Embedded
+    engine only ('none' for sglang: SGLang's own `--quantization fp8` needs the learner to send FP8 weights and
+    scales, which the weight sync does not do yet; docs/ENTR.md, "Engine-side mismatch: FP8 rollout")."""
+
+    quantize_scale: QuantizeScale = "per_channel"
+    """With quantize 'fp8': one scale amax / 448 per weight tensor ('per_tensor'), per output channel
+    ('per_channel'), or per 128 x 128 tile ('block', DeepSeek-V3's layout that verl's FP8 rollout uses)."""
+
+    quantize_activations: bool = False
+    """With quantize 'fp8': also round each linear layer's input to e4m3 with a scale computed from the input itself,
+    per tensor, per token or per 1 x 128 group of a token (following quantize_scale), as W8A8 kernels do."""
+
     prompts_per_step: int = 8
     """Prompts (groups) per training step; a step trains on prompts_per_step * sampling.n sequences. >= 1."""
 
@@ -317,6 +336,22 @@ class RolloutConfig:
         for name in ("push_timeout_s", "poll_timeout_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
         boolean(self, "record_routes")
+        choice(self, "quantize", Quantize)
+        choice(self, "quantize_scale", QuantizeScale)
+        boolean(self, "quantize_activations")
+        if self.quantize != "none" and self.engine != "embedded":
+            raise bad(self, "quantize", self.quantize,
+                      "must be 'none': FP8 rounding is the embedded engine's (SGLang's --quantization fp8 would need "
+                      "the learner to send FP8 weights and their scales; see docs/ENTR.md)", when=f"engine={self.engine!r}")
+        if self.quantize_activations and self.quantize == "none":
+            raise bad(self, "quantize_activations", True, "needs rollout.quantize 'fp8' (activations are rounded "
+                      "only in an FP8 engine)", when="quantize='none'")
+
+    @property
+    def weight_bucket_bytes(self) -> int:
+        """Bytes of one weight-sync bucket: weight_bucket_mib, or DEFAULT_WEIGHT_BUCKET_MIB when unset."""
+        return (self.weight_bucket_mib or DEFAULT_WEIGHT_BUCKET_MIB) << 20
+
 
     @property
     def gpus_needed(self) -> int:

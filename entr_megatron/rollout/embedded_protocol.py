@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from entr_megatron.config.rollout import KV_ON_UPDATE, RolloutConfig
+from entr_megatron.config.rollout import KV_ON_UPDATE, QUANTIZE, QUANTIZE_SCALES, RolloutConfig
 from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, WeightReceiver
 from entr_megatron.rollout.hf_model import DTYPES, INITS
 from entr_megatron.rollout.weights import TensorSpec, WeightBucket
@@ -92,6 +92,13 @@ class EmbeddedEngineConfig:
     update_timeout_s: float = 600.0
     record_routes: bool = False
     """Return each sample's MoE routes (`GenerateResult.routed_experts`); nothing for dense models."""
+    quantize: str = "none"
+    """"fp8": round the linear layers' weights to FP8 e4m3 at load and after every weight update
+    (`rollout/quantize.py`); "none": compute in `dtype`."""
+    quantize_scale: str = "per_channel"
+    """FP8 scale granularity: "per_tensor", "per_channel" (output channel) or "block" (128 x 128)."""
+    quantize_activations: bool = False
+    """With quantize "fp8": also round each rounded linear layer's input (dynamic scale)."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, *, model_dir: str, max_model_len: int | None, seed: int,
@@ -102,7 +109,9 @@ class EmbeddedEngineConfig:
         fields = dict(model_dir=str(model_dir), dtype=rollout.dtype, init="pretrained", seed=seed,
                       max_batch_size=e.max_batch_size, max_prefill_tokens=e.max_prefill_tokens,
                       max_model_len=max_model_len, kv_on_update=rollout.kv_on_update or "keep",
-                      num_threads=e.num_threads, record_routes=rollout.record_routes)
+                      num_threads=e.num_threads, record_routes=rollout.record_routes,
+                      quantize=rollout.quantize, quantize_scale=rollout.quantize_scale,
+                      quantize_activations=rollout.quantize_activations)
         return cls(**{**fields, **overrides})
 
     def __post_init__(self):
@@ -114,6 +123,10 @@ class EmbeddedEngineConfig:
         one_of("init", INITS)
         one_of("kv_on_update", KV_ON_UPDATE)
         one_of("attn_implementation", ATTN_IMPLEMENTATIONS)
+        one_of("quantize", QUANTIZE)
+        one_of("quantize_scale", QUANTIZE_SCALES)
+        if self.quantize_activations and self.quantize == "none":
+            raise ValueError("EmbeddedEngineConfig.quantize_activations needs quantize 'fp8', got quantize 'none'")
         for name in ("max_batch_size", "max_prefill_tokens", "weight_bucket_bytes", "weight_queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EmbeddedEngineConfig.{name} must be >= 1, got {getattr(self, name)!r}")

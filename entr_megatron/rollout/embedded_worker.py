@@ -52,6 +52,7 @@ from entr_megatron.rollout.embedded_protocol import (
 )
 from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpdateReport
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
+from entr_megatron.rollout.quantize import install_rounding
 from entr_megatron.rollout.weights import WeightStage
 from entr_megatron.utils.spawn import die_with_parent, exit_now, name_process
 
@@ -132,6 +133,7 @@ class _Worker:
             config.model_dir, dtype=config.dtype, init=config.init, seed=config.seed,
             attn_implementation=config.attn_implementation,
         )
+        self.rounding = install_rounding(model, config.quantize, config.quantize_scale, config.quantize_activations)
         self.decoder = BatchDecoder(
             model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
             max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos_token_ids(model),
@@ -210,6 +212,7 @@ class _Worker:
         t0 = time.time()
         wait_s = t0 - self.stage.staged_at
         self.decoder.version = self.stage.swap_into()
+        self.rounding.refresh()  # the new version arrives unrounded (FP8 rollout: rounded before any forward)
         if self.config.kv_on_update == "recompute":
             self.decoder.recompute_cache()
         t1 = time.time()
