@@ -7,13 +7,15 @@ from typing import Literal, get_args
 
 from entr_megatron.config.validate import bad, boolean, choice, integer, number, str_tuple, string
 
-TaskName = Literal["arithmetic", "math", "calculator", "search"]  # = rollout.tasks.TASK_BUILDERS
+TaskName = Literal["arithmetic", "math", "calculator", "search", "countdown"]  # = rollout.tasks.TASK_BUILDERS
 MULTI_TURN_TASKS = ("calculator", "search")
 """Tasks whose samples are multi-turn tool episodes (rollout.agent)."""
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
 ArithmeticOperation = Literal["+", "-", "*"]
 ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+CountdownOperation = Literal["+", "-", "*", "/"]
+COUNTDOWN_OPERATIONS: tuple[str, ...] = get_args(CountdownOperation)
 SearchWorld = Literal["fixed", "per_episode"]
 """Where the search task's questions are asked: one fixed corpus, or a new small world per question."""
 
@@ -49,6 +51,53 @@ class ArithmeticTaskConfig:
         str_tuple(self, "operations", ArithmeticOperation)
         if not self.operations:
             raise bad(self, "operations", [], f"must name at least one of {', '.join(ARITHMETIC_OPERATIONS)}")
+
+
+@dataclass(frozen=True)
+class CountdownTaskConfig:
+    """Countdown with a scratchpad (rollout/tasks/countdown.py, docs/tasks.md): combine the numbers into
+    the target, one step at a time, restating what remains; reward 1 when every step is valid."""
+
+    SECTION = "task.countdown"
+
+    num_operands: int = 4
+    """Numbers per problem, each used exactly once (num_operands - 1 steps). In [2, 6]."""
+
+    min_number: int = 1
+    """Smallest starting number. In [0, max_number]."""
+
+    max_number: int = 9
+    """Largest starting number. In [min_number, max_value]."""
+
+    max_value: int = 99
+    """Largest value a step may produce (a rule of the task: larger results make the step invalid). In [1, 10^6]."""
+
+    min_target: int = 10
+    """Smallest target. In [0, max_target]."""
+
+    max_target: int = 99
+    """Largest target. In [min_target, max_value]."""
+
+    operations: tuple[CountdownOperation, ...] = ("+", "-", "*")
+    """Operators a step may use, from COUNTDOWN_OPERATIONS ("-" only without a negative result, "/" only exact)."""
+
+    format_reward: float = 0.0
+    """Reward of a well-formed response that is wrong (steps, "ans" and an integer, then EOS). In [0, 1)."""
+
+    def __post_init__(self) -> None:
+        integer(self, "num_operands", low=2, high=6)
+        integer(self, "max_value", low=1, high=10**6)
+        integer(self, "max_number", low=0, high=self.max_value)
+        integer(self, "min_number", low=0, high=self.max_number)
+        integer(self, "max_target", low=0, high=self.max_value)
+        integer(self, "min_target", low=0, high=self.max_target)
+        str_tuple(self, "operations", CountdownOperation)
+        if not self.operations or len(set(self.operations)) != len(self.operations):
+            raise bad(self, "operations", list(self.operations),
+                      f"must name at least one of {', '.join(COUNTDOWN_OPERATIONS)}, each once")
+        number(self, "format_reward", 0, 1)
+        if self.format_reward >= 1.0:
+            raise bad(self, "format_reward", self.format_reward, "must be < 1 (a correct response earns 1)")
 
 
 @dataclass(frozen=True)
@@ -205,6 +254,9 @@ class TaskConfig:
         if self.name == "math" and not self.math.train_files:
             raise bad(self, "math.train_files", [], "task.name='math' needs at least one .jsonl/.json/.parquet file")
 
+
+    countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
+    """Options of the 'countdown' task."""
 
 @dataclass(frozen=True)
 class SFTConfig:

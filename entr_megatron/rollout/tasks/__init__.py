@@ -1,6 +1,6 @@
 """Tasks and rewards (rollout side): prompts by split and verifiable rewards, by name.
 
-    task = make_task("arithmetic", digits=2)      # or "math" (files=...), "calculator"
+    task = make_task("arithmetic", digits=2)      # or "math" (files=...), "calculator", "countdown"
     task = TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer, cfg.model.max_prompt_len)   # what `train` runs
     check_task_files(cfg.task)                    # its data files, parsed without a tokenizer (config checks)
     pairs = task.prompts("train", n=64, seed=step)
@@ -8,6 +8,8 @@
 
 - `arithmetic.py`: synthetic multi-digit arithmetic with a local character tokenizer
   (`char_tokenizer.py`, also writes a tiny matching model config);
+- `countdown.py`: combine a few numbers into a target with a written scratchpad (40-60 token
+  responses), its solver, and a labeller of every response token (forced / choice / arithmetic / answer);
 - `math_data.py` + `math_reward.py`: problems from JSONL/Parquet, math-verify reward;
 - `environment.py`: the multi-turn `Environment` protocol and a batch agent loop
   (`run_episodes`, over `rollout.episodes.EpisodeEngine`); `calculator.py`: a calculator tool
@@ -27,6 +29,7 @@ from entr_megatron.rollout.tasks.calculator import CalculatorEnv, CalculatorErro
 from entr_megatron.rollout.tasks.char_tokenizer import (
     build_char_tokenizer, load_tokenizer, save_char_tokenizer, write_tiny_model_config,
 )
+from entr_megatron.rollout.tasks.countdown import TOKEN_LABELS, CountdownProblem, CountdownTask, label_response
 from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environment, Episode, Step, run_episodes
 from entr_megatron.rollout.tasks.math_data import MathProblem, MathTask, check_math_files, load_problems
 from entr_megatron.rollout.tasks.math_reward import math_verify_reward, normalised_match_reward
@@ -35,17 +38,19 @@ if TYPE_CHECKING:
     from entr_megatron.config.run import TaskConfig
 
 __all__ = [
-    "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS",
-    "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "Environment", "Episode",
+    "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS", "TOKEN_LABELS",
+    "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "CountdownProblem", "CountdownTask",
+    "Environment", "Episode",
     "MathProblem", "MathTask", "Step", "Task",
     "arithmetic_reward", "build_char_tokenizer", "check_task_files", "decode_response", "default_tokenizer",
     "load_problems",
-    "load_tokenizer", "task_class",
+    "label_response", "load_tokenizer", "task_class",
     "make_task", "math_verify_reward", "normalised_match_reward", "run_episodes", "safe_eval",
     "save_char_tokenizer", "write_tiny_model_config",
 ]
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "math": MathTask, "calculator": CalculatorTask}
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "math": MathTask, "calculator": CalculatorTask,
+                          "countdown": CountdownTask}
 """Task name -> class; each implements `Task` (prompts, reward, new_environment). The search task
 (`search.py`, needs bm25s: the "agent" extra) is imported on use: `make_task("search")`."""
 
@@ -105,6 +110,14 @@ def _calculator(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None
     return task
 
 
+def _countdown(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> CountdownTask:
+    c = t.countdown
+    task = CountdownTask(c.num_operands, c.min_number, c.max_number, max_value=c.max_value, min_target=c.min_target,
+                         max_target=c.max_target, ops=c.operations, format_reward=c.format_reward, tokenizer=tokenizer)
+    _check_prompts(task, "countdown", max_prompt_len)
+    return task
+
+
 def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> Task:
     from entr_megatron.rollout.tasks.search import SearchTask
 
@@ -119,7 +132,7 @@ def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) ->
 def default_tokenizer(task_name: str) -> Any:
     """The tokenizer a task runs with when the config names none (model.path / model.tokenizer):
     the character tokenizer, with the task's tool markers; None for tasks that need the model's."""
-    if task_name in ("arithmetic", "calculator"):
+    if task_name in ("arithmetic", "calculator", "countdown"):
         return build_char_tokenizer()
     if task_name == "search":
         from entr_megatron.rollout.tasks.search import search_tokenizer
@@ -129,7 +142,7 @@ def default_tokenizer(task_name: str) -> Any:
 
 
 TASK_BUILDERS: dict[str, Callable[[TaskConfig, Any, int | None], Task]] = {
-    "arithmetic": _arithmetic, "math": _math, "calculator": _calculator, "search": _search,
+    "arithmetic": _arithmetic, "math": _math, "calculator": _calculator, "search": _search, "countdown": _countdown,
 }
 """The tasks `train` drives, by `task.name` (exactly config.task.TASK_NAMES): each builds the task from
 the `task` section, the policy's tokenizer and model.max_prompt_len (math leaves out longer prompts;

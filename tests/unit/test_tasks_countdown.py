@@ -1,0 +1,227 @@
+"""Countdown task: reward of hand-written traces, the token labeller, the solver, the SFT sampler,
+splits, the registry and config errors. Every expected value is worked out by hand in the comments."""
+
+import random
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+from entr_megatron.config import load_config  # noqa: E402
+from entr_megatron.rollout.tasks.countdown import (  # noqa: E402
+    TOKEN_LABELS, CountdownProblem, CountdownTask, check_response, count_solutions, countdown_reward,
+    format_trace, label_response, sample_solution, solutions,
+)
+from entr_megatron.types import Sample  # noqa: E402
+
+P = CountdownProblem((3, 7, 9, 1), 59)
+"""+ - *, values up to 99: 9*7=63 leaves 3 1 63; 63-1=62 leaves 3 62; 62-3=59 leaves 59."""
+VALID = "9*7=63:3 1 63,63-1=62:3 62,62-3=59:59,ans 59"
+
+F, C, A, N = "forced", "choice", "arithmetic", "answer"
+
+
+@pytest.fixture(scope="module")
+def task(tok):
+    return CountdownTask(tokenizer=tok)
+
+
+def _sample(tok, text, eos=True):
+    ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+    return Sample(prompt_ids=tok.encode(P.text), response_ids=ids, behaviour_logprobs=[0.0] * len(ids),
+                  versions=[0] * len(ids))
+
+
+def test_prompt_and_trace_format():
+    assert P.text == "3 7 9 1 to 59:"
+    assert format_trace(P, ((9, "*", 7), (63, "-", 1), (62, "-", 3))) == VALID
+    with pytest.raises(ValueError, match="not legal"):
+        format_trace(P, ((9, "*", 8),))
+    with pytest.raises(ValueError, match="every number"):
+        format_trace(P, ((9, "*", 7),))
+
+
+@pytest.mark.parametrize("text, expected", [
+    (VALID, (True, True)),
+    ("7*9=63:3 1 63,63-1=62:3 62,62-3=59:59,ans 59", (True, True)),     # the other operand order
+    ("9*7=64:3 1 64,64-1=63:3 63,63-3=60:60,ans 60", (True, False)),    # 9*7 is not 64
+    ("9*8=72:3 7 1 72,72-7=65:3 1 65,65-1=64:3 64,ans 64", (True, False)),  # no 8 to take
+    ("9*9=81:3 7 1 81,81-7=74:3 1 74,74-1=73:3 73,ans 73", (True, False)),  # one 9 only
+    ("9*7=63:3 63 1,63-1=62:3 62,62-3=59:59,ans 59", (True, False)),    # list reordered (63 goes last)
+    ("9*7=63:3 1 63,63-1=62:3 62,62+3=65:65,ans 65", (True, False)),    # valid steps, 65 is not the target
+    ("9*7=63:3 1 63,63-1=62:3 62,62-3=59:59,ans 58", (True, False)),    # answer is not the final value
+    ("9*7=63:3 1 63,63-1=62:3 62,ans 62", (True, False)),               # 3 is left unused
+    ("1-3=2:7 9 2,9*7=63:2 63,63-2=61:61,ans 61", (True, False)),       # 1-3 is negative
+    ("9*7=63:3 1 63,63-1=62:3 62,62*3=186:186,ans 186", (True, False)),  # 186 > max_value
+    ("9*7=63:3 1 63,63-1=62:3 62,62-3=59:59,ans 59,", (False, False)),  # trailing separator
+    ("9*7=63,63-1=62,62-3=59,ans 59", (False, False)),                  # no restated lists
+    ("59", (False, False)),
+    ("", (False, False)),
+])
+def test_check_response_hand_cases(text, expected):
+    assert check_response(P, text) == expected
+
+
+def test_reward_needs_eos_and_pays_format_only_when_asked(tok):
+    t = CountdownTask(tokenizer=tok)
+    assert t.reward(_sample(tok, VALID), P) == 1.0
+    assert t.reward(_sample(tok, VALID, eos=False), P) == 0.0     # cut off before EOS
+    wrong = "9*7=63:3 1 63,63-1=62:3 62,62+3=65:65,ans 65"
+    assert t.reward(_sample(tok, wrong), P) == 0.0
+    fmt = CountdownTask(tokenizer=tok, format_reward=0.1)
+    assert fmt.reward(_sample(tok, wrong), P) == 0.1
+    assert fmt.reward(_sample(tok, VALID), P) == 1.0
+    assert fmt.reward(_sample(tok, "9*7=63 ans"), P) == 0.0
+    assert fmt.reward(_sample(tok, wrong, eos=False), P) == 0.0
+    # what follows EOS never counts
+    ids = _sample(tok, VALID).response_ids + tok.encode("junk", add_special_tokens=False)
+    assert t.reward(Sample(prompt_ids=[1], response_ids=ids, behaviour_logprobs=[0.0] * len(ids),
+                           versions=[0] * len(ids)), P) == 1.0
+    assert countdown_reward(CountdownProblem((2, 2), 4, ("+",), 99), "2+2=4:4,ans 4", ended=True) == 1.0
+    # "+" is not among this problem's operations
+    assert countdown_reward(CountdownProblem((2, 2), 4, ("*",), 99), "2+2=4:4,ans 4", ended=True) == 0.0
+
+
+def test_division_only_when_exact():
+    p = CountdownProblem((8, 2, 3), 12, ("+", "-", "*", "/"))
+    assert check_response(p, "8/2=4:3 4,4*3=12:12,ans 12") == (True, True)
+    assert check_response(CountdownProblem((8, 3, 3), 9, ("+", "-", "*", "/")), "8/3=2:3 2,...") == (False, False)
+    assert check_response(CountdownProblem((7, 2, 6), 18, ("+", "-", "*", "/")),
+                          "7/2=3:6 3,6*3=18:18,ans 18") == (True, False)   # 7/2 is not exact
+
+
+def test_labels_of_a_valid_trace_by_hand():
+    # Step 1 on [3 7 9 1]: first digits 3 7 9 1 (choice); 9 takes + - * (choice); B in 3 7 1 (choice);
+    # no number starts with 7 and goes on, so "=" is forced. Result digits: arithmetic; ":3 1 63," forced.
+    # Step 2 on [3 1 63]: "6" choice (3, 1 or 6); "3" forced (only 63 starts with 6); 63 takes + - *
+    # (63*1 = 63 <= 99); B in 3 1 (choice); "=" forced. Step 3 on [3 62]: "6" choice; "2" forced;
+    # 62 takes + and - but not * (186 > 99): choice; B can only be 3: forced; "=" forced.
+    # One number left: "ans " forced, "59" answer, EOS forced.
+    expected = ([C, C, C, F, A, A] + [F] * 8
+                + [C, F, C, C, F, A, A] + [F] * 6
+                + [C, F, C, F, F, A, A] + [F] * 4
+                + [F] * 4 + [N, N] + [F])
+    assert label_response(P, VALID, eos=True) == expected
+    assert label_response(P, VALID) == expected[:-1]
+
+
+def test_labels_of_an_invalid_trace_by_hand():
+    # "9*8": 8 is not in the list: the "8" position still had three legal tokens (3 7 1: choice), and
+    # after "9*8" nothing is legal ("=" is choice). The written list 3 1 72 is what comes next: "ans"
+    # with three numbers left is not legal, so its positions are choice; what follows it is the answer.
+    text = "9*8=72:3 1 72,ans 72"
+    assert label_response(P, text, eos=True) == [C, C, C, C, A, A] + [F] * 8 + [C] * 4 + [N, N] + [F]
+    # garbage: every position of a broken head is choice; a result without ":" goes straight to ","
+    assert label_response(P, "x9*") == [C, C, C]
+    assert label_response(P, "9*7=63,") == [C, C, C, F, A, A, F]
+    assert label_response(P, "") == [] and label_response(P, "", eos=True) == [F]
+    assert set(TOKEN_LABELS) == {F, C, A, N}
+
+
+def test_token_labels_follow_the_ids(tok, task):
+    sample = _sample(tok, VALID)
+    assert task.token_labels(sample, P) == label_response(P, VALID, eos=True)
+    cut = _sample(tok, VALID[:10], eos=False)
+    assert task.token_labels(cut, P) == label_response(P, VALID[:10])
+    # a special token mid-response decodes to nothing: choice; after EOS everything is forced
+    ids = tok.encode("9*", add_special_tokens=False) + [tok.pad_token_id, tok.eos_token_id, tok.encode("1")[-1]]
+    s = Sample(prompt_ids=[1], response_ids=ids, behaviour_logprobs=[0.0] * 5, versions=[0] * 5)
+    assert task.token_labels(s, P) == [C, C, C, F, F]
+
+
+def test_solver_finds_every_solution_of_a_tiny_problem():
+    # 2 3 4 to 20: (2,3)->5 6 1 then with 4: only 5*4; (2,4)->6 8 2 then with 3: 18 24 6 9 11 5 5 3 1, no 20;
+    # (3,4)->7 12 1 then with 2: 14 24 14 10 9 5 ..., no 20. So 2+3 or 3+2, then 5*4 or 4*5.
+    p = CountdownProblem((2, 3, 4), 20)
+    expected = {((2, "+", 3), (5, "*", 4)), ((2, "+", 3), (4, "*", 5)),
+                ((3, "+", 2), (5, "*", 4)), ((3, "+", 2), (4, "*", 5))}
+    assert len(solutions(p)) == 4 and set(solutions(p)) == expected
+    assert count_solutions((4, 2, 3), 20, p.ops, p.max_value) == 4
+    # equal numbers make one text, not two: 2+2 and 2*2 (2-2 = 0)
+    assert set(solutions(CountdownProblem((2, 2), 4))) == {((2, "+", 2),), ((2, "*", 2),)}
+    assert solutions(CountdownProblem((2, 2), 5)) == [] and count_solutions((2, 2), 5, ("+", "-", "*"), 99) == 0
+
+
+def test_sft_sampler_draws_among_all_solutions_uniformly():
+    p = CountdownProblem((2, 3, 4), 20)
+    rng = random.Random(0)
+    draws = Counter(sample_solution(p, rng) for _ in range(800))
+    assert set(draws) == set(solutions(p))
+    assert all(150 <= c <= 250 for c in draws.values()), draws    # 200 each, +-3.5 sd
+    assert sample_solution(CountdownProblem((2, 2), 5), rng) is None
+    # seeded: the same draw for the same rng seed
+    assert sample_solution(p, random.Random(5)) == sample_solution(p, random.Random(5))
+
+
+def test_sft_examples_are_valid_diverse_traces(tok, task):
+    examples = task.sft_examples("train", 64, seed=3)
+    problems = task.problems("train", 64, seed=3)
+    texts = []
+    for (prompt, target), p in zip(examples, problems):
+        assert prompt == tok.encode(p.text) and target[-1] == tok.eos_token_id
+        text = tok.decode(target[:-1])
+        assert check_response(p, text) == (True, True)
+        texts.append(text)
+    assert 40 <= sum(len(t) + 1 for t in texts) / len(texts) <= 60   # responses of ~44 tokens with EOS
+    assert examples == task.sft_examples("train", 64, seed=3)
+    # one problem, many seeds: several different solutions come out
+    p = CountdownProblem((3, 7, 9, 1), 59)
+    assert count_solutions(p.numbers, 59, p.ops, p.max_value) > 1
+    assert len({sample_solution(p, random.Random(s)) for s in range(50)}) > 1
+
+
+def test_problems_are_solvable_in_range_and_split(task):
+    train = task.problems("train", 300, seed=0)
+    test = task.problems("test", 100, seed=0)
+    assert not {p.text for p in train} & {p.text for p in test}
+    assert len(set(train)) == 300 and train == task.problems("train", 300, seed=0)
+    for p in train[:50] + test[:50]:
+        assert len(p.numbers) == 4 and all(1 <= v <= 9 for v in p.numbers) and 10 <= p.target <= 99
+        assert count_solutions(p.numbers, p.target, p.ops, p.max_value) >= 1
+    with pytest.raises(ValueError, match="split"):
+        task.problems("valid", 1, 0)
+    with pytest.raises(ValueError, match="widen the ranges"):
+        CountdownTask(2, 1, 2, min_target=90, max_target=99).problems("train", 1, 0)  # 2 numbers <= 2: at most 4
+
+
+def test_task_argument_errors():
+    with pytest.raises(ValueError, match="num_operands"):
+        CountdownTask(num_operands=7)
+    with pytest.raises(ValueError, match="max_number"):
+        CountdownTask(min_number=5, max_number=3)
+    with pytest.raises(ValueError, match="ops"):
+        CountdownTask(ops=("^",))
+    with pytest.raises(ValueError, match="format_reward"):
+        CountdownTask(format_reward=1.0)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("task.countdown.num_operands=1", r"task\.countdown\.num_operands=1 .*\[2, 6\]"),
+    ("task.countdown.max_number=200", r"task\.countdown\.max_number=200 .*\[0, 99\]"),
+    ("task.countdown.min_target=200", r"task\.countdown\.min_target=200 .*\[0, 99\]"),
+    ("task.countdown.max_target=100", r"task\.countdown\.max_target=100 .*\[0, 99\]"),
+    ("task.countdown.operations=['^']", r"task\.countdown\.operations=.*\+, -, \*, /"),
+    ("task.countdown.operations=[]", r"task\.countdown\.operations=\[\].*at least one"),
+    ("task.countdown.format_reward=1.0", r"task\.countdown\.format_reward=1\.0 .*< 1"),
+])
+def test_config_errors_name_the_field(override, field):
+    with pytest.raises(ValueError, match=field):
+        load_config(None, ["task.name=countdown", override])
+
+
+def test_registry_builds_it_from_the_config(tok):
+    from entr_megatron.controller.job import build_task
+    from entr_megatron.rollout.tasks import TASK_BUILDERS, default_tokenizer
+
+    cfg = load_config(None, ["task.name=countdown", "task.countdown.num_operands=3", "task.countdown.max_value=50",
+                             "task.countdown.max_target=50", "task.countdown.operations=['+', '*']"])
+    task = build_task(cfg, tok)
+    assert isinstance(task, CountdownTask) and "countdown" in TASK_BUILDERS
+    assert (task.num_operands, task.max_value, task.ops) == (3, 50, ("+", "*"))
+    assert len(task.problems("test", 5, 0)[0].numbers) == 3
+    assert default_tokenizer("countdown").encode(P.text) == tok.encode(P.text)
+    short = load_config(None, ["task.name=countdown", "model.max_prompt_len=10"])
+    with pytest.raises(ValueError, match=r"model\.max_prompt_len=10 .*countdown"):
+        build_task(short, tok)
