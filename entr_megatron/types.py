@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Sample", "TrainBatch"]
+__all__ = ["TOKEN_LABELS", "Sample", "TrainBatch"]
+
+TOKEN_LABELS: tuple[str, ...] = ("forced", "choice", "arithmetic", "answer")
+"""What a response token is, for tasks that can tell (countdown): `forced` (determined by what
+came before: separators, restated lists), `choice` (a real decision: which operands, which
+operator), `arithmetic` (a digit of a computed result), `answer` (the final answer). Metrics
+split |delta| and the masks by label (`token_label/<label>/...`); unlabelled tokens are -1."""
 
 
 @dataclass
@@ -41,6 +47,9 @@ class Sample:
     episode: dict | None = None
     """Multi-turn episodes (rollout/episodes.py): turns, tool calls and errors per tool, env reward,
     whether the episode ended or was paused by its token budget. None for single-turn samples."""
+    token_labels: list[str] | None = None
+    """Per response token, one of TOKEN_LABELS (or "" for a token the task does not label), set by
+    the task's `token_labels` after generation; None: the task labels nothing."""
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -48,12 +57,15 @@ class Sample:
         if self.routed_experts is not None and (self.routed_experts.dim() != 3 or self.routed_experts.shape[0] != fed):
             raise ValueError(f"Sample.routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
                              f"[{fed}, moe_layers, k] (prompt + response - 1 tokens)")
-        for name in ("behaviour_logprobs", "versions", "rollout_entropy", "loss_mask"):
+        for name in ("behaviour_logprobs", "versions", "rollout_entropy", "loss_mask", "token_labels"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"Sample.{name} has {len(value)} entries, expected one per response token ({n})")
         if not self.prompt_ids:
             raise ValueError("Sample.prompt_ids is empty: a response needs at least one prompt token")
+        unknown = set(self.token_labels or ()) - set(TOKEN_LABELS) - {""}
+        if unknown:
+            raise ValueError(f"Sample.token_labels has {sorted(unknown)}, expected labels of {TOKEN_LABELS} or ''")
 
 
 ENGINE_ROUTES = "routed_experts_T"
@@ -102,6 +114,12 @@ class TrainBatch:
     versions_T: torch.Tensor | None = None
     """int64 policy version of token j + 1 at target position j."""
     rollout_entropy_T: torch.Tensor | None = None
+    token_labels_T: torch.Tensor | None = None
+    """int8 index into TOKEN_LABELS of token j + 1 at target position j; -1 unlabelled. None when no
+    sample of the batch is labelled."""
+    policy_version: int | None = None
+    """The version of the weights that train this batch (the learner sets it from the controller's
+    `train(batch, version)`): with `versions_T`, each token's lag, which a3po interpolates by."""
     extras: dict = field(default_factory=dict)
 
     @property
@@ -119,6 +137,9 @@ class TrainBatch:
             raise ValueError(f"{len(samples)} samples but {advantages_B.numel()} advantages")
         tokens, mask, blp, ver, ent, lens = [], [], [], [], [], []
         with_entropy = all(s.rollout_entropy is not None for s in samples)
+        with_labels = any(s.token_labels is not None for s in samples)
+        label_id = {name: i for i, name in enumerate(TOKEN_LABELS)}
+        labels: list[int] = []
         for s in samples:
             p, r = len(s.prompt_ids), len(s.response_ids)
             tokens += s.prompt_ids + s.response_ids
@@ -130,6 +151,8 @@ class TrainBatch:
             ver += pad + list(s.versions) + [0]
             if with_entropy:
                 ent += pad + list(s.rollout_entropy) + [0]
+            if with_labels:
+                labels += [-1] * (p - 1) + [label_id.get(x, -1) for x in (s.token_labels or [""] * r)] + [-1]
         cu = torch.zeros(len(samples) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(lens, dtype=torch.long).cumsum(0)
         routes = _pack_routes(samples)
@@ -142,4 +165,5 @@ class TrainBatch:
             advantages_B=advantages_B.float(),
             versions_T=torch.tensor(ver, dtype=torch.long),
             rollout_entropy_T=torch.tensor(ent, dtype=torch.float32) if with_entropy else None,
+            token_labels_T=torch.tensor(labels, dtype=torch.int8) if with_labels else None,
         )

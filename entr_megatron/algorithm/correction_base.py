@@ -56,6 +56,12 @@ class CorrectionInputs(NamedTuple):
     """pi_old, the policy before the rollout batch's first optimizer step; None: the current one."""
     collision_BT: Tensor | None = None
     """1 - sum_j p_j^2 of the learner, for entr_calibrated; None: its bound 1 - exp(-H)."""
+    versions_BT: Tensor | None = None
+    """The policy version that sampled each token (a3po); None: not known."""
+    policy_version: int | None = None
+    """The version of the weights being trained (a3po's v_theta); None: not known."""
+    advantages_BT: Tensor | None = None
+    """Each token's advantage, for rules signed by it (opsm); None: not given."""
 
 
 CorrectionFn = Callable[[CorrectionInputs, AlgorithmConfig], CorrectionOutput]

@@ -10,6 +10,7 @@ from entr_megatron.algorithm.corrections_entr import (
     entr_correction,
     entr_soft_correction,
 )
+from entr_megatron.algorithm.corrections_sequence import a3po_correction, opsm_correction, trm_correction
 from entr_megatron.algorithm.corrections_ratio import (
     decoupled_correction,
     icepop_correction,
@@ -35,4 +36,7 @@ CORRECTIONS: dict[str, CorrectionFn] = {
     "kpop": kpop_correction,
     "m2po": m2po_correction,
     "decoupled": decoupled_correction,
+    "opsm": opsm_correction,
+    "trm": trm_correction,
+    "a3po": a3po_correction,
 }

@@ -57,9 +57,15 @@ def naive_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> Correcti
 def tis_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
     brings you off-policy RL training"; verl PR #2953): w = min(pi_old / mu, C), C = tis_cap
-    (2), multiplied on PPO against pi_old (after its clip); every token kept."""
+    (2), multiplied on PPO against pi_old (after its clip); every token kept. cfg.tis_level
+    'sequence': w = min(prod_t pi_old / mu, C) on every token of the sequence (TRL's
+    sequence_truncate; the product in log space, clamped at log C before exp)."""
     x = prepare_inputs(inputs)
-    weight_BT = x.log_rho_BT.exp().clamp(max=cfg.tis_cap)
+    if cfg.tis_level == "sequence":
+        seq_log_rho_B = sequence_sum(x.log_rho_BT, x.valid_BT).clamp(max=math.log(cfg.tis_cap))
+        weight_BT = seq_log_rho_B.exp().unsqueeze(-1).expand_as(x.delta_BT)
+    else:
+        weight_BT = x.log_rho_BT.exp().clamp(max=cfg.tis_cap)
     return finish("tis", x, cfg, weight_BT, x.valid_BT, x.ratio_source_BT)
 
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from entr_megatron.algorithm.entr import ENTR_DEFAULT_EPS, entr_score
 from entr_megatron.algorithm.masked_ops import float_detached, zero_padding
+from entr_megatron.types import TOKEN_LABELS
 
 # Log-spaced entropy bins in nats; a bin holds edges[i] <= H < edges[i+1]. 1e-3 nats
 # is a near-deterministic position, 1 nat an open choice; ln(150k vocab) ~ 12 caps the top.
@@ -61,6 +62,8 @@ def mismatch_metric_stats(
     weight_BT: Tensor | None = None,
     entropy_bins: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES,
     eps: float = ENTR_DEFAULT_EPS,
+    entropy_views: dict[str, Tensor] | None = None,
+    token_labels_BT: Tensor | None = None,
 ) -> MetricStats:
     """Local sums/extrema behind `mismatch_metrics` (same arguments); float64, detached."""
     if len(entropy_bins) < 2 or any(b <= a for a, b in zip(entropy_bins[:-1], entropy_bins[1:])):
@@ -102,6 +105,11 @@ def mismatch_metric_stats(
     if dropped is not None:
         per_bin["dropped"] = dropped
     sums.update(_entropy_bin_sums(entropy, per_bin, entropy_bins))
+    view_stats = {k: per_bin[k] for k in ("count", "abs_delta", "low_prob", "dropped") if k in per_bin}
+    for view, view_entropy_BT in (entropy_views or {}).items():
+        sums.update(_entropy_bin_sums(clean(view_entropy_BT), view_stats, entropy_bins, prefix=f"entropy_bin_{view}"))
+    if token_labels_BT is not None:
+        sums.update(_label_sums(token_labels_BT, valid_BT, view_stats))
 
     # No statistic here needs MAX or MIN today (policy lag is the controller's metric); the
     # reduction keeps both so a future extremum needs no protocol change.
@@ -111,17 +119,34 @@ def mismatch_metric_stats(
 
 
 def _entropy_bin_sums(
-    entropy_BT: Tensor, per_token: dict[str, Tensor], edges: tuple[float, ...]
+    entropy_BT: Tensor, per_token: dict[str, Tensor], edges: tuple[float, ...], prefix: str = "entropy_bin"
 ) -> dict[str, Tensor]:
     """Sum of each per-token statistic within each entropy bin, keyed
-    'entropy_bin/<label>/<stat>'; vectorised with index_add over every token's bin index."""
-    labels = entropy_bin_labels(edges)
-    bin_idx = entropy_bin_index(entropy_BT, edges).flatten()
+    '<prefix>/<label>/<stat>'; vectorised with index_add over every token's bin index."""
+    return _grouped_sums(entropy_bin_index(entropy_BT, edges), entropy_bin_labels(edges), per_token, prefix)
+
+
+def _grouped_sums(group_BT: Tensor, names: list[str] | tuple[str, ...], per_token: dict[str, Tensor],
+                  prefix: str) -> dict[str, Tensor]:
+    """Sum of each per-token statistic over the tokens of each group id (0 .. len(names) - 1;
+    other ids, e.g. -1 for unlabelled, are left out), keyed '<prefix>/<name>/<stat>'."""
+    group = group_BT.flatten().long()
+    inside = (group >= 0) & (group < len(names))
+    index = torch.where(inside, group, torch.zeros_like(group))
     sums = {}
     for stat, values_BT in per_token.items():
-        binned = values_BT.new_zeros(len(labels)).index_add_(0, bin_idx, values_BT.flatten())
-        sums.update({f"entropy_bin/{label}/{stat}": value for label, value in zip(labels, binned)})
+        values = torch.where(inside, values_BT.flatten(), torch.zeros_like(values_BT.flatten()))
+        grouped = values.new_zeros(len(names)).index_add_(0, index, values)
+        sums.update({f"{prefix}/{name}/{stat}": value for name, value in zip(names, grouped)})
     return sums
+
+
+def _label_sums(token_labels_BT: Tensor, valid_BT: Tensor, per_token: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Per-label sums of the statistics, 'token_label/<label>/<stat>', labels of TOKEN_LABELS
+    (ids; -1 is an unlabelled token, which only the totals count)."""
+    labels_BT = torch.where(valid_BT, token_labels_BT.to(valid_BT.device).long(),
+                            torch.full_like(token_labels_BT, -1, dtype=torch.long, device=valid_BT.device))
+    return _grouped_sums(labels_BT, TOKEN_LABELS, per_token, "token_label")
 
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -146,16 +171,17 @@ def finalize_mismatch_metrics(stats: MetricStats) -> dict[str, Tensor]:
         ess = s["weight"].square() / (tokens * s["weight_sq"])
         metrics["is/ess"] = torch.where(s["weight_sq"] > 0, ess, torch.zeros_like(ess))
     for key in s:
-        if key.startswith("entropy_bin/") and key.endswith("/count"):
+        if key.startswith(("entropy_bin", "token_label/")) and key.endswith("/count"):
             prefix = key[: -len("count")]
             count = s[key]
             metrics[f"{prefix}count"] = count
             metrics[f"{prefix}mean_abs_delta"] = _ratio(s[f"{prefix}abs_delta"], count)
-            metrics[f"{prefix}k3"] = _ratio(s[f"{prefix}k3"], count)
-            metrics[f"{prefix}mean_score"] = _ratio(s[f"{prefix}score"], count)
-            metrics[f"{prefix}low_prob_share"] = _ratio(s[f"{prefix}low_prob"], count)
-            if f"{prefix}dropped" in s:
-                metrics[f"{prefix}mask_fraction"] = _ratio(s[f"{prefix}dropped"], count)
+            for stat, name in (("k3", "k3"), ("score", "mean_score"), ("low_prob", "low_prob_share"),
+                               ("dropped", "mask_fraction")):
+                if f"{prefix}{stat}" in s:
+                    metrics[f"{prefix}{name}"] = _ratio(s[f"{prefix}{stat}"], count)
+            if key.startswith("token_label/"):
+                metrics[f"{prefix}share"] = _ratio(count, tokens)
     return metrics
 
 
@@ -168,6 +194,8 @@ def mismatch_metrics(
     weight_BT: Tensor | None = None,
     entropy_bins: tuple[float, ...] = DEFAULT_ENTROPY_BIN_EDGES,
     eps: float = ENTR_DEFAULT_EPS,
+    entropy_views: dict[str, Tensor] | None = None,
+    token_labels_BT: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-step metrics over valid tokens, delta = log pi_theta - log mu:
 
@@ -182,6 +210,12 @@ def mismatch_metrics(
     - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, k3, mean_score, mask_fraction, low_prob_share}
       per bin edges[i] <= H < edges[i+1] (H below the first edge joins the first bin, above
       the last the last bin); score S = delta^2 / (H + eps); low_prob_share: mu(y) < 1e-3.
+    - entropy_bin_<view>/<lo>-<hi>/{count, mean_abs_delta, low_prob_share, mask_fraction}: the
+      same bins by another entropy, one per `entropy_views` entry ({"mu": H(mu), "pi": H(pi_theta)}
+      in the learner), so |delta| and the mask can be read against either entropy whichever
+      one the rule divides by.
+    - token_label/<label>/{count, share, mean_abs_delta, mask_fraction, low_prob_share} per label of
+      types.TOKEN_LABELS (`token_labels_BT`: label ids, -1 unlabelled); share = count / tokens.
 
     Policy-version lag is not here: the controller computes it where the versions live
     (controller.buffer.lag_metrics).
@@ -195,5 +229,7 @@ def mismatch_metrics(
         weight_BT,
         entropy_bins,
         eps,
+        entropy_views,
+        token_labels_BT,
     )
     return finalize_mismatch_metrics(stats)

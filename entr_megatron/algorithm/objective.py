@@ -17,6 +17,7 @@ from torch import Tensor
 from entr_megatron.algorithm.aggregation import Count, aggregate_loss
 from entr_megatron.algorithm.correction_base import CorrectionInputs
 from entr_megatron.algorithm.corrections import CORRECTIONS
+from entr_megatron.algorithm.mask_diagnostics import counterfactual_mask_metrics, effective_mask_fraction
 from entr_megatron.algorithm.masked_ops import broadcast_to_tokens
 from entr_megatron.algorithm.metrics import mismatch_metrics
 from entr_megatron.algorithm.policy_losses import POLICY_LOSSES, LossInputs
@@ -57,28 +58,35 @@ def policy_loss_terms(
     cfg: AlgorithmConfig,
     old_logprobs_BT: Tensor | None = None,
     collision_BT: Tensor | None = None,
+    versions_BT: Tensor | None = None,
+    policy_version: int | None = None,
 ) -> PolicyTerms:
     """Correction then per-token loss for one micro-batch (see PolicyTerms).
 
     `old_logprobs_BT` is pi_old for corrections that anchor on it (None: pi_old is the
     current policy, detached). `entropy_BT` is whatever entropy the caller chose
-    (cfg.entropy_source); `collision_BT` (1 - sum p^2) only feeds entr_calibrated.
+    (cfg.entropy_source); `collision_BT` (1 - sum p^2) only feeds entr_calibrated; `versions_BT`
+    (the version that sampled each token) and `policy_version` (the version being trained) feed a3po.
     """
     _check_shapes(response_mask_BT, advantages_B, logprobs_BT=logprobs_BT, entropy_BT=entropy_BT,
                   behaviour_logprobs_BT=behaviour_logprobs_BT, old_logprobs_BT=old_logprobs_BT,
                   collision_BT=collision_BT)
     mask_BT = response_mask_BT.bool()
-    correction = CORRECTIONS[cfg.correction](
-        CorrectionInputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, mask_BT, old_logprobs_BT, collision_BT), cfg
-    )
+    advantages_BT = broadcast_to_tokens(advantages_B, mask_BT)
+    inputs = CorrectionInputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, mask_BT, old_logprobs_BT, collision_BT,
+                              versions_BT, policy_version, advantages_BT)
+    correction = CORRECTIONS[cfg.correction](inputs, cfg)
     loss = POLICY_LOSSES[cfg.policy_loss](
-        LossInputs(logprobs_BT, correction.anchor_logprobs_BT, broadcast_to_tokens(advantages_B, mask_BT),
+        LossInputs(logprobs_BT, correction.anchor_logprobs_BT, advantages_BT,
                    correction.weight_BT, correction.keep_mask_BT, mask_BT),
         cfg,
         clip=correction.clip,
     )
-    return PolicyTerms(loss.loss_BT, correction.denominator_BT, correction.keep_mask_BT, loss.is_weight_BT,
-                       {**correction.metrics, **loss.metrics})
+    metrics = {**correction.metrics, **loss.metrics}
+    if cfg.mask_diagnostics:
+        metrics["mask/effective_fraction"] = effective_mask_fraction(inputs, advantages_BT, correction, cfg)
+        metrics.update(counterfactual_mask_metrics(inputs, advantages_BT, cfg))
+    return PolicyTerms(loss.loss_BT, correction.denominator_BT, correction.keep_mask_BT, loss.is_weight_BT, metrics)
 
 
 def compute_policy_loss(
@@ -92,6 +100,8 @@ def compute_policy_loss(
     collision_BT: Tensor | None = None,
     num_tokens: Count | None = None,
     num_seqs: Count | None = None,
+    versions_BT: Tensor | None = None,
+    policy_version: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss and its metrics for one batch on one device.
 
@@ -102,7 +112,8 @@ def compute_policy_loss(
     mismatch_metrics(...) with the keep mask and importance weights, and policy_loss/value.
     """
     terms = policy_loss_terms(logprobs_BT, entropy_BT, behaviour_logprobs_BT, advantages_B, response_mask_BT, cfg,
-                              old_logprobs_BT=old_logprobs_BT, collision_BT=collision_BT)
+                              old_logprobs_BT=old_logprobs_BT, collision_BT=collision_BT, versions_BT=versions_BT,
+                              policy_version=policy_version)
     loss = aggregate_loss(terms.loss_BT, terms.denominator_BT, cfg.aggregation, num_tokens=num_tokens,
                           num_seqs=num_seqs, max_response_len=cfg.loss_norm_tokens)
     metrics = {

@@ -13,87 +13,21 @@ size is computed from it. Reduction to a scalar is aggregation.py's job.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
-
 import torch
-from torch import Tensor
 
 from entr_megatron.algorithm.masked_ops import masked_fraction, masked_max, masked_mean, sequence_mean, zero_padding
+from entr_megatron.algorithm.policy_loss_base import (
+    LossInputs,
+    PolicyLossFn,
+    PolicyLossOutput,
+    clip_fractions,
+    clipped_surrogate,
+    prepare_loss_inputs,
+    ratio_metrics,
+)
+from entr_megatron.algorithm.policy_losses_dppo import dppo_kl_loss, dppo_tv_loss
+from entr_megatron.algorithm.policy_losses_soft import sapo_loss, vespo_loss
 from entr_megatron.config.algorithm import AlgorithmConfig
-
-
-class LossInputs(NamedTuple):
-    """What a policy loss sees of one micro-batch; [B, T]."""
-
-    logprobs_BT: Tensor
-    """pi_theta: the gradient flows through it."""
-    anchor_logprobs_BT: Tensor
-    """The ratio's denominator, r = exp(logprobs - anchor) (the correction's choice)."""
-    advantages_BT: Tensor
-    """Each token's advantage (its sequence's, spread over the tokens)."""
-    weight_BT: Tensor
-    """The correction's detached per-token weight."""
-    keep_mask_BT: Tensor
-    """Tokens the correction keeps."""
-    response_mask_BT: Tensor
-    """Valid response tokens."""
-
-
-class _Inputs(NamedTuple):
-    logprobs_BT: Tensor  # carries the gradient on active tokens only
-    anchor_BT: Tensor
-    advantages_BT: Tensor
-    weight_BT: Tensor
-    active_BT: Tensor  # kept and valid
-
-    @property
-    def ratio_BT(self) -> Tensor:
-        return torch.exp(self.logprobs_BT - self.anchor_BT)
-
-
-def _prepare(inputs: LossInputs) -> _Inputs:
-    active_BT = inputs.keep_mask_BT.bool() & inputs.response_mask_BT.bool()
-    dtype = torch.promote_types(inputs.logprobs_BT.dtype, torch.float32)
-    anchor_BT = zero_padding(inputs.anchor_logprobs_BT.detach().to(dtype), active_BT)
-    # Inactive tokens take the anchor's value through a branch without gradient: their
-    # ratio is exactly 1, so an extreme delta (the reason it was masked) or padding
-    # garbage cannot put inf into the forward or 0 * inf = NaN into the backward.
-    logprobs = torch.where(active_BT, inputs.logprobs_BT.to(dtype), anchor_BT)
-    advantages = zero_padding(inputs.advantages_BT.detach().to(dtype), active_BT)
-    weight = zero_padding(inputs.weight_BT.detach().to(dtype).expand_as(active_BT), active_BT)
-    return _Inputs(logprobs, anchor_BT, advantages, weight, active_BT)
-
-
-def _clipped_surrogate(ratio_BT: Tensor, advantages_BT: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's pessimistic surrogate as a loss: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)."""
-    clipped_BT = ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)
-    return torch.maximum(-ratio_BT * advantages_BT, -clipped_BT * advantages_BT)
-
-
-def _clip_fractions(ratio_BT: Tensor, x: _Inputs, eps_low: float, eps_high: float) -> dict[str, Tensor]:
-    """Fraction of active tokens where the clip binds (gradient cut) on each side."""
-    low = (x.advantages_BT < 0) & (ratio_BT < 1.0 - eps_low)
-    high = (x.advantages_BT > 0) & (ratio_BT > 1.0 + eps_high)
-    return {
-        "policy_loss/clip_frac_low": masked_fraction(low, x.active_BT),
-        "policy_loss/clip_frac_high": masked_fraction(high, x.active_BT),
-    }
-
-
-def _ratio_metrics(ratio_BT: Tensor, active_BT: Tensor) -> dict[str, Tensor]:
-    ratio = ratio_BT.detach()
-    return {
-        "policy_loss/ratio_mean": masked_mean(ratio, active_BT),
-        "policy_loss/ratio_max": masked_max(ratio, active_BT),
-    }
-
-
-class PolicyLossOutput(NamedTuple):
-    loss_BT: Tensor
-    """Per-token loss, 0 off the active (kept and valid) tokens."""
-    is_weight_BT: Tensor
-    """Detached importance weight on each active token's gradient (see the module docstring)."""
-    metrics: dict[str, Tensor]
 
 
 def ppo_clip_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
@@ -101,16 +35,16 @@ def ppo_clip_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -
     l = -w min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and for A < 0 at most -w c A
     (c = cfg.dual_clip_c, Ye et al. 2020; None disables). Defaults eps_low 0.2, eps_high 0.28.
     clip=False: the unclipped surrogate l = -w r A (no clip, no dual clip)."""
-    x = _prepare(inputs)
+    x = prepare_loss_inputs(inputs)
     ratio_BT = x.ratio_BT
     is_weight_BT = zero_padding((x.weight_BT * ratio_BT).detach(), x.active_BT)
     if not clip:
         loss_BT = -ratio_BT * x.advantages_BT
         return PolicyLossOutput(zero_padding(x.weight_BT * loss_BT, x.active_BT), is_weight_BT,
-                                _ratio_metrics(ratio_BT, x.active_BT))
+                                ratio_metrics(ratio_BT, x.active_BT))
     eps_low, eps_high = cfg.clip_range("ppo_clip")
-    loss_BT = _clipped_surrogate(ratio_BT, x.advantages_BT, eps_low, eps_high)
-    metrics = {**_clip_fractions(ratio_BT, x, eps_low, eps_high), **_ratio_metrics(ratio_BT, x.active_BT)}
+    loss_BT = clipped_surrogate(ratio_BT, x.advantages_BT, eps_low, eps_high)
+    metrics = {**clip_fractions(ratio_BT, x, eps_low, eps_high), **ratio_metrics(ratio_BT, x.active_BT)}
     if cfg.dual_clip_c is not None:
         # A very large ratio on a negative advantage would otherwise give an unbounded loss.
         bound_BT = -cfg.dual_clip_c * x.advantages_BT
@@ -123,12 +57,12 @@ def ppo_clip_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -
 def reinforce_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
     """Importance-weighted REINFORCE: l = -sg[w r] A log pi, gradient -w r A grad log pi.
     Never clipped (cfg's clip range and `clip` are unused)."""
-    x = _prepare(inputs)
+    x = prepare_loss_inputs(inputs)
     ratio_BT = x.ratio_BT
     coefficient_BT = (x.weight_BT * ratio_BT).detach()
     loss_BT = -coefficient_BT * x.advantages_BT * x.logprobs_BT
     return PolicyLossOutput(zero_padding(loss_BT, x.active_BT), zero_padding(coefficient_BT, x.active_BT),
-                            _ratio_metrics(ratio_BT, x.active_BT))
+                            ratio_metrics(ratio_BT, x.active_BT))
 
 
 def cispo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> PolicyLossOutput:
@@ -138,7 +72,7 @@ def cispo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> P
     (CLIP_RANGE_DEFAULTS["cispo"]): eps_low = 1.0, i.e. lower bound 0 (no lower clip, as
     in the paper), eps_high = 0.28. The clip fractions count truncated tokens.
     clip=False: the weight is w r, untruncated."""
-    x = _prepare(inputs)
+    x = prepare_loss_inputs(inputs)
     eps_low, eps_high = cfg.clip_range("cispo") if clip else (1.0, math.inf)
     ratio_BT = x.ratio_BT
     coefficient_BT = (x.weight_BT * ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high)).detach()
@@ -146,7 +80,7 @@ def cispo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> P
     metrics = {
         "policy_loss/clip_frac_low": masked_fraction(ratio_BT < 1.0 - eps_low, x.active_BT),
         "policy_loss/clip_frac_high": masked_fraction(ratio_BT > 1.0 + eps_high, x.active_BT),
-        **_ratio_metrics(ratio_BT, x.active_BT),
+        **ratio_metrics(ratio_BT, x.active_BT),
     }
     return PolicyLossOutput(zero_padding(loss_BT, x.active_BT), zero_padding(coefficient_BT, x.active_BT), metrics)
 
@@ -161,14 +95,14 @@ def gspo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> Po
     eps_low 3e-4, eps_high 4e-4, the GSPO paper's values for a sequence ratio. The paper
     averages per sequence (1/G sum_i 1/|y_i| sum_t): its default aggregation is
     seq-mean-token-mean (DEFAULT_LOSS_AGG_MODES). clip=False: l = -w s_it A."""
-    x = _prepare(inputs)
+    x = prepare_loss_inputs(inputs)
     eps_low, eps_high = cfg.clip_range("gspo") if clip else (1.0, math.inf)
     seq_ratio_B = sequence_mean(x.logprobs_BT - x.anchor_BT, x.active_BT).detach().exp()
     ratio_BT = seq_ratio_B.unsqueeze(-1) * torch.exp(x.logprobs_BT - x.logprobs_BT.detach())
-    loss_BT = _clipped_surrogate(ratio_BT, x.advantages_BT, eps_low, eps_high)
+    loss_BT = clipped_surrogate(ratio_BT, x.advantages_BT, eps_low, eps_high)
     nonempty_B = x.active_BT.any(dim=-1)
     metrics = {
-        **_clip_fractions(ratio_BT.detach(), x, eps_low, eps_high),
+        **clip_fractions(ratio_BT.detach(), x, eps_low, eps_high),
         "policy_loss/seq_ratio_mean": masked_mean(seq_ratio_B, nonempty_B),
         "policy_loss/seq_ratio_max": masked_max(seq_ratio_B, nonempty_B),
     }
@@ -180,14 +114,12 @@ def nll_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> Pol
     """Supervised negative log-likelihood l = -log pi on active tokens, for SFT warm-up
     (run with correction "none"). Anchor, advantages, weight and the clip range are
     unused; the gradient is -1 on each active token's log-prob before aggregation."""
-    x = _prepare(inputs)
+    x = prepare_loss_inputs(inputs)
     # Inactive tokens hold the anchor's value (no gradient); zero_padding drops them.
     loss_BT = zero_padding(-x.logprobs_BT, x.active_BT)
     ones_BT = zero_padding(torch.ones_like(loss_BT.detach()), x.active_BT)
     return PolicyLossOutput(loss_BT, ones_BT, {"policy_loss/nll_mean": masked_mean(loss_BT.detach(), x.active_BT)})
 
-
-PolicyLossFn = Callable[..., PolicyLossOutput]
 
 # Keys equal entr_megatron.config.algorithm.POLICY_LOSS_NAMES.
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -196,4 +128,8 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "cispo": cispo_loss,
     "gspo": gspo_loss,
     "nll": nll_loss,
+    "dppo_tv": dppo_tv_loss,
+    "dppo_kl": dppo_kl_loss,
+    "sapo": sapo_loss,
+    "vespo": vespo_loss,
 }

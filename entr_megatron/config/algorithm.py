@@ -17,10 +17,10 @@ AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
 Correction = Literal[
     "none", "naive", "entr", "entr_calibrated", "entr_soft", "tis", "mis_token", "mis_seq", "mis_geo", "icepop",
-    "kpop", "m2po", "decoupled",
+    "kpop", "m2po", "decoupled", "opsm", "trm", "a3po",
 ]
 CORRECTION_NAMES: tuple[str, ...] = get_args(Correction)
-PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll"]
+PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll", "dppo_tv", "dppo_kl", "sapo", "vespo"]
 POLICY_LOSS_NAMES: tuple[str, ...] = get_args(PolicyLoss)
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
@@ -32,6 +32,10 @@ CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 CapMode = Literal["drop", "clamp"]
 CAP_MODES: tuple[str, ...] = get_args(CapMode)
 RoutingReplay = Literal["off", "r2", "r3"]
+TisLevel = Literal["token", "sequence"]
+TIS_LEVELS: tuple[str, ...] = get_args(TisLevel)
+TrmStatistic = Literal["max", "mean"]
+TRM_STATISTICS: tuple[str, ...] = get_args(TrmStatistic)
 ROUTING_REPLAY_MODES: tuple[str, ...] = get_args(RoutingReplay)
 
 # The aggregation each loss's paper uses, when loss_agg_mode is unset. GSPO averages per
@@ -43,6 +47,14 @@ DEFAULT_LOSS_AGG_MODES: dict[str, str] = {
     "cispo": "token-mean",
     "gspo": "seq-mean-token-mean",
     "nll": "token-mean",
+    # DPPO (arXiv:2602.04879) keeps masked tokens in verl's agg_loss over the response mask, token-mean by default.
+    "dppo_tv": "token-mean",
+    "dppo_kl": "token-mean",
+    # SAPO (arXiv:2511.20347) averages per sequence as GRPO does (verl forces seq-mean-token-mean;
+    # AReaL's sapo_loss_fn uses token-mean).
+    "sapo": "seq-mean-token-mean",
+    # VESPO (arXiv:2602.10693): the authors' verl recipe and TRL both divide by all tokens.
+    "vespo": "token-mean",
 }
 
 # Corrections whose rejected tokens leave the loss denominator by default: verl's
@@ -50,11 +62,12 @@ DEFAULT_LOSS_AGG_MODES: dict[str, str] = {
 # (verl/trainer/ppo/rollout_corr_helper.py). ENTR counts them (docs/ENTR.md), and so do
 # AReaL's decoupled loss (its token count is taken before behav_imp_weight_cap drops
 # tokens, areal/utils/functional) and the weighting methods (a zero weight is still a token).
-REJECTED_LEAVE_DENOMINATOR = ("mis_token", "mis_seq", "mis_geo")
+REJECTED_LEAVE_DENOMINATOR = ("mis_token", "mis_seq", "mis_geo", "trm")
 
 # Corrections that, as published, run PPO against pi_old (the policy before the rollout
 # batch's first optimizer step) and judge pi_old / mu. The rest compare pi_theta with mu.
-CORRECTIONS_ON_OLD_POLICY = ("naive", "tis", "icepop", "mis_token", "mis_seq", "mis_geo", "kpop", "decoupled")
+CORRECTIONS_ON_OLD_POLICY = ("naive", "tis", "icepop", "mis_token", "mis_seq", "mis_geo", "kpop", "decoupled", "opsm",
+                             "trm")
 
 # (eps_clip_low, eps_clip_high) used when the config leaves them unset. Each loss
 # has its own scale: GSPO clips a sequence-level ratio, which moves far less than
@@ -68,6 +81,14 @@ CLIP_RANGE_DEFAULTS: dict[str, tuple[float, float]] = {
     "cispo": (1.0, 0.28),
     "gspo": (3e-4, 4e-4),
     "nll": (0.2, 0.28),
+    # DPPO reuses the clip widths as its divergence thresholds (verl's clip_ratio_low/high): bounds on
+    # pi_theta(y) - pi_anchor(y) for Binary-TV and on the Bernoulli KL for Binary-KL. Values of the
+    # DPPO authors' verl example (run_qwen3_30b_a3b_megatron.sh): TV 0.15 / 0.15, KL 0.05 / 0.05.
+    "dppo_tv": (0.15, 0.15),
+    "dppo_kl": (0.05, 0.05),
+    # SAPO and VESPO replace the clip (a soft gate, a sequence weight): entries keep the table total.
+    "sapo": (0.2, 0.28),
+    "vespo": (0.2, 0.28),
 }
 
 
@@ -143,8 +164,47 @@ class AlgorithmConfig:
     behav_imp_weight_cap 5.0). > 0."""
 
     decoupled_cap_mode: CapMode = "drop"
-    """decoupled: 'drop' tokens whose behaviour weight exceeds decoupled_cap (AReaL: weight 0,
+    """decoupled and a3po: 'drop' tokens whose behaviour weight exceeds decoupled_cap (AReaL: weight 0,
     still counted in the denominator) or 'clamp' the weight to the cap (truncated IS)."""
+
+    tis_level: TisLevel = "token"
+    """tis: 'token' truncates each token's pi_old / mu at tis_cap (TRL's vllm_importance_sampling_mode
+    token_truncate); 'sequence' truncates the sequence's product prod_t pi_old / mu and puts it on
+    every token (TRL's sequence_truncate, verl's rollout_is 'sequence' with a float threshold)."""
+
+    opsm_threshold: float = 0.5
+    """opsm: a sequence with a negative advantage is dropped when its mean log(mu / pi_theta) is
+    > this (DeepSeek-V3.2's delta; the paper gives no value: 0.5 is TRL's documented suggestion for
+    off_policy_mask_threshold, which judges the same mu-vs-pi_theta statistic; slime's --opsm-delta
+    1e-4 judges pi_old vs pi_theta). > 0."""
+
+    trm_statistic: TrmStatistic = "max"
+    """trm: the sequence statistic of the per-token k3 = rho - 1 - log rho, rho = pi_old / mu:
+    'max' (the TRM paper: a sequence is rejected when any token leaves the trust region; verl's
+    seq_max_k3) or 'mean' (verl's seq_mean_k3)."""
+
+    trm_threshold: float = 0.01
+    """trm: reject a sequence when its k3 statistic is > this (verl's rollout_rs_threshold; 0.01 is
+    its seq_mean_k3 presets' value, the paper's is not published). > 0."""
+
+    dppo_ratio_cap: float = 10.0
+    """dppo_tv / dppo_kl: the detached ratio in the loss -A sg(min(r, C)) log pi is truncated at C
+    (the DPPO authors' code, clip_ratio_c 10.0; verl's actor.yaml gives 3.0). > 1."""
+
+    sapo_tau_pos: float = 1.0
+    """sapo: temperature of the soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau for A > 0 (SAPO's,
+    verl's and AReaL's 1.0). > 0."""
+
+    sapo_tau_neg: float = 1.05
+    """sapo: the gate's temperature for A <= 0 (1.05 in SAPO, verl and AReaL). > 0."""
+
+    vespo_k: tuple[float, float] = (2.0, 3.0)
+    """vespo: the exponent k of phi(w) = e^lambda w^k e^(-lambda w), (for A >= 0, for A < 0)
+    (TRL's vespo_k_pos 2.0, vespo_k_neg 3.0, as the authors' code). Each > 0."""
+
+    vespo_lambda: tuple[float, float] = (3.0, 2.0)
+    """vespo: lambda of phi(w), (for A >= 0, for A < 0) (TRL's vespo_lambda_pos 3.0, vespo_lambda_neg
+    2.0, as the authors' code). Each > 0."""
 
     policy_loss: PolicyLoss = "ppo_clip"
     """Per-token policy loss: one of POLICY_LOSS_NAMES. "nll" is the supervised (SFT)
@@ -189,6 +249,12 @@ class AlgorithmConfig:
     learner's own routing recorded when the batch's old policy was scored (compute_logprobs). The
     gate probabilities of the replayed experts stay differentiable in both."""
 
+    mask_diagnostics: bool = True
+    """Per step, what the mask did on its own tokens (algorithm/mask_diagnostics.py):
+    `mask/effective_fraction` (dropped tokens that would otherwise carry a gradient) and
+    `counterfactual/<rule>/mask_fraction` of entr, icepop, tis, m2po, kpop and dppo at this
+    config's settings. A few elementwise passes over each micro-batch's [B, T] tokens."""
+
     measure_unreplayed: bool = False
     """With routing_replay 'r2' or 'r3': one more forward-only pass of each rollout batch before
     its first optimizer step, in which the learner routes every token itself, logging the
@@ -207,10 +273,13 @@ class AlgorithmConfig:
         choice(self, "entropy_source", EntropySource)
         choice(self, "correction_mode", CorrectionMode)
         choice(self, "decoupled_cap_mode", CapMode)
+        choice(self, "tis_level", TisLevel)
+        choice(self, "trm_statistic", TrmStatistic)
         if self.routing_replay is False:  # YAML 1.1 (PyYAML) reads an unquoted off as false
             object.__setattr__(self, "routing_replay", "off")
         choice(self, "routing_replay", RoutingReplay)
         boolean(self, "measure_unreplayed")
+        boolean(self, "mask_diagnostics")
         if self.correction_mode == "mask_only" and self.correction in ("tis", "naive"):
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",
@@ -227,8 +296,15 @@ class AlgorithmConfig:
             "kpop_threshold",
             "m2po_threshold",
             "decoupled_cap",
+            "opsm_threshold",
+            "trm_threshold",
+            "sapo_tau_pos",
+            "sapo_tau_neg",
         ):
             number(self, name, low=0.0, low_open=True)
+        number(self, "dppo_ratio_cap", low=1.0, low_open=True)
+        for name in ("vespo_k", "vespo_lambda"):
+            _positive_pair(self, name)
         number(self, "soft_mask_multiple", low=1.0)
         for name in ("mis_token_band", "mis_seq_band", "mis_geo_band", "icepop_band"):
             _unit_band(self, name)
@@ -267,6 +343,14 @@ class AlgorithmConfig:
         policy, detached, in the same pass."""
         return self.correction_mode == "published" and self.correction in CORRECTIONS_ON_OLD_POLICY
 
+
+
+def _positive_pair(obj: AlgorithmConfig, name: str) -> None:
+    """A (for A >= 0, for A < 0) pair of positive numbers; stored as a tuple of floats."""
+    value = getattr(obj, name)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(is_number(v) and v > 0 for v in value)):
+        raise bad(obj, name, value, "must be a pair [for A >= 0, for A < 0] of numbers > 0")
+    object.__setattr__(obj, name, (float(value[0]), float(value[1])))
 
 
 def _unit_band(obj: AlgorithmConfig, name: str) -> None:

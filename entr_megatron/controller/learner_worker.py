@@ -124,8 +124,9 @@ class LearnerWorker:
         """The optimizer steps of one rollout batch (`learner.mini_batches` x `learner.epochs`) on
         the global `batch`; each rank trains its data-parallel share of every mini-batch. Returns
         the steps' metrics merged (`merge_step_metrics`). `version`, the policy version being
-        trained, is the controller's `Learner` protocol; the learner's math does not need it
-        (policy-lag metrics are the controller's, computed from the samples)."""
+        trained (the controller's `Learner` protocol), becomes the batch's `policy_version`: a3po
+        interpolates its proximal policy by each token's lag (policy-lag metrics are the
+        controller's, computed from the samples)."""
         from entr_megatron.learner.rollout_batch import merge_step_metrics, train_rollout_batch
 
         t0 = time.perf_counter()
@@ -135,6 +136,8 @@ class LearnerWorker:
             if self.sync is not None:
                 waited[0] += self.sync.wait_borrowed()
 
+        if version is not None:
+            batch = dataclasses.replace(batch, policy_version=version)
         steps = train_rollout_batch(self.ddp, self.optimizer, self.scheduler, batch, self.groups, self.algo_cfg,
                                     self.learner_cfg, vocab_size=self.model_spec.vocab_size,
                                     temperature=self.run.rollout.sampling.temperature,

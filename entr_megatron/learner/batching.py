@@ -117,6 +117,8 @@ def select_sequences(batch: TrainBatch, indices: list[int] | Tensor) -> TrainBat
         advantages_B=batch.advantages_B[idx],
         versions_T=take(batch.versions_T),
         rollout_entropy_T=take(batch.rollout_entropy_T),
+        token_labels_T=take(batch.token_labels_T),
+        policy_version=batch.policy_version,
         extras={k: v[positions] for k, v in batch.extras.items() if k in TOKEN_EXTRAS},
     )
 
@@ -207,6 +209,10 @@ class MicroBatch:
     """``[B_mb, T_resp]`` float32 behaviour log-probs (0 outside the response mask)."""
     rollout_entropy_BT: Tensor | None
     versions_BT: Tensor | None
+    token_labels_BT: Tensor | None
+    """``[B_mb, T_resp]`` label ids (types.TOKEN_LABELS) of the response tokens; None: unlabelled."""
+    policy_version: int | None
+    """The version of the weights being trained (``TrainBatch.policy_version``)."""
     num_real_tokens: int
     """Tokens of real sequences (T minus padding)."""
 
@@ -288,7 +294,8 @@ def build_microbatch(batch: TrainBatch, seq_indices: list[int], pad_multiple: in
         loss_mask=loss_mask[None], packed_seq_params=packed, source_index=source,
         gather_index_BT=gather, response_mask_BT=resp_mask, advantages_B=batch.advantages_B[idx].float(),
         behaviour_logprobs_BT=behaviour, rollout_entropy_BT=padded(batch.rollout_entropy_T),
-        versions_BT=padded(batch.versions_T), num_real_tokens=real,
+        versions_BT=padded(batch.versions_T), token_labels_BT=padded(batch.token_labels_T),
+        policy_version=batch.policy_version, num_real_tokens=real,
     )
 
 

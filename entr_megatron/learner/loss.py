@@ -166,18 +166,25 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         logprobs_T, entropy_T = out[0], out[1]
         mask_BT = mb.response_mask_BT.to(device)
         lp_BT = mb.to_padded(logprobs_T)
-        entropy_BT = _entropy_for_algorithm(mb, mb.to_padded(entropy_T), algo_cfg)
+        learner_entropy_BT = mb.to_padded(entropy_T)
+        entropy_BT = _entropy_for_algorithm(mb, learner_entropy_BT, algo_cfg)
         collision_BT = mb.to_padded(out[2]) if wants_collision else None
         blp_BT = mb.behaviour_logprobs_BT.to(device)
         old_BT = None if old_logprobs_T is None else mb.padded_from_batch(old_logprobs_T.to(device))
+        versions_BT = None if mb.versions_BT is None else mb.versions_BT.to(device)
         terms = policy_loss_terms(lp_BT, entropy_BT, blp_BT, mb.advantages_B.to(device), mask_BT, algo_cfg,
-                                  old_logprobs_BT=old_BT, collision_BT=collision_BT)
+                                  old_logprobs_BT=old_BT, collision_BT=collision_BT, versions_BT=versions_BT,
+                                  policy_version=mb.policy_version)
         unit_counts, count = parts(terms.denominator_BT)
         numerator = aggregate_loss(terms.loss_BT, terms.denominator_BT, aggregation,
                                    max_response_len=algo_cfg.loss_norm_tokens, **unit_counts)
+        views = {"pi": learner_entropy_BT}
+        if mb.rollout_entropy_BT is not None:
+            views["mu"] = mb.rollout_entropy_BT.to(device)
+        labels_BT = None if mb.token_labels_BT is None else mb.token_labels_BT.to(device)
         stats = mismatch_metric_stats(
             lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT,
-            eps=algo_cfg.entr_eps,
+            eps=algo_cfg.entr_eps, entropy_views=views, token_labels_BT=labels_BT,
         )
         report = LossReport.of_microbatch(numerator, count, terms, stats, tokens=mask_BT.sum())
         return numerator, count.to(count_dtype), report

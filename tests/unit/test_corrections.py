@@ -223,10 +223,11 @@ def _lower_median(values):
     return ordered[(len(ordered) - 1) // 2]
 
 
-def _reference(name, lp, mu, H, mask, cfg, old):
+def _reference(name, lp, mu, H, mask, cfg, old, adv=None, versions=None, policy_version=None):
     """Per-token float64 loops from the published formulas (docs/ENTR.md's table):
     (weight, keep, anchor) as dicts over valid tokens; `old` is pi_old or None (then pi_old
-    is the current policy)."""
+    is the current policy); `adv` per row, `versions` per token and `policy_version` for
+    opsm and a3po."""
     B, T = len(lp), len(lp[0])
     valid = [(b, t) for b in range(B) for t in range(T) if mask[b][t]]
     delta = {k: lp[k[0]][k[1]] - mu[k[0]][k[1]] for k in valid}
@@ -279,11 +280,37 @@ def _reference(name, lp, mu, H, mask, cfg, old):
         while remaining and sum(delta[k] ** 2 for k in remaining) / len(remaining) > cfg.m2po_threshold:
             dropped = remaining.pop()  # the largest; among ties the latest token goes first
             keep[dropped] = False
+    elif name == "opsm":
+        # DeepSeek-V3.2: a negative-advantage sequence whose mean log(mu / pi_theta) exceeds delta goes.
+        for b in range(B):
+            members = [k for k in valid if k[0] == b]
+            if members and adv[b] < 0:
+                stat = sum(mu[k[0]][k[1]] - lp[k[0]][k[1]] for k in members) / len(members)
+                for k in members:
+                    keep[k] = not stat > cfg.opsm_threshold
+    elif name == "trm":
+        for b in range(B):
+            members = [k for k in valid if k[0] == b]
+            k3s = [math.exp(log_rho[k]) - 1 - log_rho[k] for k in members]
+            stat = (max(k3s) if cfg.trm_statistic == "max" else sum(k3s) / len(k3s)) if members else 0.0
+            for k in members:
+                keep[k] = stat <= cfg.trm_threshold
+    elif name == "a3po":
+        for k in valid:
+            v_mu = versions[k[0]][k[1]]
+            alpha = min(max((policy_version - 1 - v_mu) / (policy_version - v_mu), 0.0), 1.0) \
+                if policy_version > v_mu else 0.0
+            prox = mu[k[0]][k[1]] + alpha * delta[k]
+            judged = delta[k] if mask_only else prox - mu[k[0]][k[1]]
+            keep[k] = math.exp(judged) <= cfg.decoupled_cap
+            weight[k] = 1.0 if mask_only else math.exp(judged)
+            anchor[k] = mu[k[0]][k[1]] if mask_only else prox
     else:
         assert name in ("none", "naive")
     if weighted and name != "mis_seq":
         weight = {k: weight[k] if name == "tis" else math.exp(log_rho[k]) for k in valid}
-    if name in ("naive", "tis", "decoupled", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop") and not mask_only:
+    if name in ("naive", "tis", "decoupled", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop", "opsm", "trm") \
+            and not mask_only:
         anchor = src
     return weight, keep, anchor
 
@@ -304,7 +331,23 @@ def _random_batch(seed, B=8, T=7):
 
 
 # Names whose masks the random batch must exercise on both sides (else the test is vacuous).
-MASKING = {"entr", "entr_calibrated", "entr_soft", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop", "m2po"}
+MASKING = {"entr", "entr_calibrated", "entr_soft", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop", "m2po", "opsm",
+           "trm"}
+
+# Per-row advantages (rows 2 and 3 drift as a whole; row 3's mu sits above pi_theta: OPSM's case)
+# and per-token versions of the random batch, trained at version POLICY_VERSION.
+ADVANTAGES = [0.5, -1.0, -0.7, -1.2, 0.3, -0.4, 1.0, -0.9]
+POLICY_VERSION = 9
+
+
+def _versions(B=8, T=7):
+    return torch.tensor([[(3 * b + t) % 10 for t in range(T)] for b in range(B)])
+
+
+def _full_inputs(lp, mu, H, mask, old=None):
+    """CorrectionInputs with the advantages and versions every correction may read."""
+    adv_BT = torch.tensor(ADVANTAGES, dtype=lp.dtype)[:, None].expand_as(lp) * mask
+    return CorrectionInputs(lp, mu, H, mask, old, None, _versions(*lp.shape), POLICY_VERSION, adv_BT)
 
 
 CASES = [(n, w, m) for n in sorted(CORRECTIONS) for w in (False, True) for m in ("published", "mask_only")
@@ -315,12 +358,15 @@ CASES = [(n, w, m) for n in sorted(CORRECTIONS) for w in (False, True) for m in 
 def test_against_loop_reference(name, with_old, mode):
     lp, mu, H, mask, old = _random_batch(seed=11)
     # z = 1.5 so the calibrated mask bites; a wider geometric band than verl's for this drift.
-    cfg = AlgorithmConfig(correction=name, correction_mode=mode, calibrated_z=1.5, mis_geo_band=(0.5, 2.0))
-    out = CORRECTIONS[name](CorrectionInputs(lp, mu, H, mask, old if with_old else None), cfg)
+    # trm: a looser bound than verl's 0.01 preset, which every row of this drift would fail.
+    cfg = AlgorithmConfig(correction=name, correction_mode=mode, calibrated_z=1.5, mis_geo_band=(0.5, 2.0),
+                          trm_threshold=0.8)
+    out = CORRECTIONS[name](_full_inputs(lp, mu, H, mask, old if with_old else None), cfg)
     # ENTR, none and m2po compare pi_theta with mu directly and ignore old log-probs.
     uses_old = with_old and cfg.uses_old_logprobs
     weight, keep, anchor = _reference(
-        name, lp.tolist(), mu.tolist(), H.tolist(), mask.tolist(), cfg, old.tolist() if uses_old else None
+        name, lp.tolist(), mu.tolist(), H.tolist(), mask.tolist(), cfg, old.tolist() if uses_old else None,
+        ADVANTAGES, _versions().tolist(), POLICY_VERSION,
     )
     got_keep = {k: out.keep_mask_BT[k].item() for k in keep}
     assert got_keep == keep
@@ -333,7 +379,7 @@ def test_against_loop_reference(name, with_old, mode):
     assert out.metrics[f"{name}/mask_fraction"].item() == pytest.approx(dropped / len(keep))
     want_denominator = mask if cfg.counts_rejected else out.keep_mask_BT
     assert out.denominator_BT.tolist() == want_denominator.tolist()
-    assert cfg.counts_rejected == (mode == "mask_only" or name not in ("mis_token", "mis_seq", "mis_geo"))
+    assert cfg.counts_rejected == (mode == "mask_only" or name not in ("mis_token", "mis_seq", "mis_geo", "trm"))
     assert out.clip == (name != "m2po" or mode == "mask_only")
     if name in MASKING:
         assert 0 < dropped < len(keep), f"{name}: random batch should drop some but not all tokens"
@@ -347,7 +393,7 @@ def test_outputs_detached_finite_and_padding_dropped(name):
     padding = ~mask
     mu = torch.where(padding, torch.full_like(mu, -math.inf), mu)  # engine-style padding
     H = torch.where(padding, torch.full_like(H, math.nan), H)
-    out = CORRECTIONS[name](CorrectionInputs(lp, mu, H, mask, old), AlgorithmConfig(correction=name))
+    out = CORRECTIONS[name](_full_inputs(lp, mu, H, mask, old), AlgorithmConfig(correction=name))
     for tensor in (out.weight_BT, out.keep_mask_BT, out.anchor_logprobs_BT):
         assert not tensor.requires_grad
     assert torch.isfinite(out.weight_BT).all() and torch.isfinite(out.anchor_logprobs_BT).all()

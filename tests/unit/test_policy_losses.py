@@ -172,11 +172,29 @@ def test_bf16_logprobs_give_float32_loss():
 # ---------------------------------------------------------------- float64 loop reference
 
 
-def _token_reference(name, lr, a, w, s, cfg):
-    """(loss, d loss / d log pi) of one active token with log ratio lr (s: GSPO sequence ratio)."""
+def _token_reference(name, lr, a, w, s, cfg, log_w=0.0):
+    """(loss, d loss / d log pi) of one active token with log ratio lr (s: GSPO sequence ratio,
+    log_w: the sequence's sum of log ratios, VESPO's log w; the anchor is -1)."""
     eps_low, eps_high = cfg.clip_range(name)
     lo, hi = 1 - eps_low, 1 + eps_high
     r = math.exp(lr)
+    if name in ("dppo_tv", "dppo_kl"):
+        p, p_a = math.exp(lr - 1.0), math.exp(-1.0)
+        if name == "dppo_tv":
+            kept = p - p_a <= eps_high if a > 0 else p - p_a >= -eps_low
+        else:
+            kl = p_a * math.log(p_a / p) + (1 - p_a) * math.log((1 - p_a) / (1 - p))
+            kept = (kl <= eps_high or p <= p_a) if a > 0 else (kl <= eps_low or p >= p_a)
+        c = w * min(r, cfg.dppo_ratio_cap)
+        return (-c * a * (lr - 1.0), -c * a) if kept else (0.0, 0.0)
+    if name == "sapo":
+        tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+        sig = 1.0 / (1.0 + math.exp(-tau * (r - 1.0)))
+        return -w * sig * 4.0 / tau * a, -w * a * 4.0 * sig * (1.0 - sig) * r
+    if name == "vespo":
+        k, lam = (cfg.vespo_k[0], cfg.vespo_lambda[0]) if a >= 0 else (cfg.vespo_k[1], cfg.vespo_lambda[1])
+        phi = math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
+        return -w * phi * a * (lr - 1.0), -w * phi * a
     if name == "reinforce":
         return -w * r * a * (lr - 1.0), -w * r * a  # anchor is -1, so log pi = lr - 1
     if name == "nll":
@@ -203,6 +221,8 @@ def test_against_loop_reference(name):
     scale = 4e-4 if name == "gspo" else 0.6
     log_r = (torch.randn(B, T, generator=g, dtype=F64) * scale).tolist()
     log_r[0][0] = 1.7 if name != "gspo" else log_r[0][0]  # a dual-clip case for ppo
+    if name.startswith("dppo"):  # DPPO reads probabilities: log pi = -1 + log r must stay below 0
+        log_r = [[min(v, 0.9) for v in row] for row in log_r]
     adv_B = torch.randn(B, generator=g, dtype=F64).tolist()
     weight = (torch.rand(B, T, generator=g, dtype=F64) + 0.5).tolist()
     keep = (torch.rand(B, T, generator=g) > 0.2).tolist()
@@ -215,12 +235,13 @@ def test_against_loop_reference(name):
     for b in range(B):
         active = [t for t in range(T) if keep[b][t] and mask[b][t]]
         s = math.exp(sum(log_r[b][t] for t in active) / len(active)) if active else 1.0
+        log_w = sum(log_r[b][t] for t in active)
         for t in active:
-            reference = _token_reference(name, log_r[b][t], adv_B[b], weight[b][t], s, cfg)
+            reference = _token_reference(name, log_r[b][t], adv_B[b], weight[b][t], s, cfg, log_w)
             expected_loss[b][t], expected_grad[b][t] = reference
     _close(loss, expected_loss)
     _close(grad, expected_grad)
     active = [(b, t) for b in range(B) for t in range(T) if keep[b][t] and mask[b][t]]
     clipped_grads = sum(1 for b, t in active if expected_grad[b][t] == 0)
-    if name in ("ppo_clip", "gspo"):
+    if name in ("ppo_clip", "gspo", "dppo_tv", "dppo_kl"):
         assert clipped_grads > 0, "the random case should exercise the clip"

@@ -92,7 +92,9 @@ def test_every_combination_is_finite_and_differentiable(correction, loss_name):
     old = behaviour + 0.05
     cfg = AlgorithmConfig(correction=correction, policy_loss=loss_name)
     advantages = torch.randn(B, generator=g)
-    loss, metrics = compute_policy_loss(logprobs, entropy, behaviour, advantages, mask, cfg, old_logprobs_BT=old)
+    versions = torch.randint(0, 6, (B, T), generator=g)  # a3po: tokens 0 .. 5 versions old at version 5
+    loss, metrics = compute_policy_loss(logprobs, entropy, behaviour, advantages, mask, cfg, old_logprobs_BT=old,
+                                        versions_BT=versions, policy_version=5)
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert torch.isfinite(logprobs.grad).all() and (logprobs.grad[~mask] == 0).all()
