@@ -5,9 +5,11 @@
 
 `run` validates the whole spec (every cell's config) before anything starts, then runs each
 cell as an ordinary `train` run directory under DIR/cells/ (default DIR: runs/studies/<name>).
-Rerunning skips finished cells and resumes interrupted ones; a failed cell is recorded and the
-others go on (the exit code is 1 when any failed). `report` writes the results table
-(Parquet, CSV), plots and report.md (default: DIR/report). The spec format: study/spec.py.
+Rerunning skips finished cells and resumes interrupted ones; a failed cell is recorded with its
+error message and the others go on (the exit code is 1 when any failed). One `run` at a time per
+DIR: a second one exits 2 at once, naming the first (pid, host, start time). `report` writes the
+results table (Parquet, CSV), plots and report.md (default: DIR/report), listing every cell of the
+spec: those never run as pending. The spec format: study/spec.py.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def run(args) -> None:
-    from entr_megatron.study.runner import run_study
+    from entr_megatron.study.runner import StudyLockedError, run_study
     from entr_megatron.study.spec import SpecError, load_spec
 
     try:
@@ -45,11 +47,17 @@ def run(args) -> None:
         return
     ray_address = None
     if args.launcher == "ray":
+        from entr_megatron.config.launcher import check_ray_reachable
+
         ray_address = spec.base_raw.get("launcher", {}).get("ray_address")
+        try:  # before Ray's half-minute of connection retries
+            check_ray_reachable(ray_address, "base.launcher.ray_address")
+        except ValueError as e:
+            _fail(str(e))
     try:
         result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address,
                            only=args.only)
-    except SpecError as e:
+    except (SpecError, StudyLockedError) as e:
         _fail(str(e))
     print(json.dumps({"out": result["out"], "done": len(result["done"]), "skipped": len(result["skipped"]),
                       "failed": result["failed"], "interrupted": result["interrupted"]}))

@@ -1,58 +1,18 @@
 """`study report`: a study directory (finished or not) -> results tables, figures and report.md.
 
-Reads only what the runner writes (runner.py): study.json (name, axes, report grouping) and
-per cell cells/<id>/{cell.json, status.json, metrics.jsonl, eval.json}, any of them missing
-or partial. Writes STUDY_DIR/report/ (or `out_dir`): results.parquet and results.csv (one
-row per cell x step, `load_results`), cells.csv (one row per cell, `load_cells`), PNG
-figures (plots.py) and report.md. A figure or table without data is skipped, and report.md
-says so.
-
-Definitions (report.md ends with this list, verbatim):
-
-- **Groups.** The method axis is study.json's report.method (default: the first axis that
-  is not controller.seed), the lag axis report.lag (default: none, every cell one lag);
-  cells that differ only in controller.seed are the seeds of one (method, lag) group. A
-  curve is the seeds' mean and its band their min..max; against wall-clock, x is the
-  seeds' mean wall-clock at that step.
-- **Wall-clock** `wall_s` is the cumulative `timing/step_s` of a cell, **compute**
-  `tokens_cum` the cumulative `rollout/tokens` (prompt + response tokens).
-- **Smoothed reward**: the trailing moving average of `reward/mean` over
-  w = max(3, n // 10) steps (n: the cell's steps with a reward), from the first full
-  window on. A cell's final reward is its last smoothed value.
-- **Collapse** (`detect_collapse`), the first of these that applies:
-  (a) a non-finite `loss` or `optim/grad_norm` at any step (metrics.jsonl stores NaN and
-  inf as null; a missing key is not a value);
-  (b) with S the smoothed reward of the first full window, M its maximum and gain = M - S:
-  gain >= max(0.05, 4 * se) and every one of the last w smoothed values < S + gain / 2 (the
-  run lost at least half of what it gained and did not recover). se = sigma / sqrt(w) is the
-  noise of one smoothed value, sigma = std(reward[t+1] - reward[t]) / sqrt(2) the per-step
-  noise of the reward (differences remove a slow trend): a smaller peak is the maximum of
-  noise, not a gain (8 prompts x 8 samples per step: sigma about 0.07-0.1). On simulated
-  flat curves of that noise 1.7% are called collapsed (26 of 60 without the noise floor), and
-  a real rise and fall by 0.15 (0.2) is found in 89% (99%) of 300 draws;
-  (c) held-out sampled accuracy after RL < before RL - 0.1 (absolute, from eval.json).
-- **Speedup at matched reward**: a (method, lag) group against its reference cells (those
-  matching report.reference and sharing the group's method and lag where the reference
-  does not set them; without any, sharing the method; then any). Target = 90% of the
-  smaller of the two groups' mean final smoothed reward. Time to target = the first
-  wall-clock (mean over seeds) at which the seeds' mean smoothed reward, over the steps
-  every seed reached, is >= target. Speedup = reference time / time.
-- **ScaleRL fit** (Khatri et al. 2025, arXiv:2510.13786, Eq. 1, fits.py):
-  R_C - R_0 = (A - R_0) / (1 + (C_mid / C)^B) through every step of every seed of a group,
-  C = `tokens_cum`, R_0 the mean first-step reward: A the asymptote, B the scaling
-  exponent (efficiency), C_mid the compute at half the gain.
-- **Entropy bins** are read from the `entropy_bin/<bin>/...` keys; a cell's per-bin value
-  is its mean over steps weighted by the bin's token count, then averaged over seeds.
+Reads a study directory with results.py (every cell of the spec, those never run as pending).
+Writes STUDY_DIR/report/ (or `out_dir`): results.parquet and results.csv (one row per cell x
+step, `load_results`), cells.csv (one row per cell, `load_cells`), PNG figures (plots.py) and
+report.md. A figure or table without data is skipped, and report.md says so. report.md ends with
+`DEFINITIONS`, written from the constants below: each threshold (collapse, speedup target) is
+stated once, here, and the text cannot drift from the code.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,149 +22,70 @@ import pandas as pd
 from entr_megatron.study import plots
 from entr_megatron.study.fits import SigmoidFit, fit_frame, fit_groups
 from entr_megatron.study.plots import LAG, METHOD, final_accuracy_table, lag_order, markdown_table
+from entr_megatron.study.results import (NONFINITE_GUARDED, SEED_AXIS, StudyInfo, _Cell, _label, _results,
+                                        load_results, read_study)
 from entr_megatron.study.table import key_columns, parquet_safe
-from entr_megatron.utils.run_log import METRICS_FILE, read_metrics
 
-__all__ = ["StudyInfo", "detect_collapse", "final_accuracy_stats", "final_accuracy_table", "fit_table",
-           "load_cells", "load_results", "markdown_table", "read_study", "smoothed_reward", "smoothing_window",
-           "speedup_table", "write_report"]
+__all__ = ["ACCURACY_DROP", "COLLAPSE_MIN_GAIN", "COLLAPSE_NOISE_SE", "DEFINITIONS", "StudyInfo", "detect_collapse",
+           "final_accuracy_stats", "final_accuracy_table", "fit_table", "load_cells", "load_results",
+           "markdown_table", "read_study", "smoothed_reward", "smoothing_window", "speedup_table", "write_report"]
 
-logger = logging.getLogger(__name__)
-
-SEED_AXIS = "controller.seed"
 REWARD = "reward/mean"
-NONFINITE_GUARDED = ("loss", "optim/grad_norm")
-"""Metrics whose non-finite value is a collapse; each gets a derived bool column "<key>:nonfinite"."""
 COLLAPSE_MIN_GAIN = 0.05
 """Smallest smoothed-reward gain that can collapse: below it there was nothing to lose."""
 COLLAPSE_NOISE_SE = 4.0
 """A gain must also exceed this many standard errors of one smoothed reward value: the maximum
 of a flat noisy curve over ~90 overlapping windows lies a few standard errors above its start."""
 ACCURACY_DROP = 0.1
-"""Drop of held-out sampled accuracy (absolute) that counts as a collapse."""
+"""Drop of held-out sampled accuracy (absolute, after RL against before RL) that is a collapse: more
+than this, not any drop (a held-out set of 200 problems x 4 samples moves by a few hundredths
+between two evaluations of one model)."""
 SPEEDUP_TARGET_FRACTION = 0.9
 """Target of the speedup table as a fraction of the smaller final smoothed reward."""
 NO_LAG = "all"
 """Lag label of every cell when the study has no lag axis."""
 
-
-@dataclass(frozen=True)
-class StudyInfo:
-    """study.json with the report's grouping axes resolved, and the cells (`read_study`)."""
-
-    name: str
-    axes: list[str]
-    method: str | None
-    """Axis whose values are the compared methods (None: the study has one method)."""
-    lag: str | None
-    reference: dict[str, Any] | None
-    cells: list[_Cell] = field(default_factory=list, repr=False)
-
-
-@dataclass
-class _Cell:
-    id: str
-    axes: dict[str, Any]
-    status: dict[str, Any]
-    frame: pd.DataFrame
-    eval: dict[str, Any] | None
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        logger.warning("%s: not JSON (%s); treated as missing", path, exc)
-        return None
-
-
-def _label(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return str(value)
-
-
-def _read_info(study_dir: Path) -> StudyInfo:
-    """study.json of a study directory (ValueError when it has none), without the cells."""
-    meta = _read_json(study_dir / "study.json")
-    if not isinstance(meta, dict):
-        raise ValueError(f"{study_dir} is not a study directory: no readable study.json")
-    axes = [str(a) for a in meta.get("axes") or []]
-    report = meta.get("report") or {}
-    method = report.get("method") or next((a for a in axes if a != SEED_AXIS), None)
-    reference = report.get("reference") or None
-    return StudyInfo(str(meta.get("name") or study_dir.name), axes, method, report.get("lag") or None,
-                     dict(reference) if reference else None)
-
-
-def _cell_frame(cell_id: str, state: str, axes: Mapping[str, Any], rows: list[dict[str, Any]]) -> pd.DataFrame:
-    """A cell's metrics rows as a frame: one row per step (the last record of a repeated step)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for row in rows:
-        step = row.get("step")
-        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
-            continue
-        record: dict[str, Any] = {}
-        for key, value in row.items():
-            if key == "step" or isinstance(value, (str, list, dict)):
-                continue  # metrics are numbers; anything else is not tabulated
-            record[key] = math.nan if value is None else float(value)
-        for key in NONFINITE_GUARDED:  # null is how metrics.jsonl stores NaN and inf
-            value = row.get(key, 0.0)
-            record[f"{key}:nonfinite"] = value is None or (isinstance(value, float) and not math.isfinite(value))
-        by_step[int(step)] = record
-    if not by_step:
-        return pd.DataFrame()
-    frame = pd.DataFrame.from_records([by_step[s] for s in sorted(by_step)])
-    frame.insert(0, "step", sorted(by_step))
-    for i, (key, value) in enumerate(axes.items()):
-        frame.insert(i, key, [value] * len(frame))
-    frame.insert(0, "state", state)
-    frame.insert(0, "cell", cell_id)
-    for source, derived in (("timing/step_s", "wall_s"), ("rollout/tokens", "tokens_cum")):
-        frame[derived] = frame[source].fillna(0.0).cumsum() if source in frame else math.nan
-    return frame
-
-
-def read_study(study_dir: str | os.PathLike) -> StudyInfo:
-    """study.json and every cell of a study directory (cells by id); ValueError without study.json."""
-    study_dir = Path(study_dir)
-    info = _read_info(study_dir)
-    cells_dir = study_dir / "cells"
-    for cell_dir in sorted(p for p in cells_dir.iterdir() if p.is_dir()) if cells_dir.is_dir() else []:
-        meta = _read_json(cell_dir / "cell.json") or {}
-        cell_id = str(meta.get("id") or cell_dir.name)
-        axes = dict(meta.get("axes") or {})
-        axes = {**{a: axes.get(a) for a in info.axes}, **axes}
-        status = _read_json(cell_dir / "status.json") or {}
-        state = str(status.get("state") or "pending")
-        rows: list[dict[str, Any]] = []
-        if (cell_dir / METRICS_FILE).is_file():
-            try:
-                rows = read_metrics(cell_dir / METRICS_FILE)
-            except (ValueError, OSError) as exc:
-                logger.warning("%s: metrics unreadable (%s); the cell has no rows", cell_dir, exc)
-        evals = _read_json(cell_dir / "eval.json")
-        info.cells.append(_Cell(cell_id, axes, status, _cell_frame(cell_id, state, axes, rows),
-                                evals if isinstance(evals, dict) else None))
-    return info
-
-
-def _results(info: StudyInfo) -> pd.DataFrame:
-    frames = [c.frame for c in info.cells if not c.frame.empty]
-    if not frames:
-        return pd.DataFrame(columns=["cell", "state", *info.axes, "step", "wall_s", "tokens_cum"])
-    return pd.concat(frames, ignore_index=True, sort=False)
-
-
-def load_results(study_dir: str | os.PathLike) -> pd.DataFrame:
-    """One row per cell x step: cell, state, every axis (by its dotted key), step, every
-    metric of the rows, "<key>:nonfinite" flags of loss and grad norm, and the derived
-    wall_s (cumulative timing/step_s) and tokens_cum (cumulative rollout/tokens) of the cell.
-    Cells without metrics contribute no rows."""
-    return _results(read_study(study_dir))
+DEFINITIONS = f"""\
+- **Cell states** (status.json): `pending` (not started: also a cell of the spec that has no
+  directory yet), `running`, `done`, `failed` (its error is the message the run ended with; the
+  whole output is the cell's train.log), `interrupted` (stopped by a stop of the study, at a step
+  with a checkpoint or while starting; the next `study run` resumes it).
+- **Groups.** The method axis is study.json's report.method (default: the first axis that
+  is not {SEED_AXIS}), the lag axis report.lag (default: none, every cell one lag);
+  cells that differ only in {SEED_AXIS} are the seeds of one (method, lag) group. A
+  curve is the seeds' mean and its band their min..max; against wall-clock, x is the
+  seeds' mean wall-clock at that step.
+- **Wall-clock** `wall_s` is the cumulative `timing/step_s` of a cell, **compute**
+  `tokens_cum` the cumulative `rollout/tokens` (prompt + response tokens).
+- **Smoothed reward**: the trailing moving average of `{REWARD}` over
+  w = max(3, n // 10) steps (n: the cell's steps with a reward), from the first full
+  window on. A cell's final reward is its last smoothed value.
+- **Collapse** (`detect_collapse`), the first of these that applies:
+  (a) a non-finite {" or ".join(f"`{k}`" for k in NONFINITE_GUARDED)} at any step (metrics.jsonl stores NaN and
+  inf as null; a missing key is not a value);
+  (b) with S the smoothed reward of the first full window, M its maximum and gain = M - S:
+  gain >= max({COLLAPSE_MIN_GAIN}, {COLLAPSE_NOISE_SE:g} * se) and every one of the last w smoothed values
+  < S + gain / 2 (the run lost at least half of what it gained and did not recover). se = sigma / sqrt(w)
+  is the noise of one smoothed value, sigma = std(reward[t+1] - reward[t]) / sqrt(2) the per-step
+  noise of the reward (differences remove a slow trend): a smaller peak is the maximum of
+  noise, not a gain (8 prompts x 8 samples per step: sigma about 0.07-0.1). On simulated
+  flat curves of that noise 1.7% are called collapsed (26 of 60 without the noise floor), and
+  a real rise and fall by 0.15 (0.2) is found in 89% (99%) of 300 draws;
+  (c) held-out sampled accuracy after RL more than {ACCURACY_DROP} (absolute) below its value before RL
+  (eval.json): after < before - {ACCURACY_DROP}. A smaller drop is not a collapse.
+- **Speedup at matched reward**: a (method, lag) group against its reference cells (those
+  matching report.reference and sharing the group's method and lag where the reference
+  does not set them; without any, sharing the method; then any). Target = {SPEEDUP_TARGET_FRACTION:.0%} of the
+  smaller of the two groups' mean final smoothed reward. Time to target = the first
+  wall-clock (mean over seeds) at which the seeds' mean smoothed reward, over the steps
+  every seed reached, is >= target. Speedup = reference time / time.
+- **ScaleRL fit** (Khatri et al. 2025, arXiv:2510.13786, Eq. 1, fits.py):
+  R_C - R_0 = (A - R_0) / (1 + (C_mid / C)^B) through every step of every seed of a group,
+  C = `tokens_cum`, R_0 the mean first-step reward: A the asymptote, B the scaling
+  exponent (efficiency), C_mid the compute at half the gain.
+- **Entropy bins** are read from the `entropy_bin/<bin>/...` keys; a cell's per-bin value
+  is its mean over steps weighted by the bin's token count, then averaged over seeds."""
+"""The list report.md ends with: the definitions of everything the report computes."""
 
 
 def smoothing_window(n: int) -> int:
@@ -412,9 +293,6 @@ def fit_table(results: pd.DataFrame, info: StudyInfo) -> tuple[pd.DataFrame, dic
 # --- report.md -------------------------------------------------------------------------------
 
 
-_DEFINITIONS = __doc__.split("(report.md ends with this list, verbatim):", 1)[1].strip()
-
-
 def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, table: str = "key") -> Path:
     """Writes results.parquet, results.csv, cells.csv, the PNG figures and report.md into
     out_dir (default STUDY_DIR/report); returns the path of report.md. `table`: "key" keeps
@@ -477,7 +355,7 @@ def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None
         "sigmoid_fits.png")
     if notes:
         add("Skipped", "\n".join(f"- {n}" for n in notes))
-    add("Definitions", _DEFINITIONS)
+    add("Definitions", DEFINITIONS)
 
     head = [f"# Study report: {info.name}\n", _summary(info, cells, stats) + "\n"]
     if not stats.empty:

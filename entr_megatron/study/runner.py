@@ -1,13 +1,16 @@
 """Runs a study: every cell an ordinary `train` run directory, N at a time, locally or on Ray.
 
     OUT/
-      study.json, spec.yaml        what the study is (axes, report grouping) and the spec as given
+      .lock                        held by the one `study run` working on OUT (pid, host, start time)
+      study.json, spec.yaml        what the study is (axes, report grouping, every cell's id and axes)
+                                   and the spec as given
       warmup/                      the shared SFT run (warmup/sft/model), when the spec has one
       cells/<cell id>/
         cell.json                  its axes and config hash (what it computes)
         cell.yaml                  its config, as `train --config` reads it
-        status.json                pending | running | done | failed, error, wall_s, attempts,
-                                   ran_on (the last attempt's launcher, host and process)
+        status.json                pending | running | done | failed | interrupted, error (a failed
+                                   attempt's message: cell_log.py), wall_s, attempts, ran_on (the
+                                   last attempt's launcher, host and process)
         train.log                  the train command's output (appended per attempt)
         metrics.jsonl, eval.json, checkpoints/, ...   the train run directory
 
@@ -15,11 +18,14 @@ Rerunning skips cells whose status is done (a finished study reruns in seconds) 
 others again: a cell that was running when the study was killed resumes from its last
 checkpoint (`train` resumes its run directory), a failed one is retried. A failed cell is
 recorded with its error and does not stop the others. A cell whose config changed since it ran
-is refused (its results would mix two configs): use another OUT or delete the cell.
+is refused (its results would mix two configs): use another OUT or delete the cell. One runner
+at a time works on an OUT: a second one is refused at once (StudyLockedError, naming the holder);
+the kernel drops the lock of a runner that died, however it died.
 
 Local cells are subprocesses of this one: Ctrl-C or SIGTERM (a scheduler's preemption) starts no
 more cells and stops the running ones at their next step with a checkpoint (train's own SIGINT
-handling; SIGTERM is forwarded to them as SIGINT); they resume on the next run. On
+handling; SIGTERM is forwarded to them as SIGINT); they are recorded as interrupted (also when
+the stop reached them while they were still starting) and resume on the next run. On
 Ray (`--launcher ray`, `ray_address` from the base config's launcher section or a local
 cluster), each cell is a task with the spec's `resources`; OUT must be on a file system every
 node sees.
@@ -41,14 +47,22 @@ from typing import Any
 
 import yaml
 
+from entr_megatron.study.cell_log import cell_error
 from entr_megatron.study.spec import Cell, SpecError, StudySpec
 from entr_megatron.utils.jsonl import atomic_output
+from entr_megatron.utils.run_lock import RunLock, RunLockedError
 from entr_megatron.utils.spawn import die_with_parent
 
-__all__ = ["StudyResult", "run_study"]
+__all__ = ["INTERRUPTED_CODES", "StudyLockedError", "StudyResult", "run_study"]
 
-LOG_TAIL_CHARS = 4000
-"""Characters of a failed cell's output kept as its error."""
+INTERRUPTED_CODES = (130, -signal.SIGINT, -signal.SIGTERM)
+"""Exit codes of a cell stopped by a signal before it could checkpoint: `entr-megatron` returns 130
+on an interrupt it did not turn into a step-end stop (e.g. during start-up), or the process died
+of SIGINT / SIGTERM itself."""
+
+
+class StudyLockedError(RunLockedError):
+    """Another `study run` is working on the study directory (the message names it)."""
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -149,13 +163,13 @@ def _cell_attempt(cell_dir: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             out["result"] = None
     else:
-        text = (Path(cell_dir) / "train.log").read_text(errors="replace")
-        out["error"] = f"exit {code}: " + text[-LOG_TAIL_CHARS:]
+        out["error"] = cell_error((Path(cell_dir) / "train.log").read_text(errors="replace"), code)
     return out
 
 
 class StudyResult(dict):
-    """{"done": [ids], "failed": [ids], "skipped": [ids], "interrupted": bool, "signal": int | None, "out": str}."""
+    """{"done": [ids], "failed": [ids], "skipped": [ids], "interrupted": bool (the study was stopped),
+    "signal": int | None, "out": str}."""
 
 
 class Progress:
@@ -188,11 +202,13 @@ def _minutes(seconds: float) -> str:
 
 
 def _prepare(spec: StudySpec, out: Path) -> Path | None:
-    """Writes study.json and the spec; runs the shared warm-up once. Returns its model (or None)."""
+    """Writes study.json (with every cell of the spec, so that a report of a partly run study
+    lists the cells never run) and the spec; runs the shared warm-up once. Returns its model (or None)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
-                                     "report": spec.report, "resources": spec.resources})
+                                     "report": spec.report, "resources": spec.resources,
+                                     "cells": [{"id": cid, "axes": axes} for cid, axes in spec.cell_axes()]})
     with atomic_output(str(out / "spec.yaml")) as f:
         f.write(spec.path.read_text())
     if spec.warmup is not None and "model" in spec.warmup:
@@ -284,6 +300,18 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
     out = Path(out).resolve()
     if only:
         spec.select(spec.cells(), only)  # a bad filter is refused before the warm-up runs
+    try:
+        lock = RunLock(out, command="study run", flag="--out").acquire()
+    except RunLockedError as e:
+        raise StudyLockedError(str(e).replace("another job", "another study run", 1)) from None
+    try:
+        return _run_locked(spec, out, launcher, jobs, ray_address, only)
+    finally:
+        lock.release()
+
+
+def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_address: str | None,
+                only: list[str] | None) -> StudyResult:
     model = _prepare(spec, out)
     cells = spec.cells(warmup_model=model)
     if only:
@@ -317,14 +345,16 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
 
     def record(cell: Cell, cell_dir: Path, outcome: dict[str, Any]) -> None:
         status = _read_json(cell_dir / "status.json") or {}
-        ok = outcome["returncode"] == 0 and (outcome.get("result") or {}).get("stopped") is not True
-        interrupted = outcome["returncode"] == 0 and not ok
-        state = "done" if ok else "pending" if interrupted else "failed"
+        code = outcome["returncode"]
+        ok = code == 0 and (outcome.get("result") or {}).get("stopped") is not True
+        # stopped at a step end (exit 0, "stopped"), or by the stop before it could checkpoint
+        interrupted = not ok and (code == 0 or code in INTERRUPTED_CODES or stop.signal is not None)
+        state = "done" if ok else "interrupted" if interrupted else "failed"
         status.update(state=state, error=None if ok or interrupted else outcome.get("error"),
                       wall_s=(status.get("wall_s") or 0.0) + outcome["wall_s"], result=outcome.get("result"),
                       ran_on={"launcher": launcher, "host": outcome.get("host"), "pid": outcome.get("pid")})
         _write_json(cell_dir / "status.json", status)
-        if state != "pending":
+        if state != "interrupted":
             result[state].append(cell.id)
         progress.update(finished=state, wall_s=outcome["wall_s"], cell=cell.id)
 

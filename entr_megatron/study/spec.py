@@ -104,27 +104,36 @@ class StudySpec:
             keys += [k for k in grid if k not in keys]
         return keys + [SEED_KEY]
 
-    def cells(self, warmup_model: Path | None = None) -> list[Cell]:
-        """Every cell, validated, seed by seed (the order they run in); with `warmup_model` each
-        starts from that model (no own SFT)."""
-        out: dict[str, Cell] = {}
+    def cell_axes(self) -> list[tuple[str, dict[str, Any]]]:
+        """(id, axes) of every cell in run order, without building their configs (see `cells`)."""
+        return [(cell_id, axes) for cell_id, axes, _ in self._grid_points()]
+
+    def _grid_points(self) -> list[tuple[str, dict[str, Any], str]]:
+        """(id, axes, where in the spec) of every cell, seed by seed; a cell two grids of the union
+        share comes once."""
+        points: dict[str, tuple[str, dict[str, Any], str]] = {}
         # seed-major: a study stopped part-way has every grid point of the first seeds
         for seed, (g, grid) in itertools.product(self.seeds, enumerate(self.grids)):
             where = "grid" if len(self.grids) == 1 else f"grid[{g}]"
             for values in itertools.product(*grid.values()):
                 axes = {**dict(zip(grid, values)), SEED_KEY: seed}
-                cell_id = self._cell_id(axes)
-                if cell_id in out:
-                    continue  # two grids of the union may share cells
-                raw = self._raw(axes, where)
-                wandb = raw.get("logging", {}).get("wandb")
-                if isinstance(wandb, dict):  # the study's cells are one W&B group, each named by its id
-                    raw["logging"]["wandb"] = {"group": self.name, "name": cell_id, **{k: v for k, v in wandb.items()
-                                                                                      if v is not None}}
-                if warmup_model is not None:
-                    raw["model"] = {**raw.get("model", {}), "path": str(warmup_model), "architecture": None}
-                    raw.pop("sft", None)
-                out[cell_id] = Cell(cell_id, axes, raw, self._validate(raw, f"{where} cell {cell_id}"))
+                points.setdefault(self._cell_id(axes), (self._cell_id(axes), axes, where))
+        return list(points.values())
+
+    def cells(self, warmup_model: Path | None = None) -> list[Cell]:
+        """Every cell, validated, seed by seed (the order they run in); with `warmup_model` each
+        starts from that model (no own SFT)."""
+        out: dict[str, Cell] = {}
+        for cell_id, axes, where in self._grid_points():
+            raw = self._raw(axes, where)
+            wandb = raw.get("logging", {}).get("wandb")
+            if isinstance(wandb, dict):  # the study's cells are one W&B group, each named by its id
+                raw["logging"]["wandb"] = {"group": self.name, "name": cell_id, **{k: v for k, v in wandb.items()
+                                                                                  if v is not None}}
+            if warmup_model is not None:
+                raw["model"] = {**raw.get("model", {}), "path": str(warmup_model), "architecture": None}
+                raw.pop("sft", None)
+            out[cell_id] = Cell(cell_id, axes, raw, self._validate(raw, f"{where} cell {cell_id}"))
         return list(out.values())
 
     def select(self, cells: list[Cell], only: list[str]) -> list[Cell]:

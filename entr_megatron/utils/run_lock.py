@@ -46,9 +46,11 @@ def _read(path: Path) -> dict:
 class RunLock:
     """Exclusive lock of `run_dir` for one job (see the module docstring); a context manager."""
 
-    def __init__(self, run_dir: str | os.PathLike, command: str = "train"):
+    def __init__(self, run_dir: str | os.PathLike, command: str = "train", flag: str = "--run-dir"):
         self.path = Path(run_dir) / LOCK_FILE
         self.command = command
+        self.flag = flag
+        """The command-line flag that chooses the directory (named in the errors' advice)."""
         self._fd: int | None = None
         self.previous: dict = {}
         """What the lock file said before this job took it (a job that died), {} when new."""
@@ -58,19 +60,19 @@ class RunLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise RunLockedError(f"cannot create {self.path}: {e.strerror}; the run directory must be writable "
-                                 "(use another --run-dir)") from None
+            raise RunLockedError(f"cannot create {self.path}: {e.strerror}; the directory must be writable "
+                                 f"(use another {self.flag})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise RunLockedError(
                 f"{self.path.parent} is in use by another job: {_describe(_read(self.path))}. Wait for it to "
-                f"finish or stop it (Ctrl-C saves and exits), or use another --run-dir") from None
+                f"finish or stop it (Ctrl-C saves and exits), or use another {self.flag}") from None
         except OSError as e:  # a file system without flock
             os.close(fd)
             raise RunLockedError(f"cannot lock {self.path} ({e.strerror}): this file system does not support "
-                                 "flock; use a run directory on a local or flock-capable file system") from None
+                                 f"flock; use a directory ({self.flag}) on a local or flock-capable file system") from None
         self.previous = _read(self.path)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command, "started": time.time()}
         os.ftruncate(fd, 0)

@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 
 from entr_megatron.study.fits import fit_sigmoid, sigmoid_curve
-from entr_megatron.study.report import (detect_collapse, final_accuracy_stats, final_accuracy_table,
-                                        load_cells, load_results, read_study, speedup_table, write_report)
+from entr_megatron.study.report import (ACCURACY_DROP, DEFINITIONS, detect_collapse, final_accuracy_stats,
+                                        final_accuracy_table, load_cells, load_results, read_study, speedup_table,
+                                        write_report)
 
 BINS = ("0-0.001", "0.001-0.01", "0.01-0.1", "0.1-1", "1-10", "10-inf")
 STEPS = 20
@@ -304,3 +305,24 @@ def test_a_peak_within_the_reward_noise_is_not_a_collapse():
     shape = np.concatenate([np.linspace(0, 0.25, 40), np.full(20, 0.25), np.linspace(0.25, 0, 20), np.zeros(20)])
     collapsed, reason = detect_collapse(_curve(list(flat + shape)))
     assert collapsed and "reward collapse" in reason
+
+
+def test_collapse_by_accuracy_has_one_definition_in_the_code_the_report_and_the_docs():
+    """A drop of held-out sampled accuracy is a collapse when it is more than ACCURACY_DROP (0.1,
+    absolute), not any drop below the start: the code, report.md's Definitions and both docs say so."""
+    from pathlib import Path
+
+    assert ACCURACY_DROP == 0.1
+    flat = _curve([0.5] * 30)
+    for after, collapsed in ((0.4375, False), (0.40625, False), (0.375, True)):  # drops 1/16, 3/32, 1/8
+        evals = {"before_rl": {"eval/sampled_accuracy": 0.5}, "after_rl": {"eval/sampled_accuracy": after}}
+        assert detect_collapse(flat, evals)[0] is collapsed, after
+    def words(text):
+        return " ".join(text.split())
+
+    assert "more than 0.1 (absolute) below its value before RL" in words(DEFINITIONS)
+    docs = Path(__file__).parents[2] / "docs"
+    studies = words((docs / "studies" / "README.md").read_text())
+    assert "more than 0.1 (absolute; `ACCURACY_DROP`) below its value before RL" in studies
+    assert "below its start" not in studies
+    assert "more than 0.1 (absolute) below before RL" in words((docs / "STUDIES.md").read_text())

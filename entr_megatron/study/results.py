@@ -1,0 +1,175 @@
+"""A study directory read for its report: study.json and every cell's status, metrics and eval.
+
+    info = read_study(study_dir)     # StudyInfo: name, axes, report grouping, cells
+    frame = load_results(study_dir)  # one row per cell x step
+
+Reads only what the runner writes (runner.py): study.json (name, axes, report grouping, and
+every cell of the spec with its axes) and per cell cells/<id>/{cell.json, status.json,
+metrics.jsonl, eval.json}, any of them missing or partial. A cell that study.json lists but
+that has no directory yet (never started: the study was stopped, or run with --only) is read as
+pending, so a report of a partly run study shows every cell. A study.json written before it
+listed the cells gives only the cells that have a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from entr_megatron.utils.run_log import METRICS_FILE, read_metrics
+
+__all__ = ["NONFINITE_GUARDED", "SEED_AXIS", "StudyInfo", "load_results", "read_study"]
+
+logger = logging.getLogger(__name__)
+
+SEED_AXIS = "controller.seed"
+NONFINITE_GUARDED = ("loss", "optim/grad_norm")
+"""Metrics whose non-finite value is a collapse; each gets a derived bool column "<key>:nonfinite"."""
+PENDING = "pending"
+"""State of a cell that has not started (no status.json, or no directory yet)."""
+
+
+@dataclass(frozen=True)
+class StudyInfo:
+    """study.json with the report's grouping axes resolved, and the cells (`read_study`)."""
+
+    name: str
+    axes: list[str]
+    method: str | None
+    """Axis whose values are the compared methods (None: the study has one method)."""
+    lag: str | None
+    reference: dict[str, Any] | None
+    cells: list[_Cell] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class _Cell:
+    id: str
+    axes: dict[str, Any]
+    status: dict[str, Any]
+    frame: pd.DataFrame
+    eval: dict[str, Any] | None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        logger.warning("%s: not JSON (%s); treated as missing", path, exc)
+        return None
+
+
+def _label(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return str(value)
+
+
+def _read_info(study_dir: Path) -> StudyInfo:
+    """study.json of a study directory (ValueError when it has none), without the cells."""
+    meta = _read_json(study_dir / "study.json")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{study_dir} is not a study directory: no readable study.json")
+    axes = [str(a) for a in meta.get("axes") or []]
+    report = meta.get("report") or {}
+    method = report.get("method") or next((a for a in axes if a != SEED_AXIS), None)
+    reference = report.get("reference") or None
+    return StudyInfo(str(meta.get("name") or study_dir.name), axes, method, report.get("lag") or None,
+                     dict(reference) if reference else None)
+
+
+def _cell_frame(cell_id: str, state: str, axes: Mapping[str, Any], rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """A cell's metrics rows as a frame: one row per step (the last record of a repeated step)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        step = row.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+            continue
+        record: dict[str, Any] = {}
+        for key, value in row.items():
+            if key == "step" or isinstance(value, (str, list, dict)):
+                continue  # metrics are numbers; anything else is not tabulated
+            record[key] = math.nan if value is None else float(value)
+        for key in NONFINITE_GUARDED:  # null is how metrics.jsonl stores NaN and inf
+            value = row.get(key, 0.0)
+            record[f"{key}:nonfinite"] = value is None or (isinstance(value, float) and not math.isfinite(value))
+        by_step[int(step)] = record
+    if not by_step:
+        return pd.DataFrame()
+    frame = pd.DataFrame.from_records([by_step[s] for s in sorted(by_step)])
+    frame.insert(0, "step", sorted(by_step))
+    for i, (key, value) in enumerate(axes.items()):
+        frame.insert(i, key, [value] * len(frame))
+    frame.insert(0, "state", state)
+    frame.insert(0, "cell", cell_id)
+    for source, derived in (("timing/step_s", "wall_s"), ("rollout/tokens", "tokens_cum")):
+        frame[derived] = frame[source].fillna(0.0).cumsum() if source in frame else math.nan
+    return frame
+
+
+def read_study(study_dir: str | os.PathLike) -> StudyInfo:
+    """study.json and every cell of a study directory (cells by id), the cells study.json lists
+    without a directory as pending; ValueError without study.json."""
+    study_dir = Path(study_dir)
+    info = _read_info(study_dir)
+    cells_dir = study_dir / "cells"
+    for cell_dir in sorted(p for p in cells_dir.iterdir() if p.is_dir()) if cells_dir.is_dir() else []:
+        meta = _read_json(cell_dir / "cell.json") or {}
+        cell_id = str(meta.get("id") or cell_dir.name)
+        axes = dict(meta.get("axes") or {})
+        axes = {**{a: axes.get(a) for a in info.axes}, **axes}
+        status = _read_json(cell_dir / "status.json") or {}
+        state = str(status.get("state") or PENDING)
+        rows: list[dict[str, Any]] = []
+        if (cell_dir / METRICS_FILE).is_file():
+            try:
+                rows = read_metrics(cell_dir / METRICS_FILE)
+            except (ValueError, OSError) as exc:
+                logger.warning("%s: metrics unreadable (%s); the cell has no rows", cell_dir, exc)
+        evals = _read_json(cell_dir / "eval.json")
+        info.cells.append(_Cell(cell_id, axes, status, _cell_frame(cell_id, state, axes, rows),
+                                evals if isinstance(evals, dict) else None))
+    seen = {c.id for c in info.cells}
+    for cell_id, axes in _listed_cells(study_dir):
+        if cell_id not in seen:
+            seen.add(cell_id)
+            axes = {**{a: axes.get(a) for a in info.axes}, **axes}
+            info.cells.append(_Cell(cell_id, axes, {"state": PENDING}, pd.DataFrame(), None))
+    info.cells.sort(key=lambda c: c.id)
+    return info
+
+
+def _listed_cells(study_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(id, axes) of the cells study.json lists (none in a study.json written before it listed them)."""
+    meta = _read_json(study_dir / "study.json")
+    listed = meta.get("cells") if isinstance(meta, dict) else None
+    cells = []
+    for item in listed if isinstance(listed, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("id"), str):
+            cells.append((item["id"], dict(item.get("axes") or {})))
+    return cells
+
+
+def _results(info: StudyInfo) -> pd.DataFrame:
+    frames = [c.frame for c in info.cells if not c.frame.empty]
+    if not frames:
+        return pd.DataFrame(columns=["cell", "state", *info.axes, "step", "wall_s", "tokens_cum"])
+    return pd.concat(frames, ignore_index=True, sort=False)
+
+
+def load_results(study_dir: str | os.PathLike) -> pd.DataFrame:
+    """One row per cell x step: cell, state, every axis (by its dotted key), step, every
+    metric of the rows, "<key>:nonfinite" flags of loss and grad norm, and the derived
+    wall_s (cumulative timing/step_s) and tokens_cum (cumulative rollout/tokens) of the cell.
+    Cells without metrics contribute no rows."""
+    return _results(read_study(study_dir))
