@@ -3,7 +3,8 @@ directory that appears only when complete.
 
     files = check_hf_dir(hf_dir)                 # headers only: every file whole, the index consistent
     tensor = files.get(name)                     # one tensor, read into memory of its own
-    with staged_dir(out, overwrite=False) as tmp:   # out appears (renamed) only if the block succeeds
+    with staged_dir(out, overwrite=False) as tmp:   # out appears (renamed) only if the block succeeds,
+                                                    # never half; a killed run's OUT.tmp-* is removed next time
         writer = ShardWriter(tmp, max_shard_bytes, expected=[(name, dtype, shape), ...])
         for name, tensor in tensors: writer.add(name, tensor)   # its bytes go straight to its shard
         writer.finish()
@@ -23,18 +24,23 @@ Nothing here imports torch.distributed or megatron.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
+import signal
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["HfFiles", "ShardWriter", "TensorInfo", "check_hf_dir", "merge_shards", "parse_size", "read_header",
-           "staged_dir", "write_json"]
+__all__ = ["HfFiles", "ShardWriter", "TensorInfo", "check_hf_dir", "clean_stale", "deferred_signals", "merge_shards",
+           "parse_size", "read_header", "staged_dir", "write_json"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,15 +89,19 @@ class TensorInfo:
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file; ValueError naming the file when it is truncated or corrupt."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, not even a header length)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{path}: corrupt or truncated safetensors file (header length {n}, file {size} bytes)")
-        raw = f.read(n)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: truncated safetensors file ({size} bytes, not even a header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER, size - 8):
+                raise ValueError(f"{path}: corrupt or truncated safetensors file (header length {n}, file {size} "
+                                 "bytes)")
+            raw = f.read(n)
+    except OSError as e:  # a directory, no permission, an I/O error: named, not a traceback
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -158,9 +168,11 @@ def check_hf_dir(hf_dir: str | os.PathLike) -> HfFiles:
     index, single = hf_dir / INDEX_FILE, hf_dir / SINGLE_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_bytes())["weight_map"]
             assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
+        except OSError as e:
+            raise ValueError(f"{index}: cannot be read ({e.strerror or e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AssertionError) as e:
             raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from None
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (hf_dir / f).is_file()]
@@ -171,7 +183,10 @@ def check_hf_dir(hf_dir: str | os.PathLike) -> HfFiles:
     elif single.is_file():
         weight_map, files = None, [SINGLE_FILE]
     else:
-        raise ValueError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+        others = sorted(p.name for p in hf_dir.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+        found = f" (found {', '.join(others[:4])}{', ...' if len(others) > 4 else ''}; only safetensors " \
+                "checkpoints named as transformers saves them are read)" if others else ""
+        raise ValueError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE}{found}")
     tensors: dict[str, TensorInfo] = {}
     for file in files:
         tensors.update(read_header(hf_dir / file))
@@ -188,27 +203,124 @@ def check_hf_dir(hf_dir: str | os.PathLike) -> HfFiles:
     return HfFiles(hf_dir, tensors, files)
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
-def staged_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def deferred_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM held back for the block (renames that must not be cut in half) and
+    delivered when it ends; a no-op off the main thread, where Python runs no handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
+def _pid_of(path: Path, marker: str) -> int | None:
+    try:
+        return int(path.name.rsplit(marker, 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _running_conversion(pid: int) -> bool:
+    """Whether `pid` is a live process that may be a conversion (a reused pid of another program is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return not cmdline or b"entr" in cmdline  # empty: starting up, or no /proc to tell: assume it may be one
+
+
+def clean_stale(out: str | os.PathLike, say: Callable[[str], None] = _say) -> list[Path]:
+    """Remove the `OUT.tmp-<pid>` directories that killed runs (SIGKILL, a lost node) left beside
+    `out`, saying so; an `OUT.old-<pid>` (the previous output, moved aside by a run killed while
+    replacing it) is renamed back when `out` is missing, else named. A temp directory of a run still
+    going is refused (ValueError). Returns what was removed."""
+    out = Path(out)
+    removed = []
+    for tmp in sorted(out.parent.glob(f"{glob.escape(out.name)}.tmp-*")):
+        pid = _pid_of(tmp, ".tmp-")
+        if pid is None or pid == os.getpid() or not tmp.is_dir():
+            continue
+        if _running_conversion(pid):
+            raise ValueError(f"{tmp}: process {pid} is writing {out} now; wait for it, stop it, or if it is no "
+                             f"conversion remove {tmp}")
+        shutil.rmtree(tmp)
+        removed.append(tmp)
+        say(f"removed {tmp}, the unfinished output of an interrupted run (pid {pid}, no longer running)")
+    for old in sorted(out.parent.glob(f"{glob.escape(out.name)}.old-*")):
+        pid = _pid_of(old, ".old-")
+        if pid is None or pid == os.getpid() or not old.is_dir() or _running_conversion(pid):
+            continue
+        if not out.exists():
+            os.replace(old, out)
+            say(f"restored {out} from {old}, where a run interrupted while replacing it had moved it")
+        else:
+            say(f"{old} holds the output an interrupted run (pid {pid}) was replacing; {out} is the newer one: "
+                f"remove {old} when it is not needed")
+    return removed
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike, *, overwrite: bool = False, replaceable: Callable[[str], bool] | None = None,
+               say: Callable[[str], None] = _say) -> Iterator[Path]:
     """An empty directory `OUT.tmp-<pid>` that becomes `out` (renamed) only if the block succeeds;
-    removed on any error. An existing non-empty `out` is refused (ValueError) unless `overwrite`, in
-    which case it is replaced only once the new one is complete."""
+    removed on any error or interrupt (and, left by a killed run, on the next start: `clean_stale`).
+
+    An existing non-empty `out` is refused (ValueError) unless `overwrite`. With `overwrite` it is
+    replaced once the new one is complete, and nothing in it that the block did not write is
+    deleted: when every entry of the old `out` is one the new output also has, or one
+    `replaceable(name)` accepts (what the caller's kind of output may hold), the old one is removed;
+    otherwise it is kept whole, renamed `OUT.previous-<time>`, and `say` names it."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(out, say)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         yield tmp
-        aside = out.with_name(f"{out.name}.old-{os.getpid()}")
-        if out.is_dir():
+        with deferred_signals():  # old aside, new in place, old removed: never half done by a signal
+            if not out.is_dir():
+                os.replace(tmp, out)
+                return
+            made = {p.name for p in tmp.iterdir()}
+            foreign = sorted(p.name for p in out.iterdir()
+                             if p.name not in made and not (replaceable is not None and replaceable(p.name)))
+            aside = out.with_name(f"{out.name}.old-{os.getpid()}")
             os.replace(out, aside)
-        os.replace(tmp, out)
-        shutil.rmtree(aside, ignore_errors=True)
+            os.replace(tmp, out)
+            if not foreign:
+                shutil.rmtree(aside)
+                return
+            kept = out.with_name(f"{out.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            while kept.exists():
+                kept = kept.with_name(kept.name + "-1")
+            os.replace(aside, kept)
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        say(f"--overwrite: the previous {out} held files this command does not write ({shown}); it is kept "
+            f"whole as {kept}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

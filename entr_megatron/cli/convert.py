@@ -31,31 +31,58 @@ transformers'), so it takes memory the conversion itself does not. `convert veri
 check alone on an existing pair (exit status 1 when it fails).
 
 Outputs appear atomically: written into OUT.tmp-<pid>, renamed when complete and verified,
-removed on any failure. An existing non-empty OUT is refused unless --overwrite.
+removed on any failure. Ctrl-C or SIGTERM stops the conversion, removes OUT.tmp-<pid> and exits
+130 (SIGINT) or 143 (SIGTERM) with one line saying it was interrupted; the OUT.tmp-<pid> of a
+killed run (SIGKILL) is removed by the next conversion to the same OUT, which says so. OUT may not
+be, lie inside or contain a source (--hf, --ckpt, --tokenizer; real paths compared): exit status 2.
+An existing non-empty OUT is refused unless --overwrite. --overwrite deletes nothing this command
+does not write: the old OUT is removed once the new one is in place only when it holds nothing but
+what a conversion of this direction writes (for hf-to-megatron latest, model_config.json,
+iter_NNNNNNN/, hf_assets/, conversion.json; for megatron-to-hf config.json, the safetensors files
+and their index, tokenizer and generation config files, conversion.json); otherwise it is kept
+whole as OUT.previous-<time>, and the command says so.
 OUT/conversion.json records the source files' SHA-256, versions, dtype, layout, tensor count and
 bytes, and the verify results.
+
+A source without tokenizer files converts with a warning: `train` from the output (model.path) then
+needs model.tokenizer, and a megatron-to-hf directory needs --tokenizer for prompts given as text.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
+import re
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from entr_megatron import __version__, models
 from entr_megatron.checkpoint import convert as conv
 from entr_megatron.checkpoint import directory as ckpt_dir
-from entr_megatron.checkpoint.hf_files import INDEX_FILE, check_hf_dir, parse_size
+from entr_megatron.checkpoint.hf_files import INDEX_FILE, parse_size
 from entr_megatron.checkpoint.hf_files import staged_dir
 from entr_megatron.checkpoint.manifest import read_manifest
+from entr_megatron.checkpoint.model_inputs import TOKENIZER_FILES, check_model_dir, tokenizer_problem
 
 __all__ = ["add_parser"]
 
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+# What each direction writes at OUT's top level: an old OUT that holds only these is replaced, else kept aside.
+_WRITES = {
+    "hf-to-megatron": re.compile(rf"^({ckpt_dir.LATEST_FILE}|{re.escape(ckpt_dir.MODEL_CONFIG_FILE)}|iter_\d{{7,}}|"
+                                 rf"hf_assets|{re.escape(conv.PROVENANCE_FILE)})$"),
+    "megatron-to-hf": re.compile(r"^(config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
+                                 rf"{re.escape(INDEX_FILE)}|{re.escape(conv.PROVENANCE_FILE)}|"
+                                 rf"{'|'.join(re.escape(f) for f in conv.ASSET_FILES)})$"),
+}
+_SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report it
 
 
 def _say(text: str) -> None:
@@ -72,6 +99,22 @@ def _check_layout(spec: models.ModelSpec, tp: int, pp: int, ep: int) -> None:
         c = conflicts[0]
         raise ValueError(f"--{c.size} {c.divisor} does not divide the model's {c.field}={c.value} "
                          f"({models.LAYOUT_REASONS[c.size]})")
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator:
+    """The conversion's progress on stderr; on an error or interrupt its line is ended (no summary)
+    so the message that follows starts a line of its own."""
+    from entr_megatron.checkpoint.dist_convert import Progress
+
+    progress = Progress("converting")
+    try:
+        yield progress
+    except BaseException:
+        if progress.bar is not None:
+            progress.bar.close()
+        raise
+    progress.close()
 
 
 def _verify(args, vocab_size: int) -> list[list[int]]:
@@ -104,16 +147,21 @@ def _run_verify(**kwargs) -> list:
 
 
 def hf_to_megatron(args) -> None:
-    from entr_megatron.checkpoint.dist_convert import Progress, hf_to_dist
+    from entr_megatron.checkpoint.dist_convert import hf_to_dist
     from entr_megatron.checkpoint.hf_dir import ASSETS_DIR, DTYPES
-    from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
+    from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
 
     started = time.monotonic()
     hf = Path(args.hf)
-    config = read_hf_config(hf)
+    # config.json and every header (truncated / corrupt files, the index), before anything is written
+    source = check_model_dir(hf, "--hf", tokenizer=False)
+    config, files = source.config, source.files
     spec = models.get_family(config).spec(config)  # an unknown model_type lists the supported ones
     _check_layout(spec, args.tp, args.pp, args.ep)
-    files = check_hf_dir(hf)  # every header: truncated / corrupt files, the index
+    if source.tokenizer_missing:
+        _say(f"warning: --hf {source.tokenizer_missing}: the checkpoint gets no tokenizer "
+             f"({ASSETS_DIR}/ is not written); `train` with model.path {args.out} will need model.tokenizer "
+             f"(a directory with {' or '.join(TOKENIZER_FILES[:2])}), and `convert megatron-to-hf` from it --tokenizer")
     with HfCheckpoint(hf) as ckpt:
         skipped = check_hf_checkpoint(ckpt, spec, args.allow_unmapped)  # every tensor named and shaped
     conv.check_tied_embeddings(files, spec)
@@ -124,11 +172,10 @@ def hf_to_megatron(args) -> None:
     sequences = _verify(args, spec.vocab_size)
     hashed = [*files.files, *([INDEX_FILE] if (hf / INDEX_FILE).is_file() else []), "config.json"]
     # The sources' SHA-256 (conversion.json) on a thread while the conversion runs.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, staged_dir(args.out, overwrite=args.overwrite) as tmp:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, _staged(args) as tmp:
         digests = pool.submit(conv.source_digests, hf, hashed)
-        progress = Progress("converting")
-        hf_to_dist(files, spec, tmp, hf_config=config, dtype=DTYPES[args.dtype], progress=progress)
-        progress.close()
+        with _progress() as progress:
+            hf_to_dist(files, spec, tmp, hf_config=config, dtype=DTYPES[args.dtype], progress=progress)
         converted_s = time.monotonic() - started
         verified = None
         if sequences:
@@ -137,6 +184,8 @@ def hf_to_megatron(args) -> None:
             verified = _finish_verify(conv.hf_logprobs(hf, sequences), learner, sequences, args.dtype)
         (tmp / ASSETS_DIR).mkdir()
         assets = conv.copy_assets(hf, tmp / ASSETS_DIR)
+        if not assets:  # an empty hf_assets/ would hide the run's own tokenizer from megatron-to-hf
+            (tmp / ASSETS_DIR).rmdir()
         conv.write_provenance(tmp, {
             "direction": "hf-to-megatron", "entr_megatron_version": __version__, "model_type": spec.model_type,
             "dtype": args.dtype, "source": os.path.abspath(hf), "source_format": "hf-safetensors",
@@ -152,7 +201,6 @@ def hf_to_megatron(args) -> None:
 
 def megatron_to_hf(args) -> None:
     from entr_megatron.checkpoint import hf_dir
-    from entr_megatron.checkpoint.dist_convert import Progress
     from entr_megatron.learner.hf_load import read_hf_config
 
     started = time.monotonic()
@@ -166,13 +214,19 @@ def megatron_to_hf(args) -> None:
     source_manifest = read_manifest(path)
     max_shard = parse_size(args.max_shard_size)
     dtype = hf_dir.output_dtype(args.dtype, path, spec)
+    assets = hf_dir.asset_source(root, run, args.tokenizer)
+    if args.tokenizer and assets is None:
+        raise ValueError(f"--tokenizer {args.tokenizer}: not a directory")
+    missing = tokenizer_problem(assets) if assets is not None else f"{root} has no {hf_dir.ASSETS_DIR}/"
+    if missing:
+        _say(f"warning: {missing}: {args.out} gets no tokenizer; `train` from it will need model.tokenizer, "
+             "`generate` --input with \"prompt\" text a tokenizer (or pass --tokenizer DIR here)")
     _say(f"converting {path} ({spec.model_type}, step {step}) -> HF {args.out} ({dtype})")
     sequences = _verify(args, spec.vocab_size)
-    with staged_dir(args.out, overwrite=args.overwrite) as tmp:
-        progress = Progress("converting")
-        written = hf_dir.write_hf_dir(tmp, path, spec, config, dtype=dtype, max_shard_bytes=max_shard,
-                                      assets=hf_dir.asset_source(root, run, args.tokenizer), progress=progress)
-        progress.close()
+    with _staged(args) as tmp:
+        with _progress() as progress:
+            written = hf_dir.write_hf_dir(tmp, path, spec, config, dtype=dtype, max_shard_bytes=max_shard,
+                                          assets=assets, progress=progress)
         converted_s = time.monotonic() - started
         verified = None
         if sequences:
@@ -216,7 +270,7 @@ def verify_pair(args) -> None:
                                f"HF config of {args.hf}")
     _check_layout(spec, args.tp, args.pp, args.ep)
     step, _ = hf_dir.checked_step(root, args.step)
-    check_hf_dir(args.hf)
+    check_model_dir(args.hf, "--hf", tokenizer=False)
     sequences = _verify(argparse.Namespace(verify=True, tp=args.tp), spec.vocab_size)
     reference = conv.hf_logprobs(args.hf, sequences)
     learner = _run_verify(hf_config=config, ckpt_root=str(root), step=step, tp=args.tp, pp=args.pp, ep=args.ep,
@@ -225,13 +279,85 @@ def verify_pair(args) -> None:
     print(f"{args.hf} and step {step} of {root} agree")
 
 
+def _staged(args):
+    """OUT staged in OUT.tmp-<pid>; --overwrite keeps an old OUT aside when it holds what this direction does not write."""
+    return staged_dir(args.out, overwrite=args.overwrite, replaceable=_WRITES[args.direction].match, say=_say)
+
+
+def _sources(args) -> list[tuple[str, str]]:
+    """(flag, path) of what the conversion reads."""
+    flags = {"hf-to-megatron": ("hf",), "megatron-to-hf": ("ckpt", "tokenizer", "hf_config")}[args.direction]
+    return [(f"--{f.replace('_', '-')}", getattr(args, f)) for f in flags if getattr(args, f, None)]
+
+
+def check_out(args) -> None:
+    """OUT is not a source, inside one, or around one (real paths: symlinks followed); ValueError names both."""
+    out = os.path.realpath(args.out)
+    for flag, path in _sources(args):
+        src = os.path.realpath(path)
+        if out == src:
+            relation = "is"
+        elif out.startswith(src.rstrip(os.sep) + os.sep):
+            relation = "is inside"
+        elif src.startswith(out.rstrip(os.sep) + os.sep):
+            relation = "contains"
+        else:
+            continue
+        raise ValueError(f"--out {args.out} {relation} the source {flag} {path}" +
+                         (f" (real paths {out} and {src})" if (out, src) != (os.path.abspath(args.out),
+                                                                            os.path.abspath(path)) else "") +
+                         ": writing it would replace or mix with what is being read; choose another --out")
+
+
+class _Interrupts:
+    """SIGINT / SIGTERM during a conversion: remembered, and raised as KeyboardInterrupt so the staged
+    output is removed on the way out; later signals are ignored while it cleans up."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._handle) for sig in _SIGNAL_EXIT}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run(args) -> None:
     from entr_megatron.checkpoint.directory import CheckpointError
 
     try:
-        args.convert(args)
-    except (ValueError, RuntimeError, CheckpointError) as e:
-        sys.exit(f"entr-megatron convert: error: {e}")
+        if getattr(args, "out", None):
+            check_out(args)
+    except ValueError as e:
+        print(f"entr-megatron convert: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    interrupts = _Interrupts()
+    try:
+        with interrupts.installed():
+            args.convert(args)
+    except BaseException as e:  # noqa: BLE001 - an interrupt may surface as any error of the code it cut
+        if interrupts.signum is None and isinstance(e, KeyboardInterrupt):
+            interrupts.signum = signal.SIGINT
+        if interrupts.signum is not None:
+            name = signal.Signals(interrupts.signum).name
+            print(f"entr-megatron convert: interrupted ({name}); no partial output is left", file=sys.stderr,
+                  flush=True)
+            sys.exit(_SIGNAL_EXIT[interrupts.signum])
+        if isinstance(e, (ValueError, RuntimeError, CheckpointError)):
+            sys.exit(f"entr-megatron convert: error: {e}")
+        raise
 
 
 def add_parser(sub) -> None:
@@ -274,4 +400,7 @@ def add_parser(sub) -> None:
     for a in (to_m, to_hf):
         a.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                        help="compare log-probs of random sequences under transformers and the learner (default on)")
-        a.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT once the new one is complete")
+        a.add_argument("--overwrite", action="store_true",
+                       help="replace a non-empty OUT once the new one is complete; an old OUT holding files this "
+                            "command does not write is kept whole as OUT.previous-<time> (nothing is deleted "
+                            "that a conversion did not write)")

@@ -131,9 +131,20 @@ def test_staged_dir_appears_only_when_complete(tmp_path):
     assert (out / "a").read_text() == "1"
     with pytest.raises(ValueError, match="exists and is not empty"), staged_dir(out):
         pass
-    with staged_dir(out, overwrite=True) as tmp:
+    # --overwrite deletes only what the new output replaces: an old "a" it does not write keeps the old OUT aside.
+    said = []
+    with staged_dir(out, overwrite=True, say=said.append) as tmp:
         (tmp / "b").write_text("2")
-    assert sorted(p.name for p in out.iterdir()) == ["b"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    [kept] = [p for p in tmp_path.iterdir() if p.name.startswith("out.previous-")]
+    assert sorted(p.name for p in out.iterdir()) == ["b"] and (kept / "a").read_text() == "1"
+    assert said == [f"--overwrite: the previous {out} held files this command does not write (a); it is kept whole "
+                    f"as {kept}"]
+    # What the new output also writes, or what `replaceable` says such an output holds, is replaced.
+    (out / "c").write_text("3")
+    with staged_dir(out, overwrite=True, replaceable=lambda name: name == "c", say=said.append) as tmp:
+        (tmp / "b").write_text("4")
+    assert sorted(p.name for p in out.iterdir()) == ["b"] and (out / "b").read_text() == "4" and len(said) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", kept.name])
 
 
 def test_compare_logprobs_reports_delta_and_kl():
