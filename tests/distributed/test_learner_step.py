@@ -317,7 +317,7 @@ def mini_batch_reference(batch, algo_cfg, learner_cfg):
             hits = mask.nonzero().flatten()
             span = slice(int(hits[0]), int(hits[-1]) + 1) if hits.numel() else slice(0, 0)
             rows.append(dict(lp=lp[span], ent=ent[span].detach(), mask=mask[span],
-                             blp=mini.behaviour_logprobs_T[s][span]))
+                             blp=mini.behaviour_logprobs_T[s][span], ver=mini.versions_T[s][:-1][span]))
         width = max(r["mask"].numel() for r in rows)
         return {k: torch.stack([F.pad(r[k], (0, width - r[k].numel()), value=False if k == "mask" else 0.0)
                                 for r in rows]) for k in rows[0]}
@@ -328,14 +328,16 @@ def mini_batch_reference(batch, algo_cfg, learner_cfg):
         old = [padded(m)["lp"].detach() for m in minis]
         for m in minis:  # what each mini-batch's mask would be under the initial weights
             t = padded(m)
-            _, metrics = compute_policy_loss(t["lp"], t["ent"], t["blp"], m.advantages_B, t["mask"], algo_cfg)
+            _, metrics = compute_policy_loss(t["lp"], t["ent"], t["blp"], m.advantages_B, t["mask"], algo_cfg,
+                                             versions_BT=t["ver"], policy_version=batch.policy_version)
             initial_masks.append(float(metrics["mask/fraction"]))
     steps = []
     for _ in range(learner_cfg.epochs):
         for k, mini in enumerate(minis):
             t = padded(mini)
             loss, metrics = compute_policy_loss(t["lp"], t["ent"], t["blp"], mini.advantages_B, t["mask"], algo_cfg,
-                                                old_logprobs_BT=old[k] if algo_cfg.uses_old_logprobs else None)
+                                                old_logprobs_BT=old[k] if algo_cfg.uses_old_logprobs else None,
+                                                versions_BT=t["ver"], policy_version=batch.policy_version)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
@@ -353,12 +355,18 @@ def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1):
 
     ref = mini_batch_reference(batch, algo_cfg, learner_cfg)
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
-    where = f"mini-batches tp={tp} dp={groups.dp_size} {algo_cfg.correction} epochs={learner_cfg.epochs}"
+    where = (f"mini-batches tp={tp} dp={groups.dp_size} {algo_cfg.correction} {algo_cfg.policy_loss} "
+             f"epochs={learner_cfg.epochs}")
     steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg,
                                 temperature=TEMPERATURE)
     assert len(steps) == len(ref["steps"]) == 2 * learner_cfg.epochs
     assert [s["optim/minibatch"] for s in steps] == [0.0, 1.0] * learner_cfg.epochs
     masked = [step["metrics"]["mask/fraction"] for step in ref["steps"]]
+    for key in (f"{algo_cfg.policy_loss}/mask_fraction",):  # a policy loss's own trust region (DPPO)
+        if key in ref["steps"][0]["metrics"]:
+            masked = [step["metrics"][key] for step in ref["steps"]]
+            for got, want in zip(steps, ref["steps"]):
+                close(got[key], want["metrics"][key], f"{where}: {key}", floor=1.0, tol=1e-4)
     if algo_cfg.correction == "entr":
         # The case discriminates: mini-batch 2's mask under the weights step 1 left differs from
         # the one the initial weights would give, and the learner must match the former.
@@ -496,6 +504,31 @@ def _four_ranks(rank, world):
     run_layout(dense, batch, algo, learner_config(max_tokens=12), tp=2, sp=True)  # TP=2 x DP=2
     run_layout(dense, batch, algo, small, tp=2, pp=2, fused=True)
     run_layout(dense, batch, algo, learner_config(max_tokens=12), tp=2, sp=True, fused=True)
+
+
+# The 2026 methods (docs/ENTR.md): the paper forms (policy losses against mu, correction none) and
+# the corrections as published; each at TP=2 with two mini-batches (pi_old recomputed where used).
+# Thresholds scaled to this near-uniform model (p ~ 1/128, |delta| ~ 0.3) so every mask drops some tokens.
+METHODS_2026 = [dict(policy_loss="dppo_tv", correction="none", eps_clip_low=0.002, eps_clip_high=0.002),
+                dict(policy_loss="dppo_kl", correction="none", eps_clip_low=2e-4, eps_clip_high=2e-4),
+                dict(policy_loss="sapo", correction="none"), dict(policy_loss="vespo", correction="none"),
+                dict(correction="opsm", opsm_threshold=0.02), dict(correction="trm", trm_threshold=0.2),
+                dict(correction="a3po")]
+
+
+def _two_ranks_2026_methods(rank, world):
+    import dataclasses
+
+    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    batch = dataclasses.replace(make_global_batch(), policy_version=6)  # tokens of versions 3, 4: a3po's alpha 2/3, 1/2
+    for overrides in METHODS_2026:
+        check_mini_batches(batch, algo_config(**overrides), learner_config(mini_batches=2), tp=2)
+
+
+def test_2026_methods_at_tp2_with_two_mini_batches_match_single_rank_reference():
+    run_gloo(_two_ranks_2026_methods, 2, timeout_s=400)
 
 
 def test_train_step_layouts_on_two_ranks_match_single_rank_reference():
