@@ -66,12 +66,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from entr_megatron.checkpoint.model_inputs import check_model_dir, tokenizer_problem
 from entr_megatron.config.rollout import ENGINES
 from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
 
 DTYPES = ("float32", "bfloat16")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 PROGRESS_EVERY_S = 5.0
 SGLANG_ONLY = ("tp", "port", "mem_fraction", "sglang_args", "sglang_log_dir", "sglang_url")
 """Flags that mean nothing to the embedded engine (refused there rather than ignored)."""
@@ -92,8 +92,8 @@ class LazyTokenizer:
         """Why there is no tokenizer (None: one is there, or may be: a hub id)."""
         if source is None:
             self.missing = "no --model was given"
-        elif os.path.isdir(source) and not any(os.path.exists(os.path.join(source, f)) for f in TOKENIZER_FILES):
-            self.missing = f"--model {source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+        elif os.path.isdir(source) and tokenizer_problem(source) is not None:
+            self.missing = f"--model {tokenizer_problem(source)}"  # none there, or a damaged one
 
     def get(self) -> Any:
         """The transformers tokenizer, or None (see `missing`)."""
@@ -111,8 +111,7 @@ def _model_config(model: str | None) -> dict[str, Any]:
     """config.json of a local model directory ({} for a hub id or no --model)."""
     if model is None or not os.path.isfile(os.path.join(model, "config.json")):
         return {}
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = check_model_dir(model, "--model", weights=False, tokenizer=False).config  # UTF-8 JSON, a model_type
     return {**(cfg.get("text_config") or {}), **cfg}
 
 
@@ -291,6 +290,7 @@ def check_engine_flags(args) -> None:
             raise ValueError(f"--model {args.model!r} is not an HF model directory (no config.json)")
         if not has_weights(args.model):
             raise ValueError(f"--model {args.model!r} has a config.json but no checkpoint (model.safetensors, ...)")
+        check_model_dir(args.model, "--model", tokenizer=False)  # the config, every safetensors header
         return
     if args.max_batch_size is not None:
         raise ValueError("--max-batch-size applies to --engine embedded only (SGLang batches by itself)")
@@ -305,6 +305,8 @@ def check_engine_flags(args) -> None:
         return
     if args.model is None:
         raise ValueError("--model is required to launch SGLang (or give --sglang-url)")
+    if os.path.isdir(args.model):  # a local directory, not a hub id: SGLang reads its config and weights
+        check_model_dir(args.model, "--model", tokenizer=False)
     if args.tp is not None and args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if args.port is not None and not 0 < args.port < 65536:

@@ -61,7 +61,8 @@ import torch.multiprocessing as mp
 from entr_megatron import models
 from entr_megatron.algorithm import ENTR_DEFAULT_EPS, ENTR_DEFAULT_TAU, entr_mask, mismatch_metrics
 from entr_megatron.checkpoint import directory as checkpoint_dir
-from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint, read_hf_config
+from entr_megatron.checkpoint.model_inputs import check_model_dir
+from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
 from entr_megatron.parallel.groups import LaunchInfo, launched_by_mpirun, resolve_launch_env
 from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
@@ -336,7 +337,10 @@ def _run(args) -> None:
     if lead and (not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK)):
         raise ValueError(f"--output {args.output}: directory {out_dir} does not exist or is not writable")
     model_config, step, what = _resolve_model(args.model, args.step)
-    spec = models.model_spec(model_config if model_config is not None else read_hf_config(args.model))
+    # An HF directory: its config and every safetensors header checked before any rank starts.
+    hf_config = model_config if model_config is not None else check_model_dir(args.model, "--model",
+                                                                               tokenizer=False).config
+    spec = models.model_spec(hf_config)
     _check_layout(spec, args.tp, args.pp)
     if model_config is None:
         with HfCheckpoint(args.model) as ckpt:

@@ -42,11 +42,40 @@ def _load(args) -> object:
 
         # model.path a learner checkpoint: the run starts from its HF export in run_dir/model_init
         cfg = from_learner_checkpoint(cfg, args.run_dir or cfg.logging.run_dir)
+        _preflight(cfg, args.command)
         check_inputs(cfg, args.command)  # the task's files, the model against parallel.*, ...
         return cfg
     except (ValueError, FileNotFoundError) as e:
         print(f"entr-megatron {args.command}: invalid config: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _preflight(cfg, command: str) -> None:
+    """Before anything starts (ValueError): the files of model.path (train, sft: config.json, every
+    safetensors header, the tokenizer unless model.tokenizer names another), a local model.tokenizer,
+    and with launcher.kind 'ray' that launcher.ray_address answers."""
+    from entr_megatron.checkpoint.model_inputs import check_model_dir, check_tokenizer_dir
+
+    if cfg.launcher.kind == "ray" and command in ("train", "sft"):  # seconds, not Ray's half-minute of retries
+        from entr_megatron.config.launcher import check_ray_reachable
+
+        check_ray_reachable(cfg.launcher.ray_address)
+    if cfg.model.tokenizer:
+        check_tokenizer_dir(cfg.model.tokenizer, "model.tokenizer")
+    if cfg.model.path and command in ("train", "sft"):
+        check_model_dir(cfg.model.path, "model.path", tokenizer=not cfg.model.tokenizer,
+                        tokenizer_hint="set model.tokenizer to a directory that has one")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of a count: an integer >= 1 (a usage error naming the flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value} (leave --n out for task.eval_size)")
+    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -119,8 +148,12 @@ def run_eval(args) -> None:
             print(f"entr-megatron eval: {paths.root} holds no model (final_model, sft/model or model_init); "
                   "pass --model", file=sys.stderr)
             sys.exit(2)
-    if not (model / "config.json").exists():
-        print(f"entr-megatron eval: {model} has no config.json", file=sys.stderr)
+    from entr_megatron.checkpoint.model_inputs import check_model_dir
+
+    try:  # the engine reads its config and weights; the tokenizer may come from the config instead
+        check_model_dir(model, "--model" if args.model else "the run's model", tokenizer=False)
+    except ValueError as e:
+        print(f"entr-megatron eval: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(job(cfg, model, n=args.n, split=args.split)))
 
@@ -150,7 +183,8 @@ def add_parsers(sub) -> None:
     _common(p)
     p.add_argument("--model", default=None, metavar="HF_DIR",
                    help="default: RUN_DIR/final_model, else sft/model, else model_init")
-    p.add_argument("--n", type=int, default=None, help="problems (default: task.eval_size)")
+    p.add_argument("--n", type=_positive_int, default=None, metavar="N",
+                   help="problems, an integer >= 1 (default: task.eval_size)")
     p.add_argument("--split", choices=("test", "train"), default="test",
                    help="held-out problems (default), or training ones: the success of what RL trained on")
     p.set_defaults(func=run_eval)

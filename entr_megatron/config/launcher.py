@@ -2,10 +2,71 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from entr_megatron.config.validate import bad, boolean, choice, integer, string
+from entr_megatron.config.validate import FieldError, bad, boolean, choice, integer, string
+
+RAY_ADDRESS_FORMS = "'auto', 'local', 'HOST:PORT' (the head's GCS port, e.g. 10.0.0.1:6379) or 'ray://HOST:PORT' " \
+                    "(Ray Client, e.g. ray://10.0.0.1:10001)"
+"""The addresses `ray.init(address=...)` takes, as errors spell them."""
+RAY_PROBE_TIMEOUT_S = 2.0
+"""How long `check_ray_reachable` waits for a TCP connection before it calls the address dead."""
+_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>\d{1,5})$")
+_ADDRESS_ENV = "RAY_ADDRESS"  # what Ray's 'auto' reads first
+
+
+def parse_ray_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of a 'HOST:PORT' / '[IPv6]:PORT' / 'ray://HOST:PORT' Ray address, None for
+    'auto' and 'local'; ValueError (the rule, for the caller to attach to its field) for anything else."""
+    if address in ("auto", "local"):
+        return None
+    if address.startswith(("http://", "https://")):
+        raise ValueError(f"is an HTTP address (the dashboard's or the job API's?); Ray connects to {RAY_ADDRESS_FORMS}")
+    rest = address.removeprefix("ray://")
+    if "://" in rest:
+        raise ValueError(f"has an unknown scheme; must be {RAY_ADDRESS_FORMS}")
+    m = _HOST_PORT.match(rest)
+    if m is None:
+        raise ValueError(f"must be {RAY_ADDRESS_FORMS}")
+    port = int(m["port"])
+    if not 1 <= port <= 65535:
+        raise ValueError(f"has port {port}, outside 1..65535; must be {RAY_ADDRESS_FORMS}")
+    return m["v6"] or m["host"], port
+
+
+def check_ray_reachable(address: str | None, field: str = "launcher.ray_address",
+                        timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """Before `ray.init`: a TCP connection to the address's host and port within `timeout_s` (Ray
+    itself retries for about half a minute and then raises a traceback). 'auto' probes $RAY_ADDRESS
+    when set (else Ray looks for a local cluster and says at once when there is none); None and
+    'local' start a new local cluster: nothing to probe. Raises FieldError naming `field`."""
+    section, _, name = field.rpartition(".")
+    shown = address
+    if address == "auto" and os.environ.get(_ADDRESS_ENV):
+        address, shown = os.environ[_ADDRESS_ENV], f"auto (${_ADDRESS_ENV}={os.environ[_ADDRESS_ENV]})"
+    if address is None:
+        return
+    if not isinstance(address, str):
+        raise FieldError(section, name, shown, f"must be a string: {RAY_ADDRESS_FORMS}")
+    try:
+        target = parse_ray_address(address)
+    except ValueError as e:
+        raise FieldError(section, name, shown, str(e)) from None
+    if target is None:
+        return
+    try:
+        with socket.create_connection(target, timeout=timeout_s):
+            pass
+    except OSError as e:
+        reason = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise FieldError(section, name, shown, f"nothing accepts a connection at {target[0]}:{target[1]} "
+                         f"({reason}): is the Ray head running (ray start --head) and "
+                         "the address its GCS port (6379) or Ray Client port (10001, with ray://)?") from None
+
 
 LauncherKind = Literal["local", "ray"]
 LAUNCHERS: tuple[str, ...] = get_args(LauncherKind)
@@ -42,7 +103,8 @@ class LauncherConfig:
     """Extra nodes for the rollout engines; 0: engines use the learner nodes' remaining GPUs (or CPU). >= 0."""
 
     ray_address: str | None = None
-    """kind 'ray': address of an existing cluster ('auto' or 'host:port'); None starts a local one."""
+    """kind 'ray': address of an existing cluster, one of RAY_ADDRESS_FORMS; None starts a local one.
+    `train` probes it (TCP, RAY_PROBE_TIMEOUT_S) before connecting."""
 
     master_addr: str = "127.0.0.1"
     """Rendezvous address of learner rank 0 (torchrun's --master-addr)."""
@@ -73,6 +135,11 @@ class LauncherConfig:
         integer(self, "max_restarts", low=0)
         if self.ray_address is not None and self.kind != "ray":
             raise bad(self, "ray_address", self.ray_address, "is only used with launcher.kind='ray'; use null")
+        if self.ray_address is not None:
+            try:
+                parse_ray_address(self.ray_address)
+            except ValueError as e:
+                raise bad(self, "ray_address", self.ray_address, str(e)) from None
         if self.device == "cuda" and self.gpus_per_node < self.nproc_per_node:
             raise bad(
                 self, "gpus_per_node", self.gpus_per_node,

@@ -18,16 +18,24 @@ __all__ = ["atomic_output", "check_output_path", "check_token_ids", "read_jsonl_
 
 def read_jsonl_objects(path: str, flag: str = "--input") -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(line number, "path:line", object) for every non-blank line; ValueError names the line
-    that is not JSON or not an object, and `flag` when the file cannot be read."""
+    that is not UTF-8 (the byte and column), not JSON or not an object, and `flag` when the file
+    cannot be read. A UTF-8 byte-order mark before the first line is allowed."""
     try:
-        f = open(path)
+        f = open(path, "rb")  # bytes: a line that is not UTF-8 is named, not a decoder traceback
     except OSError as e:
         raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
     with f:
-        for lineno, text in enumerate(f, start=1):
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 "JSONL files are UTF-8") from None
+            if lineno == 1:
+                text = text.removeprefix("\ufeff")
             if not text.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:

@@ -364,3 +364,145 @@ def test_a_warm_up_without_examples_is_refused_before_anything_starts(tmp_path, 
         assert code == 2, err
         assert "sft.data_files=[] is not valid; task 'math' generates no SFT examples" in err, err
     assert not run.exists()
+
+
+# --- 8: the model's files, checked before anything starts (checkpoint/model_inputs.py) -------
+
+
+def _truncated_model(tmp_path):
+    from model_dir_fixture import write_model_dir
+
+    d = write_model_dir(tmp_path / "model")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-64])
+    return d, f"{d / 'model.safetensors'}: truncated: {len(data) - 64} bytes, its header says {len(data)}"
+
+
+def test_train_and_sft_refuse_a_truncated_model_or_one_without_tokenizer(tmp_path, capsys):
+    from model_dir_fixture import write_model_dir
+
+    d, problem = _truncated_model(tmp_path)
+    run = tmp_path / "run"
+    for command in ("train", "sft"):
+        code, err = _cli(capsys, command, "--config", str(DEMO), "--run-dir", str(run), f"model.path={d}",
+                         "model.architecture=null")
+        assert (code, err) == (2, f"entr-megatron {command}: invalid config: model.path {d}: {problem}\n")
+    bare = write_model_dir(tmp_path / "bare", tokenizer=False)
+    code, err = _cli(capsys, "train", "--config", str(DEMO), "--run-dir", str(run), f"model.path={bare}",
+                     "model.architecture=null")
+    assert (code, err) == (2, f"entr-megatron train: invalid config: model.path {bare}: has no tokenizer (none of "
+                              "tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json); set "
+                              "model.tokenizer to a directory that has one\n")
+    code, err = _cli(capsys, "train", "--config", str(DEMO), "--run-dir", str(run), f"model.tokenizer={bare}")
+    assert code == 2 and f"invalid config: model.tokenizer {bare}: has no tokenizer (none of" in err, err
+    assert not run.exists()
+
+
+def test_eval_refuses_a_truncated_model(tmp_path, capsys):
+    d, problem = _truncated_model(tmp_path)
+    code, err = _cli(capsys, "eval", "--config", str(DEMO), "--run-dir", str(tmp_path / "run"), "--model", str(d))
+    assert (code, err) == (2, f"entr-megatron eval: --model {d}: {problem}\n")
+
+
+@pytest.mark.parametrize("n", ["-5", "0", "many"])
+def test_eval_n_must_be_a_positive_count(capsys, n):
+    from entr_megatron.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["eval", "--config", str(DEMO), "--n", n])
+    err = capsys.readouterr().err
+    shown = repr(n) if n == "many" else n
+    assert e.value.code == 2 and err.endswith(f"error: argument --n: must be an integer >= 1, got {shown}"
+                                              + ("" if n == "many" else " (leave --n out for task.eval_size)")
+                                              + "\n"), err
+    assert build_parser().parse_args(["eval", "--config", str(DEMO), "--n", "3"]).n == 3
+
+
+def test_generate_and_score_refuse_a_truncated_model_before_starting(tmp_path):
+    from entr_megatron.cli import generate, score
+    from entr_megatron.cli.main import build_parser
+
+    d, problem = _truncated_model(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"input_ids": [1, 2]}\n')
+    io = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    args = build_parser().parse_args(["generate", "--model", str(d), *io])
+    assert _message(generate.check_engine_flags, args) == f"--model {d}: {problem}"
+    args = build_parser().parse_args(["score", "--model", str(d), *io])
+    assert _message(score._run, args) == f"--model {d}: {problem}"
+    (d / "config.json").write_text('{"model_type": "qwen2",')  # --sglang-url: only the config is read
+    assert _message(generate._model_config, str(d)) == (
+        f"--model {d}: {d / 'config.json'}:1:24: not valid JSON (Expecting property name enclosed in double quotes)")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+# --- 9: input lines that are not UTF-8 are located ------------------------------------------
+
+
+def test_a_non_utf8_input_line_is_named_with_file_line_and_byte(tmp_path):
+    from entr_megatron.cli.generate import LazyTokenizer, read_prompts
+    from entr_megatron.cli.score import read_input
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\n\n{"input_ids": [3, 4], "note": "caf\xe9"}\n')
+    expected = f"{path}:3: not UTF-8 text (byte 0xe9 at column 35); JSONL files are UTF-8"  # 0xe9 is byte 35
+    assert _message(read_input, str(path), 128) == expected
+    assert _message(read_prompts, str(path), 128, LazyTokenizer(None), None) == expected
+    path.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\n')  # a byte-order mark is not an error
+    assert [line.input_ids for line in read_input(str(path), 128)] == [[1, 2]]
+
+
+# --- 10: launcher.ray_address: its form, then whether anything answers -----------------------
+
+
+@pytest.mark.parametrize("address, rule", [
+    ("head-node", "must be 'auto', 'local', 'HOST:PORT'"),
+    ("http://head:8265", "is an HTTP address (the dashboard's or the job API's?)"),
+    ("head:70000", "has port 70000, outside 1..65535"),
+    ("grpc://head:10001", "has an unknown scheme"),
+])
+def test_a_malformed_ray_address_is_refused_naming_the_field(address, rule):
+    msg = _message(load_config, DEMO, ["launcher.kind=ray", f"launcher.ray_address={address}"])
+    assert msg.startswith(f"launcher.ray_address='{address}' is not valid; {rule}"), msg
+
+
+@pytest.mark.parametrize("address", ["auto", "local", "10.0.0.1:6379", "ray://head.example:10001", "[::1]:6379"])
+def test_the_forms_ray_takes_are_accepted(address):
+    cfg = load_config(DEMO, ["launcher.kind=ray", f"launcher.ray_address='{address}'"])  # quoted: YAML reads [..] a list
+    assert cfg.launcher.ray_address == address
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_ray_address_nothing_answers_is_refused_in_seconds(tmp_path, capsys, monkeypatch):
+    import socket
+    import time
+
+    from entr_megatron.config.launcher import check_ray_reachable
+
+    port = _closed_port()
+    started = time.monotonic()
+    code, err = _cli(capsys, "train", "--config", str(DEMO), "--run-dir", str(tmp_path / "run"), "launcher.kind=ray",
+                     f"launcher.ray_address=ray://127.0.0.1:{port}")
+    assert time.monotonic() - started < 10  # Ray's own retries: about 30 s
+    assert code == 2 and (f"launcher.ray_address='ray://127.0.0.1:{port}' is not valid; nothing accepts a connection "
+                          f"at 127.0.0.1:{port} (Connection refused): is the Ray head running") in err, err
+    assert not (tmp_path / "run").exists()
+    with socket.socket() as server:  # a listening head passes
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_ray_reachable(f"127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # 'auto' probes what Ray would read
+    assert _message(check_ray_reachable, "auto").startswith(
+        f"launcher.ray_address='auto ($RAY_ADDRESS=127.0.0.1:{port})' is not valid; nothing accepts a connection")
+
+    def silent(address, timeout):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    assert "(no answer within 2 s)" in _message(check_ray_reachable, "10.0.0.1:6379")
