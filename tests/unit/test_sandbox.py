@@ -1,15 +1,26 @@
 """The sandboxed python tool: limits end runaway code, and the host's files, network,
-processes and environment stay out of reach."""
+processes and environment stay out of reach. Every test runs the real sandbox (no mocks); the
+escapes run twice: in the whole sandbox, and with its audit hook off (the kernel's wall alone)."""
 
+import dbm
 import os
+import pathlib
+import pwd
+import shelve
+import shutil
 import socket
+import sqlite3
+import subprocess
+import sys
 import tempfile
 import time
+import zipfile
 
 import pytest
 
 from entr_megatron.rollout.tools import sandbox as sandbox_mod
-from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
+from entr_megatron.rollout.tools import sandbox_launcher
+from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
@@ -89,10 +100,11 @@ def test_fork_bomb_is_refused_and_leaves_no_process(scratches):
         "import multiprocessing\nmultiprocessing.Process(target=print).start()",
         "import subprocess\nsubprocess._fork_exec()",
         "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess",
-        "import pty\npty.fork()",
     ):
         r = run(code)
         assert r.exit_code == 1 and "PermissionError: sandbox:" in r.stderr, (code, r)
+    r = run("import pty\npty.fork()")  # the private root has no /dev/ptmx nor /dev/pty*
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == "OSError: out of pty devices", r
     time.sleep(0.1)
     assert all(processes_mentioning(s) == [] for s in scratches)
 
@@ -218,3 +230,179 @@ def test_limits_are_validated():
 def test_missing_interpreter_does_not_raise(scratches):
     r = PythonSandbox(FAST, python="/nonexistent/python").run("print(1)")
     assert r.exit_code is None and "cannot start" in r.stderr and not os.path.exists(scratches[0])
+
+
+SECRET = "TOPSECRET-42"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    """A 0700 directory outside every scratch directory whose files, readable by the test's user
+    only, all hold SECRET: a text file, a sqlite database, a zip with a module, a dbm and a shelf."""
+    d = tmp_path_factory.mktemp("outside")
+    (d / "secret.txt").write_text(SECRET + "\n")
+    con = sqlite3.connect(d / "secret.db")
+    con.execute("create table t (x)")
+    con.execute("insert into t values (?)", (SECRET,))
+    con.commit()
+    con.close()
+    with zipfile.ZipFile(d / "secret.zip", "w") as z:
+        z.writestr("leak.py", f"X = {SECRET!r}")
+    with dbm.open(str(d / "secret_dbm"), "c") as db:
+        db[b"k"] = SECRET.encode()
+    with shelve.open(str(d / "secret_shelf"), "c") as shelf:
+        shelf["k"] = SECRET
+    for f in d.iterdir():
+        f.chmod(0o600)
+    d.chmod(0o700)
+    return d
+
+
+def host_file_head(path: str) -> str | None:
+    """The first line of a host file the test's user can read (what must not come back), else None."""
+    try:
+        with open(path) as f:
+            return f.readline().strip() or None
+    except OSError:
+        return None
+
+
+def history(path: str) -> str:
+    return (f"import readline\nreadline.read_history_file({path!r})\n"
+            "print([readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)])")
+
+
+ENOENT = "FileNotFoundError: [Errno 2] No such file or directory"
+ESCAPES = {  # name -> (code reading from outside scratch, the last stderr line with the kernel wall alone)
+    "open /etc/shadow": (lambda d: "print(open('/etc/shadow').read())", f"{ENOENT}: '/etc/shadow'"),
+    "open a 0600 file": (lambda d: f"print(open({str(d / 'secret.txt')!r}).read())",
+                         f"{ENOENT}: '{{d}}/secret.txt'"),
+    "readline /etc/shadow": (lambda d: history("/etc/shadow"), ENOENT),
+    "readline a 0600 file": (lambda d: history(str(d / "secret.txt")), ENOENT),
+    "sqlite3.connect": (lambda d: f"import sqlite3\nprint(sqlite3.connect({str(d / 'secret.db')!r})"
+                                  ".execute('select x from t').fetchall())",
+                        "sqlite3.OperationalError: unable to open database file"),
+    "mmap": (lambda d: f"import mmap, os\nfd = os.open({str(d / 'secret.txt')!r}, os.O_RDONLY)\n"
+                       "print(mmap.mmap(fd, 0, prot=mmap.PROT_READ)[:])", f"{ENOENT}: '{{d}}/secret.txt'"),
+    "zipimport": (lambda d: f"import zipimport\nprint(zipimport.zipimporter({str(d / 'secret.zip')!r})"
+                            ".load_module('leak').X)", "zipimport.ZipImportError: not a Zip file"),
+    "zip on sys.path": (lambda d: f"import sys\nsys.path.insert(0, {str(d / 'secret.zip')!r})\nimport leak\n"
+                                  "print(leak.X)", "ModuleNotFoundError: No module named 'leak'"),
+    "dbm": (lambda d: f"import dbm\nprint(dbm.open({str(d / 'secret_dbm')!r}, 'r')[b'k'])",
+            "dbm.error: db file doesn't exist; use 'c' or 'n' flag to create a new db"),
+    "shelve": (lambda d: f"import shelve\nprint(shelve.open({str(d / 'secret_shelf')!r}, 'r')['k'])",
+               "dbm.error: db file doesn't exist; use 'c' or 'n' flag to create a new db"),
+}
+SLOW = SandboxLimits(cpu_s=2, wall_s=10, memory_mb=256, max_output_chars=2000)
+"""Escape runs only need to end: a loaded machine must not turn them into wall-time kills."""
+
+
+def assert_nothing_leaked(r, outside):
+    seen = r.stdout + r.stderr
+    assert SECRET not in seen, r
+    for path in ("/etc/shadow", "/etc/passwd"):
+        head = host_file_head(path)
+        assert head is None or head not in seen, (path, r)
+    assert r.killed is None, r
+
+
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_escape_leaks_nothing_through_the_sandbox(name, outside):
+    code, _ = ESCAPES[name]
+    r = PythonSandbox(SLOW).run(code(outside))
+    assert_nothing_leaked(r, outside)
+    assert r.exit_code == 1, r
+
+
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_escape_finds_no_file_with_the_kernel_wall_alone(name, outside):
+    """Without the audit hook, the private root alone holds: the file is absent, not refused."""
+    code, error = ESCAPES[name]
+    r = PythonSandbox(SLOW, audit_hook=False).run(code(outside))
+    assert_nothing_leaked(r, outside)
+    assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1] == error.replace("{d}", str(outside)), r
+
+
+@pytest.mark.parametrize("audit_hook", [True, False])
+def test_no_host_account_is_listed(audit_hook):
+    host = [p.pw_name for p in pwd.getpwall()]
+    assert "root" in host  # the check below means something
+    r = PythonSandbox(SLOW, audit_hook=audit_hook).run(
+        "import pwd\nprint([p.pw_name for p in pwd.getpwall()])\ntry:\n    pwd.getpwnam('root')\n"
+        "except KeyError as e:\n    print('KeyError', e)")
+    assert (r.stdout, r.exit_code) == ("[]\nKeyError \"getpwnam(): name not found: 'root'\"\n", 0), r
+
+
+def test_private_root_holds_only_scratch_interpreter_and_devices(tmp_path):
+    """With the hook off: the host's files are absent, everything but scratch is read-only."""
+    absent = ["/etc/passwd", "/etc/shadow", "/home", "/proc", "/sys", "/run", str(REPO), str(tmp_path)]
+    code = (
+        "import os, sys\n"
+        f"print([p for p in {absent!r} if os.path.lexists(p)])\n"
+        "print(sorted(os.listdir('/etc')), sorted(os.listdir('/dev')), os.listdir('..'))\n"
+        "for name, p in (('/x', '/x'), ('/tmp/x', '/tmp/x'), ('/dev/x', '/dev/x'),\n"
+        "                ('next to python', os.path.dirname(sys.executable) + '/x'), ('stdlib', os.__file__)):\n"
+        "    try:\n        open(p, 'a')\n    except OSError as e:\n        print(name, e.errno)\n"
+        "open('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read(), os.getcwd() == os.environ['HOME'])"
+    )
+    r = PythonSandbox(SLOW, audit_hook=False).run(code)
+    erofs = 30
+    assert r.exit_code == 0, r
+    assert r.stdout.splitlines() == [
+        "[]",
+        "['ld.so.cache'] ['null', 'random', 'urandom', 'zero'] ['work']",
+        f"/x {erofs}", f"/tmp/x {erofs}", f"/dev/x {erofs}", f"next to python {erofs}", f"stdlib {erofs}",
+        "ok True",
+    ]
+
+
+def test_tool_still_works_inside_scratch():
+    """Computing, the stdlib, and the native openers (sqlite3, readline, zipimport) on scratch files."""
+    code = (
+        "import json, math, re, readline, sqlite3, sys, zipfile, os\n"
+        "con = sqlite3.connect('t.db')\ncon.execute('create table t (x)')\n"
+        "con.execute(\"insert into t values ('row')\")\ncon.commit()\nprint(con.execute('select x from t').fetchall())\n"
+        "open('hist', 'w').write('first\\nsecond\\n')\nreadline.read_history_file('hist')\n"
+        "print(readline.get_history_item(2))\n"
+        "with zipfile.ZipFile('m.zip', 'w') as z:\n    z.writestr('inzip.py', 'Y = 7')\n"
+        "sys.path.insert(0, os.path.abspath('m.zip'))\nimport inzip\nprint(inzip.Y)\n"
+        "print(json.dumps({'f': math.factorial(10)}), re.findall(r'\\d+', 'a1b22'), sum(i * i for i in range(10)))"
+    )
+    r = PythonSandbox(SLOW).run(code)
+    assert (r.exit_code, r.stderr) == (0, ""), r
+    assert r.stdout == "[('row',)]\nsecond\n7\n{\"f\": 3628800} ['1', '22'] 285\n"
+
+
+WITHOUT_USER_NAMESPACES = ["unshare", "--user"]
+"""Runs a command in a user namespace that maps no uid: there, the kernel refuses it another one
+(a real kernel without namespaces for the sandbox, not a mock)."""
+
+
+def run_without_namespaces(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(WITHOUT_USER_NAMESPACES + [sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def test_refuses_to_run_where_the_kernel_cannot_confine_reads(outside):
+    if shutil.which("unshare") is None or subprocess.run(WITHOUT_USER_NAMESPACES + ["true"]).returncode != 0:
+        pytest.skip("util-linux unshare --user is unavailable here")
+    secret = str(outside / "secret.txt")
+    probe = (
+        "from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable\n"
+        "lim = SandboxLimits(cpu_s=2, wall_s=10)\n"
+        "print(PythonSandbox(lim).containment()[0])\n"
+        "try:\n    PythonTool(lim)\nexcept SandboxUnavailable as e:\n    print('unavailable:', e)\n"
+        "r = PythonSandbox(lim).run('print(1)')\nprint(r.exit_code, repr(r.stdout), r.stderr.splitlines()[0][:60])\n"
+        "weak = PythonTool(lim, allow_weak_containment=True)\nprint(weak(code='print(6 * 7)'))\n"
+        f"print(weak(code={f'print(open({secret!r}).read())'!r}))\n"
+    )
+    proc = run_without_namespaces(probe)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "False"
+    assert lines[1].startswith(f"unavailable: {sandbox_launcher.REFUSED} (no mount namespace")
+    assert "task.search.python_tool_allow_weak_containment: true" in lines[1]
+    assert lines[2] == f"{sandbox_launcher.REFUSED_EXIT} '' {sandbox_launcher.REFUSED[:60]}"
+    assert lines[3] == "42"  # weaker containment accepted: it runs, and the audit hook still refuses open()
+    assert lines[4].startswith("PermissionError: sandbox: open refused") and SECRET not in proc.stdout

@@ -148,6 +148,7 @@ class SearchTask:
         tool_timeout_s: float = 5.0,
         max_tool_output_chars: int = 400,
         python_tool: bool = False,
+        python_tool_allow_weak_containment: bool = False,
         sft_questions: int | None = None,
         fuzzy_search: bool = False,
         tokenizer: Any = None,
@@ -160,6 +161,8 @@ class SearchTask:
         test_fraction / split_seed: which questions are held out;
         tool_timeout_s / max_tool_output_chars: the `ToolRunner` limits of each call;
         python_tool: also offer `python` (rollout.tools.sandbox.PythonTool: code in a sandboxed process);
+        python_tool_allow_weak_containment: run it even where the kernel cannot confine its reads
+        (default: SandboxUnavailable there);
         sft_questions: demonstrations (`sft_examples`) exist for only this many training questions (a
         fixed subset); RL still draws from all of them. None: every training question has one (the
         only choice with per_episode worlds);
@@ -189,6 +192,7 @@ class SearchTask:
         self.num_entities, self.hops, self.top_k, self.corpus_seed = num_entities, hops, top_k, corpus_seed
         self.test_fraction, self.split_seed, self.world_kind = float(test_fraction), split_seed, world
         self.fuzzy_search, self.python_tool = bool(fuzzy_search), bool(python_tool)
+        self.python_tool_allow_weak_containment = bool(python_tool_allow_weak_containment)
         self.tokenizer = search_tokenizer() if tokenizer is None else tokenizer
         ToolEnv(self.tokenizer, ToolRunner(()))  # the markers must be single tokens: fail here, not mid-run
         self.corpus = None if world == "per_episode" else Corpus(num_entities, corpus_seed, fuzzy=self.fuzzy_search)
@@ -217,7 +221,8 @@ class SearchTask:
         if self.python_tool:
             from entr_megatron.rollout.tools.sandbox import PythonTool
 
-            self._python = PythonTool(_sandbox_limits(timeout_s))
+            self._python = PythonTool(_sandbox_limits(timeout_s),
+                                      allow_weak_containment=self.python_tool_allow_weak_containment)
         if self.corpus is not None:
             self._runner = self._runner_of_corpus(self.corpus)
         # per-episode worlds are built on use, with the limits of that moment: none is kept from before

@@ -5,7 +5,9 @@
   raises) with `format_tool_responses`;
 - `sandbox.py` (imported on use): `PythonTool`, Python code run in a sandboxed process with
   CPU-time, memory, output and wall-clock limits, no network and no files outside a scratch
-  directory (`PythonSandbox`, `SandboxLimits`; what is and is not contained: its docstring).
+  directory (`PythonSandbox`, `SandboxLimits`; what is and is not contained: its docstring);
+  its child runs `sandbox_launcher.py` (namespaces, a private root, rlimits) then
+  `sandbox_guard.py` (an audit hook, the code), both as scripts (`sandbox.py` imports them only for their source and constants).
 
 The environment that drives them is `rollout.tasks.tool_env.ToolEnv`; the search task
 (`rollout.tasks.search`) brings a `search` and an `open` tool.

@@ -3,38 +3,50 @@
     PythonSandbox().run("print(6*7)")   # SandboxResult(stdout="42\\n", exit_code=0, killed=None, ...)
     PythonTool()(code="1/0")            # "ZeroDivisionError: division by zero"
 
-Layers, outermost first (each one is probed; what fails is skipped, the rest still hold):
+Layers, outermost first:
 
-- parent: a fresh scratch directory per run (cwd, HOME, TMPDIR; removed afterwards), a
-  whitelisted environment (no inherited secrets), a new session killed as a whole
-  (`killpg`) on the wall-clock limit or once the output is far past its cap; stdout and
-  stderr are read by threads that keep a bounded head and tail, so the parent's memory
-  stays bounded whatever the child prints;
-- stage 1 (`_STAGE1`, a short-lived launcher): unprivileged user + network + mount + pid
-  namespaces (`unshare`), so the child sees only a down loopback, every mount is remounted
-  read-only except the scratch directory (itself nosuid, nodev, noexec), and every process
-  it starts dies with it; rlimits (CPU, address space, file size, open files, no core,
-  processes inside the namespace); then it execs stage 2 in the new pid namespace;
-- stage 2 (`_STAGE2`, a fresh `python -I -S -B` that never loaded ctypes): a
-  `sys.addaudithook` hook, which cannot be removed, refuses process creation and signals,
-  sockets other than AF_UNIX pairs (no connect, bind, sendto, DNS), threads,
-  sub-interpreters, ctypes/cffi (threads and `_posixsubprocess.fork_exec`, which raise no
-  event, are replaced by stubs), extension modules outside the interpreter's own library,
-  writes outside scratch and reads outside scratch and the standard library; then the code
-  runs with fresh globals.
+- parent (this module): a fresh directory per run (`sandbox-*` in the system temp dir: `work/`
+  is the scratch directory, cwd, HOME and TMPDIR of the code; `root/` the mount point of the
+  private root; all removed afterwards), a whitelisted environment (no inherited secrets), a
+  new session killed as a whole (`killpg`) on the wall-clock limit or once the output is far
+  past its cap; stdout and stderr are read by threads that keep a bounded head and tail, so the
+  parent's memory stays bounded whatever the child prints;
+- stage 1 (`sandbox_launcher.py`): user + network + mount + pid namespaces and a private root
+  built by the kernel: a read-only tmpfs holding only the scratch directory (read-write,
+  noexec), read-only binds of the interpreter, its standard library, the directories of the
+  shared libraries it maps and its ELF loader, and /dev/null, zero, random, urandom;
+  `pivot_root` into it, the host's root detached; rlimits (CPU, address space, file size,
+  open files, no core, processes), no_new_privs, a pid-1 reaper so every process the code
+  starts dies with it;
+- stage 2 (`sandbox_guard.py`): an audit hook refusing processes, signals, sockets other than
+  AF_UNIX pairs, threads, ctypes/cffi, foreign extension modules, and file access outside
+  scratch and the standard library; then the code runs with fresh globals.
 
-Not contained (audit hooks are not a security boundary, the Python docs say so; the kernel
-layers above are what hold against hostile native code): reads of world-readable files by
-native code, if some other route to native code exists in the interpreter; stat/existence
-checks of any path (`os.stat` raises no audit event); CPU and memory taken by the child
-within its limits; and without namespaces (kernel or policy forbids them) the network,
-read-only mounts and pid-namespace kill rely on the audit hook alone.
+Contained by the kernel (whatever opens the file: `open`, `readline.read_history_file`,
+`sqlite3.connect`, `mmap`, `zipimport`, `dbm`, `shelve`, native code): every file outside the
+private root is absent: /etc (so /etc/passwd, /etc/shadow, and `pwd.getpwall()` finds no
+account), /root, /home, /proc, /sys, the project and its runs, other sandboxes' scratch
+directories; writes anywhere but scratch (read-only mounts); the network (an empty network
+namespace); other processes (pid namespace). Not contained: reads of what the private root
+shows (the interpreter's files and the system's shared-library directories, e.g.
+/usr/lib/x86_64-linux-gnu, all world-readable public files); stat/existence checks inside it;
+CPU and memory the child takes within its limits; kernel bugs (no seccomp filter: the child can
+make any syscall its lack of capabilities allows). Audit hooks are not a security boundary (the
+Python docs say so); here they are a second wall, behind the private root.
+
+If the kernel cannot build the private root (no user or mount namespaces, no `pivot_root`),
+the tool refuses to run (`SandboxUnavailable` when a `PythonTool` is built, `REFUSED` in a
+run's stderr) unless `allow_weak_containment=True` (config:
+`task.search.python_tool_allow_weak_containment`): then files outside scratch are held by the
+audit hook alone (native openers like `readline` and `sqlite3` read any file the training user
+can), the network and processes by whatever namespaces the kernel gave.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -44,7 +56,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["PythonSandbox", "PythonTool", "SandboxLimits", "SandboxResult"]
+from entr_megatron.rollout.tools import sandbox_guard, sandbox_launcher
+
+__all__ = ["PythonSandbox", "PythonTool", "SandboxLimits", "SandboxResult", "SandboxUnavailable"]
 
 OUTPUT_KILL_FACTOR = 8
 """The child is killed once one stream exceeds this many times its kept size (plus 1 MiB)."""
@@ -90,248 +104,6 @@ class SandboxResult:
     seconds: float
 
 
-_STAGE1 = r'''
-import json, os, resource, signal, sys
-cfg = json.loads(sys.argv[1])
-USER, NET, NS, PID = 0x10000000, 0x40000000, 0x00020000, 0x20000000
-flags = 0
-try:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    for f in (USER | NET | NS | PID, USER | NET | PID, USER | NET, 0):
-        if f and libc.unshare(f) == 0:
-            flags = f
-            break
-except Exception:
-    libc = None
-if flags & NS:
-    BIND, REC, PRIVATE, REMOUNT, RDONLY = 4096, 16384, 1 << 18, 32, 1
-    KEEP = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
-            "relatime": 1 << 21, "strictatime": 1 << 24}
-    s = cfg["scratch"].encode()
-    libc.mount(None, b"/", None, REC | PRIVATE, None)
-    if libc.mount(s, s, None, BIND, None) == 0:
-        libc.mount(None, s, None, REMOUNT | BIND | 2 | 4 | 8, None)
-        for line in open("/proc/self/mountinfo").read().splitlines():
-            f = line.split()
-            point = f[4].encode().decode("unicode_escape").encode("latin-1")
-            if point == s:
-                continue
-            keep = sum(KEEP.get(o, 0) for o in f[5].split(","))
-            libc.mount(None, point, None, REMOUNT | BIND | RDONLY | keep, None)
-R = resource
-def limit(kind, soft, hard=None):
-    try:
-        R.setrlimit(kind, (soft, soft if hard is None else hard))
-    except (ValueError, OSError):
-        pass
-limit(R.RLIMIT_CORE, 0)
-limit(R.RLIMIT_NOFILE, cfg["nofile"])
-limit(R.RLIMIT_FSIZE, cfg["fsize"])
-limit(R.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1)
-limit(R.RLIMIT_AS, cfg["memory"])
-if flags & USER:
-    limit(R.RLIMIT_NPROC, cfg["tasks"])
-os.chdir(cfg["scratch"])  # the cwd must be the bind mount, not the read-only directory under it
-argv = [sys.executable, "-I", "-S", "-B", "-c", cfg.pop("stage2"), json.dumps(cfg)]
-if not flags & PID:
-    os.execv(sys.executable, argv)
-def wait(pid):
-    while True:
-        try:
-            got, status = os.waitpid(-1 if pid == 1 else pid, 0)
-        except InterruptedError:
-            continue
-        if pid == 1 or got == pid:
-            return got, status
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    # pid 1 of the namespace: the kernel drops default-action signals (SIGXCPU) sent to it, so
-    # the code runs in its child; when this reaper ends, every process of the namespace dies
-    os.close(r)
-    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG=SIGKILL (had the launcher gone already, the
-    child = os.fork()          # session kill of the parent still reaches us)
-    if child == 0:
-        os.close(w)
-        os.execv(sys.executable, argv)
-    while True:
-        got, status = wait(1)
-        if got == child:
-            break
-    os.write(w, str(status).encode())
-    os._exit(0)
-os.close(w)
-del libc, ctypes
-_, status = wait(pid)
-report = os.read(r, 64)
-status = int(report) if report else status
-if os.WIFSIGNALED(status):
-    sig = os.WTERMSIG(status)
-    if sig not in (signal.SIGKILL, signal.SIGSTOP):
-        signal.signal(sig, signal.SIG_DFL)
-        limit(R.RLIMIT_CPU, R.RLIM_INFINITY)
-    os.kill(os.getpid(), sig)
-os._exit(os.waitstatus_to_exitcode(status))
-'''
-
-_STAGE2 = r'''
-import builtins, json, linecache, os, posix, sys, types, traceback
-cfg = json.loads(sys.argv[1])
-sys.argv = ["main.py"]
-for stream in (sys.stdout, sys.stderr):
-    stream.reconfigure(encoding="utf-8", errors="backslashreplace", line_buffering=True)
-with open(os.path.join(cfg["scratch"], ".main.py"), encoding="utf-8") as f:
-    SOURCE = f.read()
-os.remove(os.path.join(cfg["scratch"], ".main.py"))
-linecache.cache["main.py"] = (len(SOURCE), None, SOURCE.splitlines(True), "main.py")
-stub = types.ModuleType("_posixsubprocess")  # the real one forks without an audit event
-def _refused(*a, **k):
-    raise PermissionError("sandbox: fork_exec refused")
-stub.fork_exec = _refused
-sys.modules["_posixsubprocess"] = stub
-import _thread, pathlib, subprocess, threading  # before the hook; subprocess binds the stub
-def _no_threads(*a, **k):  # 3.11 raises no audit event for a new thread
-    raise PermissionError("sandbox: threads refused")
-_thread.start_new_thread = _thread.start_new = threading._start_new_thread = _no_threads
-
-def _install(scratch, roots, cfg_devices):
-    from stat import S_ISDIR, S_ISLNK
-    lstat, stat, readlink, getcwd = posix.lstat, posix.stat, posix.readlink, posix.getcwd
-    # every name the hook uses is bound here: user code may patch os, posixpath or builtins
-    decode, Err, str_, bytes_, int_, type_ = bytes.decode, PermissionError, str, bytes, int, type
-    isinstance_, getattr_, any_, len_, bool_ = isinstance, getattr, any, len, bool
-    paths = (pathlib.PosixPath, pathlib.PurePosixPath)
-    roots = tuple(roots)
-    read_devices = frozenset(cfg_devices)
-    blocked_imports = frozenset(("ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "posix",
-        "_testcapi", "_testinternalcapi", "_xxsubinterpreters", "_xxinterpchannels", "_imp", "_thread"))
-    refused = frozenset(("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
-        "subprocess.Popen", "os.kill", "os.killpg", "os.startfile", "pty.spawn", "_thread.start_new_thread",
-        "cpython.PyInterpreterState_New", "resource.setrlimit", "resource.prlimit", "os.link", "os.symlink",
-        "os.chmod", "os.lchmod", "os.chown", "os.chflags", "os.lchflags", "os.setxattr", "os.removexattr",
-        "socket.bind", "socket.connect", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-        "socket.gethostbyname", "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.getnameinfo",
-        "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames", "webbrowser.open"))
-    one_path = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 2, "os.truncate": None, "os.utime": 3,
-                "shutil.rmtree": 1, "os.listdir": None, "os.scandir": None, "os.chdir": None}
-
-    def deny(event, what):
-        raise Err(f"sandbox: {event} refused ({what})")
-
-    def real(event, path):
-        """Absolute path with every symlink resolved, from the captured posix functions only."""
-        if type_(path) in paths:
-            path = str_(path)
-        if type_(path) is bytes_:
-            path = decode(path, "utf-8", "surrogateescape")
-        if type_(path) is not str_:
-            deny(event, f"path of type {type_(path).__name__}")
-        if not path.startswith("/"):
-            path = getcwd() + "/" + path
-        todo, done, hops = [p for p in path.split("/") if p][::-1], "", 0
-        while todo:
-            name = todo.pop()
-            if name == ".":
-                continue
-            if name == "..":
-                done = done.rsplit("/", 1)[0]
-                continue
-            candidate = done + "/" + name
-            try:
-                mode = lstat(candidate).st_mode
-            except (OSError, ValueError):
-                done = candidate
-                continue
-            if S_ISLNK(mode):
-                hops += 1
-                if hops > 40:
-                    deny(event, "symlink loop")
-                target = readlink(candidate)
-                if target.startswith("/"):
-                    done = ""
-                todo.extend([p for p in target.split("/") if p][::-1])
-            else:
-                done = candidate
-        return done or "/"
-
-    def under(path, bases):
-        for base in bases:
-            if path == base or path.startswith(base + "/"):
-                return True
-        return False
-
-    def check(event, path, write, dir_fd=None):
-        if dir_fd is not None and dir_fd != -1:
-            # relative to a directory fd: only a plain name (every directory fd is inside scratch)
-            if type_(path) is not str_ or "/" in path or path in (".", ".."):
-                deny(event, "dir_fd with a path")
-            return
-        p = real(event, path)
-        if under(p, (scratch,)) or p == "/dev/null":
-            return
-        if not write and (under(p, roots) or p in read_devices):
-            return
-        deny(event, p)
-
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if type_(path) is int_:
-                return
-            write = (type_(mode) is str_ and any_(c in mode for c in "wax+")) or bool_(flags & 0o3103)
-            check(event, path, write)
-            if mode is None:  # os.open: a directory fd outside scratch would defeat the checks
-                p = real(event, path)
-                try:
-                    is_dir = S_ISDIR(stat(p).st_mode)
-                except (OSError, ValueError):
-                    is_dir = False
-                if is_dir and not under(p, (scratch,)):
-                    deny(event, f"directory {p}")
-        elif event in refused:
-            deny(event, "not allowed in the sandbox")
-        elif event == "import":
-            name, filename = args[0], args[1]
-            if type_(name) is str_ and name.split(".")[0] in blocked_imports:
-                deny(event, name)
-            if filename is not None and not under(real(event, filename), roots):
-                deny(event, f"extension module {filename}")
-        elif event in one_path:
-            path = args[0]
-            if path is None or type_(path) is int_:
-                if event == "os.chdir":
-                    deny(event, "fchdir")
-                return
-            i = one_path[event]
-            write = event not in ("os.listdir", "os.scandir")
-            check(event, path, write, args[i] if i is not None and len_(args) > i else None)
-        elif event == "os.rename":
-            check(event, args[0], True, args[2])
-            check(event, args[1], True, args[3])
-        elif event == "socket.__new__":
-            if args[1] != 1:  # AF_UNIX only (socketpair); connect/bind are refused anyway
-                deny(event, f"address family {args[1]}")
-        elif event in ("object.__setattr__", "object.__delattr__"):
-            obj = args[0]
-            if isinstance_(obj, type_) and getattr_(obj, "__module__", "") == "pathlib":
-                deny(event, "patching pathlib")
-
-    sys.addaudithook(hook)
-
-real_roots = [os.path.realpath(p) for p in sys.path if p and os.path.exists(p)]
-_install(os.path.realpath(cfg["scratch"]), real_roots, ("/dev/urandom", "/dev/random", "/dev/zero"))
-del _install, stub, _refused, _no_threads
-try:
-    CODE = compile(SOURCE, "main.py", "exec")
-except SyntaxError:
-    traceback.print_exc(limit=0)
-    sys.exit(1)
-del SOURCE, cfg
-exec(CODE, {"__name__": "__main__", "__builtins__": builtins})
-'''
-
-
 class _Reader(threading.Thread):
     """Drains one pipe, keeping the first and the last `keep` bytes and counting the rest."""
 
@@ -368,34 +140,84 @@ class _Reader(threading.Thread):
         return text, not whole
 
 
+class SandboxUnavailable(RuntimeError):
+    """The kernel cannot confine the sandbox's reads and weaker containment was not accepted."""
+
+
+_STAGE1 = pathlib.Path(sandbox_launcher.__file__).read_text(encoding="utf-8")
+_STAGE2 = pathlib.Path(sandbox_guard.__file__).read_text(encoding="utf-8")
+_PROBED: dict[str, tuple[bool, str | None]] = {}
+"""python -> (the kernel confines reads, why not): one probe per interpreter and process."""
+PROBE_TIMEOUT_S = 30.0
+WEAK_HINT = ("PythonSandbox(allow_weak_containment=True), or task.search.python_tool_allow_weak_containment: true, "
+             "runs it with the audit hook alone, where native code such as readline or sqlite3 reads any file "
+             "the training user can")
+
+
 class PythonSandbox:
-    """Runs Python source in a fresh, limited child process (see the module docstring)."""
+    """Runs Python source in a fresh, limited child process (see the module docstring).
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable):
+    allow_weak_containment: run even where the kernel cannot build the private root (the audit
+    hook then is the only wall for reads); default False: such runs are refused.
+    audit_hook: False runs without the second wall, only to test the kernel's alone."""
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable, *,
+                 allow_weak_containment: bool = False, audit_hook: bool = True):
         self.limits, self.python = limits, python
+        self.allow_weak_containment, self.audit_hook = bool(allow_weak_containment), bool(audit_hook)
 
-    def _config(self, scratch: str) -> dict:
+    def _config(self, base: str) -> dict:
         lim = self.limits
         return {
-            "scratch": scratch, "nofile": NOFILE, "fsize": lim.max_file_mb * 2**20, "cpu": max(1, -int(-lim.cpu_s // 1)),
-            "memory": lim.memory_mb * 2**20, "tasks": TASKS_IN_NAMESPACE, "stage2": _STAGE2,
+            "scratch": os.path.join(base, "work"), "root": os.path.join(base, "root"), "nofile": NOFILE,
+            "fsize": lim.max_file_mb * 2**20, "cpu": max(1, -int(-lim.cpu_s // 1)), "memory": lim.memory_mb * 2**20,
+            "tasks": TASKS_IN_NAMESPACE, "stage2": _STAGE2, "allow_weak": self.allow_weak_containment,
+            "audit_hook": self.audit_hook,
         }
 
-    def run(self, code: str) -> SandboxResult:
-        """Runs `code`; never raises for anything the code does."""
-        start = time.monotonic()
-        scratch = os.path.realpath(tempfile.mkdtemp(prefix="sandbox-"))
-        try:
-            return self._run(code, scratch, start)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    def containment(self) -> tuple[bool, str | None]:
+        """(whether the kernel confines reads to scratch here, why not): probed once per interpreter."""
+        if self.python not in _PROBED:
+            base = _make_base()
+            try:
+                cmd = [self.python, "-I", "-S", "-B", "-c", _STAGE1, json.dumps(dict(self._config(base), probe=True))]
+                proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=base,
+                                      env=dict(ENV, HOME=base, TMPDIR=base), timeout=PROBE_TIMEOUT_S)
+                answer = json.loads(proc.stdout) if proc.returncode == 0 else None
+            except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+                answer, proc = None, e
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            if answer is None:
+                return False, f"the probe failed: {getattr(proc, 'stderr', None) or proc}"
+            _PROBED[self.python] = (bool(answer["confined"]), answer["why"])
+        return _PROBED[self.python]
 
-    def _run(self, code: str, scratch: str, start: float) -> SandboxResult:
+    def check(self) -> None:
+        """Raises SandboxUnavailable where runs would be refused (the kernel cannot confine reads
+        and weaker containment is not accepted)."""
+        confined, why = self.containment()
+        if not confined and not self.allow_weak_containment:
+            raise SandboxUnavailable(f"{sandbox_launcher.REFUSED} ({why}); {WEAK_HINT}")
+
+    def run(self, code: str) -> SandboxResult:
+        """Runs `code`; never raises for anything the code does. Refused (exit code REFUSED_EXIT,
+        the reason in stderr) where the kernel cannot confine reads, unless allow_weak_containment."""
+        start = time.monotonic()
+        base = _make_base()
+        try:
+            return self._run(code, base, start)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def _run(self, code: str, base: str, start: float) -> SandboxResult:
         lim = self.limits
+        cfg = self._config(base)
+        scratch = cfg["scratch"]
         with open(os.path.join(scratch, ".main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
         env = dict(ENV, HOME=scratch, TMPDIR=scratch)
-        cmd = [self.python, "-I", "-S", "-B", "-c", _STAGE1, json.dumps(self._config(scratch))]
+        cmd = [self.python, "-I", "-S", "-B", "-c", _STAGE1, json.dumps(cfg)]
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=scratch, env=env, start_new_session=True, close_fds=True)
@@ -441,6 +263,14 @@ class PythonSandbox:
         return ours
 
 
+def _make_base() -> str:
+    """A fresh private directory holding the scratch directory (`work`) and the root's mount point."""
+    base = os.path.realpath(tempfile.mkdtemp(prefix="sandbox-"))
+    os.mkdir(os.path.join(base, "work"), 0o700)
+    os.mkdir(os.path.join(base, "root"), 0o700)
+    return base
+
+
 def _killpg(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -470,8 +300,11 @@ class PythonTool:
     )
     parameters = {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits()):
-        self.sandbox = PythonSandbox(limits)
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), *, allow_weak_containment: bool = False):
+        """Raises SandboxUnavailable where the kernel cannot confine reads and allow_weak_containment
+        is False (see the module docstring)."""
+        self.sandbox = PythonSandbox(limits, allow_weak_containment=allow_weak_containment)
+        self.sandbox.check()
 
     def __call__(self, code: str) -> str:
         """stdout, then the error line or the stderr tail, then `[killed: why]` when a limit ended the run."""
