@@ -195,6 +195,12 @@ class SearchTaskConfig:
     memory, output and rollout.agent.tool_timeout_s wall-clock limits, no network, no files
     outside a scratch directory)."""
 
+    python_tool_allow_weak_containment: bool = False
+    """Run the python tool even where the kernel cannot confine its reads to its scratch directory
+    (no user or mount namespaces, no pivot_root): its audit hook is then the only wall, and native
+    code (readline, sqlite3) can read any file the training user can. False: the task refuses to
+    build there (rollout/tools/sandbox.py: what is contained)."""
+
     sft_questions: int | None = None
     """Training questions with a demonstration (the SFT warm-up's expert traces: a fixed subset); RL
     draws from every training question. None: all of them (the only choice with world 'per_episode',
@@ -220,6 +226,7 @@ class SearchTaskConfig:
         integer(self, "top_k", low=1, high=10)
         integer(self, "corpus_seed", low=0)
         boolean(self, "python_tool")
+        boolean(self, "python_tool_allow_weak_containment")
         if self.top_k > self.num_entities:
             raise bad(self, "top_k", self.top_k, f"must be <= num_entities ({self.num_entities})")
 

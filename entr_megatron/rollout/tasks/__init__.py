@@ -123,7 +123,8 @@ def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) ->
 
     s = t.search
     task = SearchTask(num_entities=s.num_entities, hops=s.hops, top_k=s.top_k, corpus_seed=s.corpus_seed,
-                      python_tool=s.python_tool, sft_questions=s.sft_questions, fuzzy_search=s.fuzzy_search,
+                      python_tool=s.python_tool, python_tool_allow_weak_containment=s.python_tool_allow_weak_containment,
+                      sft_questions=s.sft_questions, fuzzy_search=s.fuzzy_search,
                       tokenizer=tokenizer, world=s.world, name_pool=s.name_pool)
     _check_prompts(task, "search", max_prompt_len)
     return task
