@@ -119,14 +119,21 @@ def test_a_failed_cell_records_its_error_message_not_a_traceback(tmp_path, monke
     def fake_train(args, log_path, env=None):
         with open(log_path, "a") as log:  # as run_command writes it: a header, then the output
             log.write("\n===== 2026-01-01 entr-megatron train\n" + "[train] x\n" * 400 + FRAMES
-                      + "ValueError: /m/model.safetensors: truncated\n")
+                      + "ValueError: /m/model.safetensors: truncated\n  (4096 | 100 bytes)\n")
         return 1, ""
 
     monkeypatch.setattr(runner, "run_command", fake_train)
     result = runner.run_study(spec, out)
     assert len(result["failed"]) == len(TAUS)
+    message = "exit 1: ValueError: /m/model.safetensors: truncated\n  (4096 | 100 bytes)"
     for status in _states(out).values():
-        assert status["state"] == "failed" and status["error"] == "exit 1: ValueError: /m/model.safetensors: truncated"
+        assert status["state"] == "failed" and status["error"] == message
+    # report.md's cell table: the message on the cell's one row (markdown_table folds the newline and
+    # escapes the pipe)
+    text = write_report(out).read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| tau=") and "| failed |" in line]
+    assert len(rows) == 3 and all(
+        r.endswith("| exit 1: ValueError: /m/model.safetensors: truncated   (4096 \\| 100 bytes) |") for r in rows)
 
 
 # ---- interrupted cells -------------------------------------------------------------------------
