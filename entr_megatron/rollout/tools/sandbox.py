@@ -24,12 +24,13 @@ Layers, outermost first:
 
 Contained by the kernel (whatever opens the file: `open`, `readline.read_history_file`,
 `sqlite3.connect`, `mmap`, `zipimport`, `dbm`, `shelve`, native code): every file outside the
-private root is absent: /etc (so /etc/passwd, /etc/shadow, and `pwd.getpwall()` finds no
-account), /root, /home, /proc, /sys, the project and its runs, other sandboxes' scratch
-directories; writes anywhere but scratch (read-only mounts); the network (an empty network
-namespace); other processes (pid namespace). Not contained: reads of what the private root
-shows (the interpreter's files and the system's shared-library directories, e.g.
-/usr/lib/x86_64-linux-gnu, all world-readable public files); stat/existence checks inside it;
+private root is absent: /etc but ld.so.cache (so /etc/passwd, /etc/shadow, and
+`pwd.getpwall()` finds no account), /root and /home (but the path to the interpreter's prefix
+where it lives there, e.g. pyenv's), /proc, /sys, the project and its runs, other sandboxes'
+scratch directories; writes anywhere but scratch (read-only mounts); the network (an empty
+network namespace); other processes (pid namespace). Not contained: reads of what the private
+root shows (the interpreter's prefix, the directories of the shared libraries it maps, e.g.
+/usr/lib/x86_64-linux-gnu: installed software, no user's data); stat/existence checks inside it;
 CPU and memory the child takes within its limits; kernel bugs (no seccomp filter: the child can
 make any syscall its lack of capabilities allows). Audit hooks are not a security boundary (the
 Python docs say so); here they are a second wall, behind the private root.
