@@ -47,6 +47,12 @@ class ControllerConfig:
     """fixed_lag: decode tokens between two weight switches inside a response. None:
     rollout.sampling.max_new_tokens // (intra_lag + 1). >= 1."""
 
+    intra_lag_hold_mean: bool = False
+    """fixed_lag: centre a response's J + 1 versions on v - K (lags K + c - j, c = J // 2, plus 1 on
+    every other group when J is odd) instead of ending them there (lags K + J - j), so the mean token
+    lag is K whatever J and J changes only the number of switches inside a response, not the data's
+    age (controller/fixed_lag.py). Needs inter_lag >= ceil(intra_lag / 2)."""
+
     stale_policy: StalePolicy = "regenerate"
     """What happens to a sample over the bound: 'drop' it or 'regenerate' its prompt. Counted either way."""
 
@@ -100,14 +106,21 @@ class ControllerConfig:
         integer(self, "intra_lag", low=0, high=MAX_POLICY_LAG_LIMIT)
         integer(self, "intra_lag_stride", low=1, optional=True)
         if self.mode != "fixed_lag":
-            for name in ("inter_lag", "intra_lag", "intra_lag_stride"):
-                if getattr(self, name) not in (0, None):
+            for name in ("inter_lag", "intra_lag", "intra_lag_stride", "intra_lag_hold_mean"):
+                if getattr(self, name) not in (0, None, False):
                     raise bad(self, name, getattr(self, name),
                               f"is used only by controller.mode='fixed_lag' (got mode {self.mode!r}); remove it or set the mode")
+
+        boolean(self, "intra_lag_hold_mean")
+        if self.intra_lag_hold_mean and self.inter_lag < (self.intra_lag + 1) // 2:
+            raise bad(self, "intra_lag_hold_mean", True,
+                      f"centring intra_lag={self.intra_lag} switches on inter_lag={self.inter_lag} needs "
+                      f"inter_lag >= ceil(intra_lag / 2) = {(self.intra_lag + 1) // 2} (no token can be newer "
+                      "than the policy it trains)")
+        boolean(self, "abort_doomed")
+        boolean(self, "drain_on_checkpoint")
+        number(self, "stop_grace_s", low=0, low_open=True)
 
     def intra_lag_stride_for(self, max_new_tokens: int) -> int:
         """Decode tokens between two switches inside a response (fixed_lag)."""
         return self.intra_lag_stride or max(max_new_tokens // (self.intra_lag + 1), 1)
-        boolean(self, "abort_doomed")
-        boolean(self, "drain_on_checkpoint")
-        number(self, "stop_grace_s", low=0, low_open=True)

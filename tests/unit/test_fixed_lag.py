@@ -86,11 +86,12 @@ class Task:
         return float(sum(sample.response_ids) % 2)
 
 
-def make(mode="fixed_lag", K=0, J=0, stride=None, max_new=12, engine=None, lag=4):
+def make(mode="fixed_lag", K=0, J=0, stride=None, max_new=12, engine=None, lag=4, hold_mean=False):
     engine = engine or SyncEngine()
     learner = Learner()
     controller = ControllerConfig(mode=mode, max_policy_lag=lag, **(
-        dict(inter_lag=K, intra_lag=J, intra_lag_stride=stride) if mode == "fixed_lag" else {}))
+        dict(inter_lag=K, intra_lag=J, intra_lag_stride=stride, intra_lag_hold_mean=hold_mean)
+        if mode == "fixed_lag" else {}))
     rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=max_new))
     return Controller(engine, learner, Pusher(engine), Task(), controller, rollout, "grpo"), learner, engine
 
@@ -123,6 +124,38 @@ def test_intra_lag_switches_at_fixed_positions(K, J, stride):
             expected += [max(0, v - K - J + j)] * width
         assert all(seq == expected for seq in seq_versions(batch)), (v, seq_versions(batch)[0], expected)
     assert len(learner.records) == 8 and [v for _, v in learner.records] == list(range(8))
+
+
+@pytest.mark.parametrize("J,stride,max_new", [(0, None, 12), (2, 4, 12), (5, 2, 12), (9, 1, 10)])
+def test_hold_mean_keeps_the_mean_lag_at_K_and_puts_J_plus_1_versions_in_each_response(J, stride, max_new):
+    K = 5
+    s = stride or max_new
+    ctrl, learner, _ = make(K=K, J=J, stride=stride, max_new=max_new, hold_mean=True)
+    history = ctrl.run(K + J + 4)
+    for (batch, v), m in zip(learner.records, history):
+        if v < K + J:  # early versions clamp at 0
+            continue
+        seqs = seq_versions(batch)
+        lags = [v - x for seq in seqs for x in seq]
+        assert min(lags) >= 0
+        # Every response is longer than J x stride: exactly J + 1 versions, one switch every s tokens.
+        for g, seq in enumerate(seqs):
+            c = J // 2 + (J % 2) * ((g // N) % 2)  # the group's centre: groups alternate when J is odd
+            assert seq == [v - K - c + j for j in range(J + 1) for _ in range(s)][:len(seq)], (g, seq)
+            assert len(set(seq)) == J + 1
+        assert sum(lags) / len(lags) == K  # whatever J: the data's age is held, only the switches change
+        assert m["policy_lag/mean"] == K and m["policy_lag/spread_max"] == J
+    # Without hold_mean the same J ages the data: mean lag K + J / 2.
+    ctrl, learner, _ = make(K=K, J=J, stride=stride, max_new=max_new)
+    history = ctrl.run(K + J + 2)
+    assert history[-1]["policy_lag/mean"] == K + J / 2
+
+
+def test_hold_mean_needs_inter_lag_for_half_the_switches():
+    with pytest.raises(ValueError, match="intra_lag_hold_mean"):
+        ControllerConfig(mode="fixed_lag", inter_lag=2, intra_lag=5, intra_lag_hold_mean=True)
+    with pytest.raises(ValueError, match="intra_lag_hold_mean"):
+        ControllerConfig(mode="sync", intra_lag_hold_mean=True)
 
 
 def test_a_response_that_stops_early_carries_fewer_versions():

@@ -21,8 +21,8 @@ from entr_megatron.types import Sample
 if TYPE_CHECKING:
     from entr_megatron.rollout.tasks.environment import Environment
 
-__all__ = ["SPLITS", "Task", "answer_after", "check_split", "decode_response", "final_answer_reward",
-           "single_token_id", "split_of", "stable_hash"]
+__all__ = ["SPLITS", "Task", "TokenLabeller", "answer_after", "check_split", "decode_response", "final_answer_reward",
+           "no_token_labels", "single_token_id", "split_of", "stable_hash"]
 
 SPLITS = ("train", "test")
 """Every task has a training split and a held-out split that never share a problem."""
@@ -47,6 +47,21 @@ class Task(Protocol):
     def new_environment(self) -> Environment | None:
         """A fresh environment for one multi-turn episode, or None for a single-turn task."""
         ...
+
+
+@runtime_checkable
+class TokenLabeller(Protocol):
+    """A task that can say what each response token is (types.TOKEN_LABELS), for metrics split by
+    label (countdown). The controller labels every finished sample of such a task."""
+
+    def token_labels(self, sample: Sample, reference: Any) -> list[str] | None:
+        """One TOKEN_LABELS entry ("" for none) per response token of `sample`; None: not labelled."""
+        ...
+
+
+def no_token_labels(sample: Sample, reference: Any) -> None:
+    """The labeller of a task that labels nothing."""
+    return None
 
 
 def check_split(split: str) -> None:
