@@ -8,7 +8,12 @@ from typing import Any, Protocol, runtime_checkable
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.seeding import mix_seed
 
-__all__ = ["Learner", "PromptStream", "PushHandle", "WeightPusher"]
+__all__ = ["ABANDON_TIMEOUT_S", "Learner", "PromptStream", "PushHandle", "WeightPusher"]
+
+ABANDON_TIMEOUT_S = 30.0
+"""After a learner failure, how long the controller waits for each engine to give up what it was
+doing for that learner: the groups in flight (`Controller.abandon`) and a broken weight version
+(`RemotePush.abandon`, `wiring`'s wait for the engines)."""
 
 
 @runtime_checkable

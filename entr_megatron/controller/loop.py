@@ -56,7 +56,7 @@ from entr_megatron.config.rollout import RolloutConfig
 from entr_megatron.controller.buffer import Group, GroupRef, StalenessBuffer, lag_metrics
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import RestartsExhausted
-from entr_megatron.controller.interfaces import Learner, PromptStream, PushHandle, WeightPusher
+from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S, Learner, PromptStream, PushHandle, WeightPusher
 from entr_megatron.controller.fixed_lag import LagPipeline
 from entr_megatron.controller.replacing import generate_replacing
 from entr_megatron.rollout.engine import (
@@ -68,6 +68,7 @@ from entr_megatron.rollout.engine import (
     generate,
 )
 from entr_megatron.rollout.episodes import episode_metrics
+from entr_megatron.rollout.tasks.base import TokenLabeller, no_token_labels
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.seeding import mix_seed
 
@@ -75,9 +76,6 @@ __all__ = ["CONTROLLER_MODES", "Controller", "ControllerHooks"]
 
 POLL_TIMEOUT_S = 1.0
 """Longest single wait on the engine; the loop re-checks its state between polls."""
-
-ABANDON_TIMEOUT_S = 30.0
-"""`Controller.abandon`: longest wait for the engines to give back the aborted groups."""
 
 GENERATE_AHEAD_TIMEOUT_S = 3600.0
 """fixed_lag: longest wait for one round of segments generated ahead."""
@@ -124,6 +122,7 @@ class Controller:
         `recovery`: replaces failed engines (`EngineRecovery`; its engines are `engine`, an EngineSet);
         None: an engine failure ends the run."""
         self.engine, self.learner, self.pusher, self.task = engine, learner, pusher, task
+        self._label_tokens = task.token_labels if isinstance(task, TokenLabeller) else no_token_labels
         self.opt, self.rollout = controller, rollout
         self.sampling = SamplingParams.from_config(rollout.sampling)
         """Its n is the group size; its seed is replaced per group."""
@@ -149,7 +148,7 @@ class Controller:
             self.lag_pipeline = LagPipeline(
                 controller.inter_lag, controller.intra_lag,
                 controller.intra_lag_stride_for(self.sampling.max_new_tokens), self.sampling,
-                rollout.prompts_per_step, controller.seed)
+                rollout.prompts_per_step, controller.seed, hold_mean=controller.intra_lag_hold_mean)
 
     # ---- the three loops -------------------------------------------------------------------------
     def run(self, num_steps: int) -> list[dict]:
@@ -217,6 +216,7 @@ class Controller:
             reference = self.prompts.get(pending.ref.prompt_index)[1]
             for sample in pending.samples:
                 sample.reward = float(self.task.reward(sample, reference))
+                sample.token_labels = self._label_tokens(sample, reference)
             groups.append(Group(pending.ref.group_id, pending.ref.prompt_index, pending.samples, pending.ref.attempt))
         metrics = self._train(groups)
         self._push(wait=True)
@@ -335,6 +335,7 @@ class Controller:
             for index in sorted(record.results):
                 sample = record.results[index].to_sample()
                 sample.reward = float(self.task.reward(sample, record.reference))
+                sample.token_labels = self._label_tokens(sample, record.reference)
                 samples.append(sample)
             ref = record.ref
             if not self.buffer.put(Group(ref.group_id, ref.prompt_index, samples, ref.attempt)):

@@ -31,14 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S
 from entr_megatron.controller.workers import WorkerGroup
 from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
 from entr_megatron.types import TrainBatch
 
 __all__ = ["EnginePushError", "RemoteLearner", "RemotePush", "RemotePusher"]
-
-ABANDON_TIMEOUT_S = 30.0
-"""`RemotePush.abandon`: how long each engine's side may take to give up a broken version."""
 
 
 class EnginePushError(EngineError):
