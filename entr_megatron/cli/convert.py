@@ -217,7 +217,9 @@ def megatron_to_hf(args) -> None:
     assets = hf_dir.asset_source(root, run, args.tokenizer)
     if args.tokenizer and assets is None:
         raise ValueError(f"--tokenizer {args.tokenizer}: not a directory")
-    missing = tokenizer_problem(assets) if assets is not None else f"{root} has no {hf_dir.ASSETS_DIR}/"
+    missing = tokenizer_problem(assets) if assets is not None else (
+        f"no tokenizer in {root / hf_dir.ASSETS_DIR}" + (f", {run / 'sft' / 'model'} or {run / 'model_init'}" if run
+                                                         else ""))
     if missing:
         _say(f"warning: {missing}: {args.out} gets no tokenizer; `train` from it will need model.tokenizer, "
              "`generate` --input with \"prompt\" text a tokenizer (or pass --tokenizer DIR here)")

@@ -220,3 +220,33 @@ def test_sigterm_from_outside_exits_143_and_removes_the_temp_directory(tmp_path)
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1] == "entr-megatron convert: interrupted (SIGTERM); no partial output is left"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "started"]
+
+
+def test_megatron_to_hf_without_a_tokenizer_warns_and_a_missing_tokenizer_dir_is_an_error(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """megatron-to-hf's source stood in for: a checkpoint root with no hf_assets/ (what --hf without tokenizer made)."""
+    from entr_megatron import models
+    from entr_megatron.checkpoint import hf_dir
+    from entr_megatron.cli import convert
+    from model_dir_fixture import CONFIG
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000000").mkdir(parents=True)
+    monkeypatch.setattr(hf_dir, "resolve_source", lambda path: (root, None))
+    monkeypatch.setattr(hf_dir, "source_model", lambda r: (CONFIG, models.model_spec(CONFIG)))
+    monkeypatch.setattr(hf_dir, "checked_step", lambda r, step: (0, root / "iter_0000000"))
+    monkeypatch.setattr(convert, "read_manifest", lambda path: None)
+    monkeypatch.setattr(convert, "_saved_layout", lambda path: None)
+    monkeypatch.setattr(hf_dir, "write_hf_dir", lambda out, *a, **k: hf_dir.HfDir(
+        {}, type("Files", (), {"nbytes": 0, "files": []})(), []))
+    from entr_megatron.cli.main import main
+
+    args = ["convert", "megatron-to-hf", "--ckpt", str(root), "--no-verify", "--out"]
+    assert main([*args, str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert (f"warning: no tokenizer in {root / 'hf_assets'}: {tmp_path / 'hf'} gets no tokenizer; `train` from it "
+            "will need model.tokenizer") in err, err
+    with pytest.raises(SystemExit) as e:
+        main([*args, str(tmp_path / "hf2"), "--tokenizer", str(tmp_path / "nope")])
+    assert e.value.code == f"entr-megatron convert: error: --tokenizer {tmp_path / 'nope'}: not a directory"
+    assert not (tmp_path / "hf2").exists()
