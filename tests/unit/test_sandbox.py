@@ -409,3 +409,19 @@ def test_refuses_to_run_where_the_kernel_cannot_confine_reads(outside):
     assert lines[2] == f"{sandbox_launcher.REFUSED_EXIT} '' {sandbox_launcher.REFUSED[:60]}"
     assert lines[3] == "42"  # weaker containment accepted: it runs, and the audit hook still refuses open()
     assert lines[4].startswith("PermissionError: sandbox: open refused") and SECRET not in proc.stdout
+
+
+def test_weak_containment_is_a_validated_config_field_that_reaches_the_tool():
+    pytest.importorskip("bm25s")
+    from entr_megatron.config import load_config
+    from entr_megatron.rollout.tasks import TASK_BUILDERS
+    from entr_megatron.rollout.tasks.search import search_tokenizer
+
+    with pytest.raises(ValueError, match="python_tool_allow_weak_containment.*true or false"):
+        load_config(None, ["task.name=search", "task.search.python_tool_allow_weak_containment=3"])
+    for text, allowed in (("false", False), ("true", True)):
+        cfg = load_config(None, ["task.name=search", "task.search.num_entities=16", "task.search.python_tool=true",
+                                 f"task.search.python_tool_allow_weak_containment={text}"])
+        tool = TASK_BUILDERS["search"](cfg.task, search_tokenizer()).tools[-1]
+        assert (tool.name, tool.sandbox.allow_weak_containment) == ("python", allowed)
+    assert load_config(None, ["task.name=search"]).task.search.python_tool_allow_weak_containment is False
