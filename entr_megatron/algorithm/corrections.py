@@ -9,6 +9,8 @@ from entr_megatron.algorithm.corrections_entr import (
     entr_calibrated_correction,
     entr_correction,
     entr_soft_correction,
+    matched_band_correction,
+    matched_random_correction,
 )
 from entr_megatron.algorithm.corrections_sequence import a3po_correction, opsm_correction, trm_correction
 from entr_megatron.algorithm.corrections_ratio import (
@@ -39,4 +41,6 @@ CORRECTIONS: dict[str, CorrectionFn] = {
     "opsm": opsm_correction,
     "trm": trm_correction,
     "a3po": a3po_correction,
+    "matched_band": matched_band_correction,
+    "matched_random": matched_random_correction,
 }

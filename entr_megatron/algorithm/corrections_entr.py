@@ -1,14 +1,23 @@
-"""ENTR and its two variants as corrections (docs/ENTR.md).
+"""ENTR, its two variants and its two ablations as corrections (docs/ENTR.md).
 
-All three compare the learner directly with the behaviour policy,
-delta = log pi_theta - log mu; a recomputed old policy is not needed and is ignored.
+All compare the learner directly with the behaviour policy, delta = log pi_theta - log mu;
+a recomputed old policy is not needed and is ignored. The ablations drop exactly as many
+tokens as ENTR would on the same micro-batch, chosen otherwise: `matched_band` the largest
+|delta| (a magnitude-only band at ENTR's fraction), `matched_random` at random. What ENTR
+gains over them is what judging |delta| against the entropy gains.
 """
 
 from __future__ import annotations
 
 import torch
 
-from entr_megatron.algorithm.correction_base import CorrectionInputs, CorrectionOutput, finish, prepare_inputs
+from entr_megatron.algorithm.correction_base import (
+    CorrectionInputs,
+    CorrectionOutput,
+    TokenInputs,
+    finish,
+    prepare_inputs,
+)
 from entr_megatron.algorithm.entr import (
     calibrated_score,
     calibrated_sigma2,
@@ -65,3 +74,57 @@ def entr_soft_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> Corr
     keep_BT = x.delta_BT.abs() <= cfg.soft_mask_multiple * bound_BT
     metrics = {"entr_soft/clamp_fraction": masked_fraction(x.delta_BT.abs() > bound_BT, x.valid_BT)}
     return finish("entr_soft", x, cfg, weight_BT, keep_BT, x.logprobs_BT, metrics)
+
+
+def _matched_drop_count(x: TokenInputs, cfg: AlgorithmConfig) -> int:
+    """How many valid tokens ENTR drops on these tokens."""
+    return int((x.valid_BT & ~entr_mask(x.delta_BT, x.entropy_BT, cfg.tau, cfg.entr_eps)).sum())
+
+
+def _drop_ranked(x: TokenInputs, rank_BT, count: int):
+    """Keep mask dropping the `count` valid tokens with the largest `rank_BT` (ties: the earlier
+    token goes first)."""
+    flat = torch.where(x.valid_BT, rank_BT, torch.full_like(rank_BT, -torch.inf)).flatten()
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if count:
+        order = torch.sort(flat, descending=True, stable=True).indices
+        keep[order[:count]] = False
+    return keep.view_as(x.valid_BT) & x.valid_BT
+
+
+def matched_band_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """Ablation: a magnitude band at ENTR's mask fraction. Drops the valid tokens with the largest
+    |delta| (entropy ignored), as many as ENTR (tau, entr_eps) drops on the same micro-batch; weight
+    1, PPO against mu, every token in the denominator: ENTR with H + eps replaced by a constant
+    whose band edge falls where ENTR's count says."""
+    x = prepare_inputs(inputs, use_old=False)
+    count = _matched_drop_count(x, cfg)
+    keep_BT = _drop_ranked(x, x.delta_BT.abs(), count)
+    return finish("matched_band", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT)
+
+
+def matched_random_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """Ablation: a random mask at ENTR's mask fraction: as many valid tokens as ENTR drops on the same
+    micro-batch, chosen uniformly (a generator seeded by the micro-batch's values, so a rerun drops
+    the same ones); weight 1, PPO against mu, every token in the denominator."""
+    x = prepare_inputs(inputs, use_old=False)
+    count = _matched_drop_count(x, cfg)
+    seed = int(torch.round(x.behaviour_BT.abs().sum() * 1e3).item()) % (2**31)
+    scores = torch.rand(x.delta_BT.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    keep_BT = _drop_ranked(x, scores.to(x.delta_BT.device, x.delta_BT.dtype), count)
+    return finish("matched_random", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT)
+
+
+def with_entr_mask(out: CorrectionOutput, inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """Another correction's output with ENTR's keep rule added (cfg.add_entr_mask): a token is kept
+    when the correction keeps it AND delta^2 / (H + eps) <= tau, delta = log pi_theta / mu. The
+    weight, anchor and denominator stay the correction's: on `naive` (PPO against pi_old, mu
+    unused) this is the paper's claim, ENTR's mask rescuing asynchronous GRPO. Metric
+    `entr/mask_fraction`: the tokens ENTR's rule alone drops."""
+    x = prepare_inputs(inputs, use_old=False)
+    entr_keep_BT = entr_mask(x.delta_BT, x.entropy_BT, cfg.tau, cfg.entr_eps)
+    keep_BT = out.keep_mask_BT & entr_keep_BT
+    metrics = {**out.metrics, "entr/mask_fraction": masked_fraction(~entr_keep_BT, x.valid_BT)}
+    denominator_BT = out.denominator_BT if cfg.counts_rejected else out.denominator_BT & keep_BT
+    return out._replace(weight_BT=torch.where(keep_BT, out.weight_BT, torch.zeros_like(out.weight_BT)),
+                        keep_mask_BT=keep_BT, denominator_BT=denominator_BT, metrics=metrics)

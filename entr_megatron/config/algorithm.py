@@ -17,7 +17,7 @@ AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
 ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
 Correction = Literal[
     "none", "naive", "entr", "entr_calibrated", "entr_soft", "tis", "mis_token", "mis_seq", "mis_geo", "icepop",
-    "kpop", "m2po", "decoupled", "opsm", "trm", "a3po",
+    "kpop", "m2po", "decoupled", "opsm", "trm", "a3po", "matched_band", "matched_random",
 ]
 CORRECTION_NAMES: tuple[str, ...] = get_args(Correction)
 PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll", "dppo_tv", "dppo_kl", "sapo", "vespo"]
@@ -249,6 +249,13 @@ class AlgorithmConfig:
     learner's own routing recorded when the batch's old policy was scored (compute_logprobs). The
     gate probabilities of the replayed experts stay differentiable in both."""
 
+    add_entr_mask: bool = False
+    """ENTR's keep rule (tau, entr_eps, entropy_source) on top of another correction: a token is kept
+    when both keep it; the correction's weight, anchor and denominator stay. `correction: naive`
+    with this is ENTR's mask on asynchronous GRPO (PPO against pi_old), the paper's comparison;
+    `policy_loss: reinforce` with `correction: none` and this asks whether the mask alone is a
+    trust region. Not with the ENTR family or its matched ablations (they are the rule)."""
+
     mask_diagnostics: bool = True
     """Per step, what the mask did on its own tokens (algorithm/mask_diagnostics.py):
     `mask/effective_fraction` (dropped tokens that would otherwise carry a gradient) and
@@ -280,6 +287,12 @@ class AlgorithmConfig:
         choice(self, "routing_replay", RoutingReplay)
         boolean(self, "measure_unreplayed")
         boolean(self, "mask_diagnostics")
+        boolean(self, "add_entr_mask")
+        if self.add_entr_mask and self.correction in ("entr", "entr_calibrated", "entr_soft", "matched_band",
+                                                      "matched_random"):
+            raise bad(self, "add_entr_mask", True,
+                      "must be false: it adds ENTR's rule to another correction, and this one is ENTR's rule "
+                      "(or its matched ablation) already", when=f"correction={self.correction!r}")
         if self.correction_mode == "mask_only" and self.correction in ("tis", "naive"):
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",

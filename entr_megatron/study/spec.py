@@ -14,6 +14,9 @@ optional shared warm-up. Validated completely (every cell's config included) bef
       overrides: {sft.steps: 250}        # on top of base + overrides (needs an `sft` section)
       # model: ../other/warmup/sft/model # or: reuse a finished warm-up (an HF model directory)
     resources: {num_cpus: 2}             # per cell: Ray task resources (num_cpus, num_gpus)
+    methods:                             # optional: named bundles of dotted overrides, gridded
+      dppo: {algorithm.correction: none, algorithm.policy_loss: dppo_tv}   # as the axis `method`
+      naive_entr: {algorithm.correction: naive, algorithm.add_entr_mask: true}
     report:                              # how `study report` groups the cells (all optional)
       method: algorithm.correction
       lag: controller.inter_lag
@@ -42,7 +45,9 @@ from entr_megatron.config.run import RunConfig
 __all__ = ["Cell", "SpecError", "StudySpec", "load_spec"]
 
 SEED_KEY = "controller.seed"
-SPEC_KEYS = ("name", "base", "overrides", "grid", "seeds", "warmup", "resources", "report")
+SPEC_KEYS = ("name", "base", "overrides", "grid", "seeds", "warmup", "resources", "report", "methods")
+METHOD_KEY = "method"
+"""The grid axis whose values name entries of the spec's `methods`: each cell gets that entry's overrides."""
 RESOURCE_KEYS = ("num_cpus", "num_gpus")
 REPORT_KEYS = ("method", "lag", "reference")
 
@@ -95,6 +100,8 @@ class StudySpec:
     warmup: dict[str, Any] | None
     resources: dict[str, float]
     report: dict[str, Any]
+    methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Named bundles of dotted overrides (`method` axis values)."""
 
     @property
     def axes(self) -> list[str]:
@@ -171,6 +178,10 @@ class StudySpec:
         for key, value in self.overrides.items():
             _set(raw, key, value, self.path, "overrides")
         for key, value in axes.items():
+            if key == METHOD_KEY:  # a named bundle of overrides, applied where the axis stands
+                for field, field_value in self.methods[value].items():
+                    _set(raw, field, field_value, self.path, f"methods.{value}")
+                continue
             _set(raw, key, value, self.path, where if key != SEED_KEY else "seeds")
         return raw
 
@@ -243,6 +254,14 @@ def load_spec(path: str | os.PathLike) -> StudySpec:
             need(isinstance(values, list) and len(values) > 0, field, f"must be a non-empty list of values, got {values!r}")
             need(len({repr(v) for v in values}) == len(values), field, f"repeats a value: {values!r}")
             need(key != SEED_KEY, field, "seeds are given by the spec's `seeds` list")
+    methods = data.get("methods") or {}
+    need(isinstance(methods, dict) and all(isinstance(k, str) and isinstance(v, dict) and v for k, v in methods.items()),
+         "methods", "must map method names to non-empty mappings of dotted config keys to values")
+    for g, grid in enumerate(grids):
+        if METHOD_KEY in grid:
+            field = f"grid.{METHOD_KEY}" if len(grids) == 1 else f"grid[{g}].{METHOD_KEY}"
+            unknown = [v for v in grid[METHOD_KEY] if v not in methods]
+            need(not unknown, field, f"{unknown} not among the spec's methods {sorted(methods)}")
     seeds = data.get("seeds", [0])
     need(isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                       for s in seeds) and len(set(seeds)) == len(seeds),
@@ -267,7 +286,8 @@ def load_spec(path: str | os.PathLike) -> StudySpec:
     need(isinstance(report, dict) and set(report) <= set(REPORT_KEYS), "report",
          f"keys must be among {list(REPORT_KEYS)}, got {report!r}")
     spec = StudySpec(path, name, base, base_raw, dict(overrides), [dict(g) for g in grids], list(seeds),
-                     warmup, dict(resources), {"method": None, "lag": None, "reference": None, **report})
+                     warmup, dict(resources), {"method": None, "lag": None, "reference": None, **report},
+                     {k: dict(v) for k, v in methods.items()})
     for key in ("method", "lag"):
         axis = spec.report[key]
         need(axis is None or axis in spec.axes, f"report.{key}", f"{axis!r} is not an axis of the study ({spec.axes})")

@@ -305,6 +305,13 @@ def _reference(name, lp, mu, H, mask, cfg, old, adv=None, versions=None, policy_
             keep[k] = math.exp(judged) <= cfg.decoupled_cap
             weight[k] = 1.0 if mask_only else math.exp(judged)
             anchor[k] = mu[k[0]][k[1]] if mask_only else prox
+    elif name in ("matched_band", "matched_random"):
+        count = sum(delta[k] ** 2 / (H[k[0]][k[1]] + eps) > cfg.tau for k in valid)  # what ENTR drops
+        if name == "matched_band":  # the largest |delta| go, the earlier token first among ties
+            for k in sorted(valid, key=lambda k: (-abs(delta[k]), k))[:count]:
+                keep[k] = False
+        else:  # which ones is the generator's choice: the test checks the count
+            keep = {"count": count}
     else:
         assert name in ("none", "naive")
     if weighted and name != "mis_seq":
@@ -332,7 +339,7 @@ def _random_batch(seed, B=8, T=7):
 
 # Names whose masks the random batch must exercise on both sides (else the test is vacuous).
 MASKING = {"entr", "entr_calibrated", "entr_soft", "mis_token", "mis_seq", "mis_geo", "icepop", "kpop", "m2po", "opsm",
-           "trm"}
+           "trm", "matched_band"}
 
 # Per-row advantages (rows 2 and 3 drift as a whole; row 3's mu sits above pi_theta: OPSM's case)
 # and per-token versions of the random batch, trained at version POLICY_VERSION.
@@ -368,6 +375,12 @@ def test_against_loop_reference(name, with_old, mode):
         name, lp.tolist(), mu.tolist(), H.tolist(), mask.tolist(), cfg, old.tolist() if uses_old else None,
         ADVANTAGES, _versions().tolist(), POLICY_VERSION,
     )
+    if name == "matched_random":
+        assert int((mask & ~out.keep_mask_BT).sum()) == keep["count"] > 0  # ENTR's count, at random
+        assert (out.weight_BT[out.keep_mask_BT] == 1).all() and torch.equal(out.anchor_logprobs_BT[mask], mu[mask])
+        again = CORRECTIONS[name](_full_inputs(lp, mu, H, mask, old if with_old else None), cfg)
+        assert torch.equal(again.keep_mask_BT, out.keep_mask_BT)  # a rerun drops the same tokens
+        return
     got_keep = {k: out.keep_mask_BT[k].item() for k in keep}
     assert got_keep == keep
     assert not out.keep_mask_BT[~mask].any()

@@ -106,3 +106,37 @@ def test_token_labels_travel_from_samples_to_the_micro_batch():
     assert mb.token_labels_BT[0].tolist() == [1, 2, -1]
     with pytest.raises(ValueError, match="token_labels"):
         Sample([5], [7], [-0.2], [0], token_labels=["thinking"])
+
+
+def _grad(cfg, delta, entropy, advantage=1.0):
+    lp = torch.tensor([[MU + d for d in delta]], dtype=F64, requires_grad=True)
+    mu = torch.full_like(lp.detach(), MU)
+    loss, metrics = compute_policy_loss(lp, torch.tensor([entropy], dtype=F64), mu,
+                                        torch.tensor([advantage], dtype=F64), torch.ones_like(mu, dtype=torch.bool), cfg)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return grad[0].tolist(), {k: float(v) for k, v in metrics.items()}
+
+
+def test_entr_mask_on_the_naive_loss_keeps_its_anchor_and_denominator():
+    # naive: PPO against pi_old (= pi_theta before a step: ratio 1), mu unused; ENTR drops tokens 0, 1.
+    grad, m = _grad(AlgorithmConfig(correction="naive", add_entr_mask=True), DELTA, H)
+    assert grad == pytest.approx([0.0, 0.0, -0.25, -0.25])  # the 4 tokens stay in the denominator
+    assert m["entr/mask_fraction"] == 0.5 and m["mask/fraction"] == 0.5
+    grad, _ = _grad(AlgorithmConfig(correction="naive"), DELTA, H)
+    assert grad == pytest.approx([-0.25] * 4)
+    with pytest.raises(ValueError, match="add_entr_mask"):
+        AlgorithmConfig(correction="entr", add_entr_mask=True)
+
+
+def test_matched_ablations_drop_as_many_tokens_as_entr_chosen_otherwise():
+    # ENTR drops only token 3 (S = 0.25 / 0.02 = 12.5); token 0 has the largest |delta| but H = 2
+    # (S = 1 / 2.01): the band at ENTR's fraction drops token 0 instead.
+    delta, entropy = [1.0, -0.3, 0.1, -0.5], [2.0, 1.0, 1.0, 0.01]
+    _, m = _grad(AlgorithmConfig(correction="entr"), delta, entropy)
+    assert m["mask/fraction"] == 0.25
+    grad, m = _grad(AlgorithmConfig(correction="matched_band"), delta, entropy)
+    assert m["matched_band/mask_fraction"] == 0.25
+    r = [math.exp(d) for d in delta]
+    assert grad == pytest.approx([0.0, -r[1] / 4, -r[2] / 4, -r[3] / 4])  # ratios inside PPO's band
+    _, m = _grad(AlgorithmConfig(correction="matched_random"), delta, entropy)
+    assert m["matched_random/mask_fraction"] == 0.25

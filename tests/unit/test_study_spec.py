@@ -206,3 +206,23 @@ def test_cells_run_with_openmp_threads_that_sleep_unless_the_environment_says_ot
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     runner.run_command(["train"], str(tmp_path / "b.log"))
     assert seen[-1]["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_methods_are_named_bundles_of_overrides_gridded_as_the_method_axis(tmp_path):
+    methods = {"dppo": {"algorithm.correction": "none", "algorithm.policy_loss": "dppo_tv"},
+               "naive_entr": {"algorithm.correction": "naive", "algorithm.add_entr_mask": True},
+               "entr": {"algorithm.correction": "entr"}}
+    spec = load_spec(write(tmp_path, {"methods": methods, "grid": {"method": ["dppo", "naive_entr", "entr"],
+                                                                   "controller.inter_lag": [0, 4]},
+                                      "report": {"method": "method", "lag": "controller.inter_lag"}}))
+    cells = {c.id: c for c in spec.cells()}
+    assert len(cells) == 6 and "inter_lag=4,method=naive_entr,seed=0" in cells
+    naive = cells["inter_lag=4,method=naive_entr,seed=0"].config.algorithm
+    assert naive.correction == "naive" and naive.add_entr_mask and naive.policy_loss == "ppo_clip"
+    dppo = cells["inter_lag=0,method=dppo,seed=0"].config.algorithm
+    assert dppo.correction == "none" and dppo.policy_loss == "dppo_tv"
+    with pytest.raises(SpecError, match=r"grid.method: \['kpop'\] not among"):
+        load_spec(write(tmp_path, {"methods": methods, "grid": {"method": ["kpop"]}}))
+    with pytest.raises(SpecError, match="method=dppo.*algorithm.policy_loss='dppo' is not valid"):
+        load_spec(write(tmp_path, {"methods": {"dppo": {"algorithm.policy_loss": "dppo"}},
+                                   "grid": {"method": ["dppo"]}}))
