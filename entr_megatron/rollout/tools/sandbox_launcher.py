@@ -53,6 +53,7 @@ def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.syscall.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p]  # only pivot_root is called
     libc.syscall.restype = ctypes.c_long
     return libc, ctypes.get_errno
 
