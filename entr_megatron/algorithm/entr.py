@@ -13,9 +13,11 @@ import torch
 from torch import Tensor
 
 from entr_megatron.algorithm.masked_ops import float_detached
+from entr_megatron.config.algorithm import AlgorithmConfig
 
-ENTR_DEFAULT_TAU = 0.5
-ENTR_DEFAULT_EPS = 0.01  # the paper's entropy floor
+# One source for each default: the config's (a test checks every CLI flag offering them agrees).
+ENTR_DEFAULT_TAU: float = AlgorithmConfig.tau
+ENTR_DEFAULT_EPS: float = AlgorithmConfig.entr_eps  # the paper's entropy floor
 
 # Median of a chi-square variable with one degree of freedom (= Phi^-1(3/4)^2).
 # If delta ~ N(0, sigma^2 G) then delta^2 / G ~ sigma^2 chi2_1, so

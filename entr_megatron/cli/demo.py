@@ -103,6 +103,7 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--sigma", type=float, default=0.6, help="std of the learner's logit drift since sampling")
     p.add_argument("--noise", type=float, default=0.01, help="fraction of positions with an injected noise token")
-    p.add_argument("--tau", type=float, default=0.5)
+    p.add_argument("--tau", type=float, default=AlgorithmConfig.tau,
+                   help=f"ENTR threshold (default: algorithm.tau's, {AlgorithmConfig.tau:g})")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)

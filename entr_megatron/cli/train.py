@@ -43,7 +43,7 @@ def _load(args) -> object:
         # model.path a learner checkpoint: the run starts from its HF export in run_dir/model_init
         cfg = from_learner_checkpoint(cfg, args.run_dir or cfg.logging.run_dir)
         _preflight(cfg, args.command)
-        check_inputs(cfg, args.command)  # the task's files, the model against parallel.*, ...
+        check_inputs(cfg, args.command)  # the task's files, the model against parallel.*, ...: once (the job is told)
         return cfg
     except (ValueError, FileNotFoundError) as e:
         print(f"entr-megatron {args.command}: invalid config: {e}", file=sys.stderr)
@@ -119,7 +119,7 @@ def run_train(args) -> None:
         print("entr-megatron train: --max-steps must be >= 1", file=sys.stderr)
         sys.exit(2)
     result = _refused("train", job, cfg, args.run_dir, max_steps=args.max_steps,
-                      restart_from_scratch=args.restart_from_scratch)
+                      restart_from_scratch=args.restart_from_scratch, inputs_checked=True)
     print(json.dumps(result, default=str))
 
 
@@ -130,7 +130,7 @@ def run_sft(args) -> None:
     if cfg.sft is None:
         print("entr-megatron sft: the config has no `sft` section", file=sys.stderr)
         sys.exit(2)
-    out = _refused("sft", job, cfg, args.run_dir, steps=args.steps)
+    out = _refused("sft", job, cfg, args.run_dir, steps=args.steps, inputs_checked=True)
     print(json.dumps({"sft_model": str(out)}))
 
 
@@ -155,7 +155,7 @@ def run_eval(args) -> None:
     except ValueError as e:
         print(f"entr-megatron eval: {e}", file=sys.stderr)
         sys.exit(2)
-    print(json.dumps(job(cfg, model, n=args.n, split=args.split)))
+    print(json.dumps(job(cfg, model, n=args.n, split=args.split, inputs_checked=True)))
 
 
 def add_parsers(sub) -> None:

@@ -31,6 +31,9 @@ RouterPolicy = Literal["cache_aware", "round_robin", "random"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """What `rollout.sglang.api_key_env` may hold: the name of an environment variable."""
+DEFAULT_WEIGHT_BUCKET_MIB = 512
+"""rollout.weight_bucket_mib when unset: the one default of a weight-sync bucket's size (the
+learner's sender, the SGLang engine, `WeightSyncConfig`; read as `RolloutConfig.weight_bucket_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +195,17 @@ class EmbeddedConfig:
     wait). Positive, finite."""
 
     def __post_init__(self) -> None:
-        integer(self, "max_batch_size", low=1)
-        integer(self, "max_prefill_tokens", low=1)
-        integer(self, "num_threads", low=1, optional=True)
+        check_embedded_limits(self)
         number(self, "health_timeout_s", low=0, high=math.inf, low_open=True, high_open=True)
+
+
+def check_embedded_limits(section) -> None:
+    """The limits `EmbeddedConfig` shares with the engine's own `EmbeddedEngineConfig`
+    (rollout/embedded_protocol.py), checked by this one validator for both: batch size,
+    prefill tokens (>= 1) and threads (None or >= 1). Errors name `section`'s SECTION."""
+    integer(section, "max_batch_size", low=1)
+    integer(section, "max_prefill_tokens", low=1)
+    integer(section, "num_threads", low=1, optional=True)
 
 
 @dataclass(frozen=True)
@@ -277,7 +287,7 @@ class RolloutConfig:
     it. None: the engine's default (embedded keep, sglang recompute)."""
 
     weight_bucket_mib: int | None = None
-    """Size of one weight-sync bucket in MiB. None: 512. >= 1."""
+    """Size of one weight-sync bucket in MiB. None: DEFAULT_WEIGHT_BUCKET_MIB (512). >= 1."""
 
     weight_snapshot: WeightSnapshot = "borrow"
     """How the learner holds the weights it is sending (one of WEIGHT_SNAPSHOTS). 'borrow': parameters
@@ -351,7 +361,6 @@ class RolloutConfig:
     def weight_bucket_bytes(self) -> int:
         """Bytes of one weight-sync bucket: weight_bucket_mib, or DEFAULT_WEIGHT_BUCKET_MIB when unset."""
         return (self.weight_bucket_mib or DEFAULT_WEIGHT_BUCKET_MIB) << 20
-
 
     @property
     def gpus_needed(self) -> int:

@@ -173,6 +173,12 @@ class RunConfig:
                 )
 
     @property
+    def records_routes(self) -> bool:
+        """Whether the engines return MoE routes: asked for (rollout.record_routes), or replayed by
+        R3 (algorithm.routing_replay 'r3'), which needs them."""
+        return self.rollout.record_routes or self.algorithm.routing_replay == "r3"
+
+    @property
     def global_batch_size(self) -> int:
         """Sequences per training step."""
         return self.rollout.prompts_per_step * self.rollout.sampling.n

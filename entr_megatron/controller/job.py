@@ -112,13 +112,16 @@ def check_model_layout(cfg: RunConfig) -> None:
 
 
 def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_steps: int | None = None,
-              restart_from_scratch: bool = False) -> dict:
+              restart_from_scratch: bool = False, *, inputs_checked: bool = False) -> dict:
     """SFT (once), then RL until `controller.train_steps` (or `max_steps` more this start); returns
     {"start_step", "eval_before", "steps", "wall_s", "step_s_mean", "stopped"} and, once the last
     step is done, "eval_after". The run directory is locked for the job (RunLockedError when
-    another job holds it); RL resumes from its newest good checkpoint (`resume_point`)."""
+    another job holds it); RL resumes from its newest good checkpoint (`resume_point`).
+    `inputs_checked`: the caller ran `check_inputs(cfg, "train")` already (the CLI does, to report
+    an invalid config before anything starts), so it is not run again."""
     paths = RunPaths(Path(run_dir or cfg.logging.run_dir))
-    check_inputs(cfg, "train")  # before anything is written
+    if not inputs_checked:
+        check_inputs(cfg, "train")  # before anything is written
     tokenizer = tokenizer_for(cfg)
     task = build_task(cfg, tokenizer)  # reads the data files: bad ones fail before config.yaml is rewritten
     with RunLock(paths.root, "train") as lock:
@@ -213,22 +216,28 @@ def _train(cfg: RunConfig, paths: RunPaths, task: Any, start_dir: Path, processe
     return out
 
 
-def run_sft(cfg: RunConfig, run_dir: str | os.PathLike | None = None, steps: int | None = None) -> Path:
-    """The supervised warm-up alone (`sft.steps`, or `steps`); returns run_dir/sft/model."""
+def run_sft(cfg: RunConfig, run_dir: str | os.PathLike | None = None, steps: int | None = None, *,
+            inputs_checked: bool = False) -> Path:
+    """The supervised warm-up alone (`sft.steps`, or `steps`); returns run_dir/sft/model.
+    `inputs_checked`: as for `run_train`."""
     paths = RunPaths(Path(run_dir or cfg.logging.run_dir))
-    check_inputs(cfg, "sft")  # before anything is written
+    if not inputs_checked:
+        check_inputs(cfg, "sft")  # before anything is written
     tokenizer = tokenizer_for(cfg)
     task = build_task(cfg, tokenizer)
     with RunLock(paths.root, "sft"):
         return warm_up(cfg, paths, prepare_model(cfg, paths, tokenizer), task, steps=steps)
 
 
-def run_eval(cfg: RunConfig, model: Path, n: int | None = None, split: str = "test") -> dict:
+def run_eval(cfg: RunConfig, model: Path, n: int | None = None, split: str = "test", *,
+             inputs_checked: bool = False) -> dict:
     """Accuracy of the HF model in `model` on `n` (default `task.eval_size`) problems of the config's
-    task (`split`: held-out "test", or "train"), with its own tokenizer when it has one."""
+    task (`split`: held-out "test", or "train"), with its own tokenizer when it has one.
+    `inputs_checked`: as for `run_train`."""
     from entr_megatron.rollout.tasks import load_tokenizer
 
-    check_inputs(cfg, "eval")
+    if not inputs_checked:
+        check_inputs(cfg, "eval")
     if cfg.rollout.engine == "embedded":  # one engine is plenty for an evaluation
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=1))
     has_tokenizer = (model / "tokenizer.json").exists() or (model / "tokenizer_config.json").exists()

@@ -112,7 +112,7 @@ class SGLangServers:
                     pass  # not in one (a relaunched server), or it left with a dead learner
                 client.update_weight_version("-1", abort_all_requests=False)
         r = self.cfg.rollout
-        group.call("connect_weight_sync", address, port, (), (r.weight_bucket_mib or 512) << 20, None,
+        group.call("connect_weight_sync", address, port, (), r.weight_bucket_bytes, None,
                    sglang=self.engine_config(indices), snapshot=r.weight_snapshot)
 
     def relaunch(self, index: int) -> None:
@@ -139,7 +139,6 @@ def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
     from entr_megatron.controller.sglang_setup import (
         check_launch,
         model_vocab_size,
-        records_routes,
         route_layout,
         sglang_wire_dtype,
     )
@@ -147,7 +146,7 @@ def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
 
     r, s = cfg.rollout, cfg.rollout.sglang
     log_dir = Path(log_dir) if log_dir is not None else Path(cfg.logging.run_dir) / "sglang"
-    routes = route_layout(model_dir) if records_routes(cfg) else None
+    routes = route_layout(model_dir) if cfg.records_routes else None
     kwargs = dict(weight_dtype=sglang_wire_dtype(cfg), routes=routes, vocab_size=model_vocab_size(model_dir))
     if s.urls is None:
         check_launch(cfg)

@@ -39,8 +39,8 @@ from entr_megatron.rollout.engine import (
 )
 from entr_megatron.rollout.sglang import RouteLayout, SGLangEngine
 
-__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "records_routes",
-           "route_layout", "sglang_engine", "sglang_wire_dtype"]
+__all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "route_layout",
+           "sglang_engine", "sglang_wire_dtype"]
 
 
 def sglang_wire_dtype(cfg: RunConfig) -> str | None:
@@ -58,11 +58,6 @@ def model_vocab_size(model_dir: Path) -> int | None:
         return None
     size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
-
-
-def records_routes(cfg: RunConfig) -> bool:
-    """Whether the engines return MoE routes: asked for, or replayed by R3."""
-    return cfg.rollout.record_routes or cfg.algorithm.routing_replay == "r3"
 
 
 def route_layout(model_dir: Path) -> RouteLayout | None:
@@ -91,7 +86,7 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
     """One SGLangEngine over the run's servers (launched here on `rollout.sglang.host`, with a router
     when asked, or given by `rollout.sglang.urls`: sglang_servers.start_servers); their shutdown on
     `stack`. With `rollout.sglang.api_key_env` the servers, the router and every client get the key.
-    Recording routes (`records_routes`) of an MoE model, the servers launched here get
+    Recording routes (`RunConfig.records_routes`) of an MoE model, the servers launched here get
     --enable-return-routed-experts and the engine asks for the routes (`route_layout`)."""
     from entr_megatron.controller.sglang_servers import start_servers
 

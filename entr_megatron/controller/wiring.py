@@ -36,8 +36,9 @@ from typing import Any
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S
 from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
-from entr_megatron.controller.remote import ABANDON_TIMEOUT_S, RemoteLearner, RemotePusher
+from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, start_servers
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions, sglang_engine
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
@@ -92,7 +93,7 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
     wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
     wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype
     timeout = cfg.rollout.push_timeout_s  # also gloo's: a stopped member cannot hold the senders longer
-    pusher.group.call("connect_weight_sync", address, base_port, (1,) * len(engines), _bucket_bytes(cfg),
+    pusher.group.call("connect_weight_sync", address, base_port, (1,) * len(engines), cfg.rollout.weight_bucket_bytes,
                       wire_dtype, timeout_s=timeout, snapshot=cfg.rollout.weight_snapshot)
     pusher.engines = list(engines)
     pusher.receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
@@ -225,10 +226,6 @@ RELAUNCHERS: dict[str, Callable[..., RemotePusher]] = {"embedded": _reconnect_em
 """rollout.engine -> how relaunched learner ranks are connected to the running engines."""
 
 
-def _bucket_bytes(cfg: RunConfig) -> int:
-    return (cfg.rollout.weight_bucket_mib or 512) << 20
-
-
 def _start_with_learner(cfg: RunConfig, model_dir: Path, stack: ExitStack, start_engines: Callable[[], Any]):
     """The RL learner ranks and `start_engines()`: local ranks are spawned first and load (import
     Megatron, build the model) while the engines start. The ranks' shutdown goes on `stack` after
@@ -302,9 +299,7 @@ def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
     from entr_megatron.rollout.embedded import EmbeddedEngineConfig
 
     return EmbeddedEngineConfig.from_config(cfg.rollout, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
-                                            seed=cfg.controller.seed + index,
-                                            record_routes=cfg.rollout.record_routes
-                                            or cfg.algorithm.routing_replay == "r3")  # R3 replays them
+                                            seed=cfg.controller.seed + index, record_routes=cfg.records_routes)
 
 
 def _ray_init(cfg: RunConfig) -> None:

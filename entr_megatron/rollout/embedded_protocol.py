@@ -22,7 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from entr_megatron.config.rollout import KV_ON_UPDATE, QUANTIZE, QUANTIZE_SCALES, RolloutConfig
+from entr_megatron.config.rollout import (
+    KV_ON_UPDATE,
+    QUANTIZE,
+    QUANTIZE_SCALES,
+    EmbeddedConfig,
+    RolloutConfig,
+    check_embedded_limits,
+)
+from entr_megatron.config.validate import integer
 from entr_megatron.rollout.engine import EngineError, GenerateRequest, GenerateResult, WeightReceiver
 from entr_megatron.rollout.hf_model import DTYPES, INITS
 from entr_megatron.rollout.weights import TensorSpec, WeightBucket
@@ -59,7 +67,11 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclass(frozen=True)
 class EmbeddedEngineConfig:
-    """Settings of one embedded engine (the engine process is spawned with it)."""
+    """Settings of one embedded engine (the engine process is spawned with it). The limits it
+    shares with the run's `rollout.embedded` section (`EmbeddedConfig`) take that section's
+    defaults and its validator (`check_embedded_limits`)."""
+
+    SECTION = "EmbeddedEngineConfig"  # how a validation error names a field
 
     model_dir: str
     """Directory with the HF config.json (and, unless init="random", the checkpoint)."""
@@ -71,16 +83,16 @@ class EmbeddedEngineConfig:
     seed: int = 0
     """Random init, and the seeds of requests that bring none."""
     attn_implementation: str = "sdpa"
-    max_batch_size: int = 32
+    max_batch_size: int = EmbeddedConfig.max_batch_size
     """Samples decoded together; more wait."""
     max_model_len: int | None = None
     """Prompt + response limit (finish_reason "length"); default: the config's max_position_embeddings."""
-    max_prefill_tokens: int = 8192
+    max_prefill_tokens: int = EmbeddedConfig.max_prefill_tokens
     """Padded prompt tokens admitted in one prefill (at least one request is always admitted)."""
     kv_on_update: str = "keep"
     """After a weight swap: "keep" the KV cache computed by the previous weights (in-flight update,
     no stall) or "recompute" it with the new weights (the swap then blocks for one prefill)."""
-    num_threads: int | None = None
+    num_threads: int | None = EmbeddedConfig.num_threads
     """torch intra-op threads of the engine process (None: torch's default)."""
     weight_bucket_bytes: int = 64 << 20
     """Bytes per shared-memory bucket when weights go through the engine's own queue."""
@@ -127,12 +139,10 @@ class EmbeddedEngineConfig:
         one_of("quantize_scale", QUANTIZE_SCALES)
         if self.quantize_activations and self.quantize == "none":
             raise ValueError("EmbeddedEngineConfig.quantize_activations needs quantize 'fp8', got quantize 'none'")
-        for name in ("max_batch_size", "max_prefill_tokens", "weight_bucket_bytes", "weight_queue_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EmbeddedEngineConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("max_model_len", "num_threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"EmbeddedEngineConfig.{name} must be None or >= 1, got {getattr(self, name)!r}")
+        check_embedded_limits(self)
+        for name in ("weight_bucket_bytes", "weight_queue_depth"):
+            integer(self, name, low=1)
+        integer(self, "max_model_len", low=1, optional=True)
 
 
 class ProtocolError(EngineError):

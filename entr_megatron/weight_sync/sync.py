@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from entr_megatron.config.rollout import DEFAULT_WEIGHT_BUCKET_MIB
 from entr_megatron.rollout.engine import WeightUpdateReport
 from entr_megatron.utils.buckets import dtype_from_name
 from entr_megatron.weight_sync.buckets import plan_buckets
@@ -68,7 +69,7 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 class WeightSyncConfig:
     """How one stage's weights travel."""
 
-    bucket_bytes: int = 512 << 20
+    bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_MIB << 20
     """Bytes per flat bucket (one header each; `BucketTransport` sends its bytes in `chunk_bytes`
     broadcasts, each once copied); a larger tensor travels alone in a bucket of its size. Fewer,
     larger buckets are faster: the receivers stall briefly at each bucket's header."""

@@ -165,13 +165,11 @@ def test_routing_replay_config_names_the_field():
     # an unquoted `off` in a YAML file is PyYAML's false: it means 'off'
     assert load_config(None, ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
     # SGLang records routes too (servers with --enable-return-routed-experts, rollout/sglang/protocol.py)
-    from entr_megatron.controller.sglang_setup import records_routes
-
     on_gpus = ["rollout.engine=sglang", "launcher.device=cuda", "launcher.gpus_per_node=2"]
     r3 = load_config(None, ["algorithm.routing_replay=r3", *on_gpus])
-    assert r3.algorithm.routing_replay == "r3" and records_routes(r3) and not r3.rollout.record_routes
+    assert r3.algorithm.routing_replay == "r3" and r3.records_routes and not r3.rollout.record_routes
     assert RolloutConfig(engine="sglang", dtype="auto", record_routes=True).record_routes
-    assert not records_routes(load_config(None, on_gpus))
+    assert not load_config(None, on_gpus).records_routes
 
 
 def test_sglang_route_layout_comes_from_the_model_config(tmp_path):

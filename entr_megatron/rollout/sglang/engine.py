@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from entr_megatron.config.rollout import RolloutConfig
+from entr_megatron.config.rollout import DEFAULT_WEIGHT_BUCKET_MIB, RolloutConfig
 from entr_megatron.rollout.engine import (
     EngineError,
     EngineHealth,
@@ -92,7 +92,7 @@ class SGLangEngineConfig:
     kv_on_update: str = "recompute"
     """See KV_ON_UPDATE: "recompute" (SGLang "retract" pause) or "keep" ("in_place")."""
     group_name: str = "weight_update_group"
-    weight_bucket_bytes: int = 512 << 20
+    weight_bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_MIB << 20
     weight_dtype: str | None = None
     """Cast floating tensors to this torch dtype name while packing (e.g. "bfloat16"); None: as given."""
     flattened_buckets: bool = True
@@ -120,7 +120,7 @@ class SGLangEngineConfig:
         fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype, routes=routes,
                       max_concurrent_requests=s.max_concurrent_requests * len(urls),
                       kv_on_update=rollout.kv_on_update or "recompute",
-                      weight_bucket_bytes=(rollout.weight_bucket_mib or 512) << 20,
+                      weight_bucket_bytes=rollout.weight_bucket_bytes,
                       request_timeout_s=s.request_timeout_s, generate_timeout_s=s.generate_timeout_s,
                       weight_update_timeout_s=s.weight_update_timeout_s, retries=s.http_retries,
                       retry_backoff_s=s.retry_backoff_s, api_key_env=s.api_key_env)
