@@ -159,8 +159,8 @@ def hf_to_megatron(args) -> None:
     spec = models.get_family(config).spec(config)  # an unknown model_type lists the supported ones
     _check_layout(spec, args.tp, args.pp, args.ep)
     if source.tokenizer_missing:
-        _say(f"warning: --hf {source.tokenizer_missing}: the checkpoint gets no tokenizer "
-             f"({ASSETS_DIR}/ is not written); `train` with model.path {args.out} will need model.tokenizer "
+        _say(f"warning: --hf {source.tokenizer_missing}: the checkpoint's {ASSETS_DIR}/ gets no tokenizer; "
+             f"`train` with model.path {args.out} will need model.tokenizer "
              f"(a directory with {' or '.join(TOKENIZER_FILES[:2])}), and `convert megatron-to-hf` from it --tokenizer")
     with HfCheckpoint(hf) as ckpt:
         skipped = check_hf_checkpoint(ckpt, spec, args.allow_unmapped)  # every tensor named and shaped

@@ -107,9 +107,9 @@ def test_a_missing_tokenizer_is_a_warning_naming_what_train_needs(tmp_path, caps
     code, err = _convert(capsys, "--hf", str(src), "--out", str(out))
     assert code == 0, err
     assert (f"warning: --hf {src} has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
-            f"vocab.json): the checkpoint gets no tokenizer (hf_assets/ is not written); `train` with model.path "
-            f"{out} will need model.tokenizer") in err, err
-    assert not (out / "hf_assets").exists()
+            f"vocab.json): the checkpoint's hf_assets/ gets no tokenizer; `train` with model.path {out} will need "
+            "model.tokenizer") in err, err
+    assert not (out / "hf_assets").exists()  # nothing to hold (no generation_config.json either): not made empty
     code, err = _convert(capsys, "--hf", str(write_model_dir(tmp_path / "t")), "--out", str(tmp_path / "ckpt2"))
     assert code == 0 and "warning" not in err, err
     assert sorted(os.listdir(tmp_path / "ckpt2" / "hf_assets")) == ["tokenizer_config.json"]
