@@ -20,7 +20,7 @@ import pytest
 
 from entr_megatron.rollout.tools import sandbox as sandbox_mod
 from entr_megatron.rollout.tools import sandbox_launcher
-from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable
+from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
@@ -365,7 +365,8 @@ def test_tool_still_works_inside_scratch():
     code = (
         "import json, math, re, readline, sqlite3, sys, zipfile, os\n"
         "con = sqlite3.connect('t.db')\ncon.execute('create table t (x)')\n"
-        "con.execute(\"insert into t values ('row')\")\ncon.commit()\nprint(con.execute('select x from t').fetchall())\n"
+        "con.execute(\"insert into t values ('row')\")\ncon.commit()\n"
+        "print(con.execute('select x from t').fetchall())\n"
         "open('hist', 'w').write('first\\nsecond\\n')\nreadline.read_history_file('hist')\n"
         "print(readline.get_history_item(2))\n"
         "with zipfile.ZipFile('m.zip', 'w') as z:\n    z.writestr('inzip.py', 'Y = 7')\n"

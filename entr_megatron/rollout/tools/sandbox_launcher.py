@@ -17,9 +17,10 @@ Run as a script (importing it only defines names): `PythonSandbox` runs this fil
    of the namespace dies with it.
 
 The user namespace maps the host's uid to a non-zero one (SANDBOX_ID): after the exec the child
-holds no capability in it, so it can neither undo a mount nor leave the new root. If the private root cannot be built, the launcher
-writes `REFUSED` and a reason to stderr and exits `REFUSED_EXIT`, unless the config allows weaker
-containment (then the audit hook of stage 2 is the only wall for files).
+holds no capability in it, so it can neither undo a mount nor leave the new root. If the private
+root cannot be built, the launcher writes `REFUSED` and a reason to stderr and exits
+`REFUSED_EXIT`, unless the config allows weaker containment (then the audit hook of stage 2 is
+the only wall for files).
 """
 
 import json
@@ -32,7 +33,8 @@ import sys
 REFUSED = "sandbox: refused: reads cannot be confined by the kernel here"
 REFUSED_EXIT = 125
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
@@ -84,7 +86,8 @@ def elf_interpreter(path):
             kind, = struct.unpack_from(order + "I", entry, 0)
             if kind != 3:  # PT_INTERP
                 continue
-            offset, size = struct.unpack_from(order + ("QxxxxxxxxxxxxxxxxQ" if wide else "I8xI"), entry, 8 if wide else 4)
+            # p_offset and p_filesz (p_vaddr and p_paddr between them)
+            offset, size = struct.unpack_from(order + ("Q16xQ" if wide else "I8xI"), entry, 8 if wide else 4)
             f.seek(offset)
             return f.read(size).rstrip(b"\0").decode()
     return None
@@ -196,8 +199,8 @@ def enter_namespaces(libc):
     user namespace our uid and gid become SANDBOX_ID (files we create in the tmpfs need a mapped
     owner; a non-zero one keeps no capability after the exec)."""
     uid, gid = os.getuid(), os.getgid()
-    for flags in (CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID, CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID,
-                  CLONE_NEWUSER | CLONE_NEWNET):
+    user_net = CLONE_NEWUSER | CLONE_NEWNET
+    for flags in (user_net | CLONE_NEWNS | CLONE_NEWPID, user_net | CLONE_NEWPID, user_net):
         if libc.unshare(flags) == 0:
             try:
                 for name, text in (("setgroups", "deny"), ("uid_map", f"{SANDBOX_ID} {uid} 1"),
