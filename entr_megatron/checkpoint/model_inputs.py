@@ -105,7 +105,7 @@ def check_tokenizer_dir(path: str | os.PathLike, what: str) -> None:
         return
     problem = tokenizer_problem(path)
     if problem is not None:
-        raise ValueError(f"{what} {path}: {problem}")
+        raise ValueError(f"{what} {path}: {problem.removeprefix(f'{Path(path)} ')}")
 
 
 def check_model_dir(path: str | os.PathLike, what: str, *, weights: bool = True, tokenizer: bool = True,
