@@ -45,7 +45,7 @@ def _install_timers(timers: _Timers) -> None:
     from entr_megatron.learner import train_step as ts
     from entr_megatron.parallel import vocab_parallel as vp
 
-    fn_cls = vp._VocabParallelLogProbEntropy
+    fn_cls = vp.VocabParallelLogProbEntropy
     fwd, bwd = fn_cls.forward, fn_cls.backward
 
     def timed_forward(ctx, *args):

@@ -40,6 +40,7 @@ from typing import Any
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.sglang_setup import check_launch, model_vocab_size, route_layout, sglang_wire_dtype
 from entr_megatron.rollout.sglang import (
     ManagedProcess,
     SGLangClient,
@@ -50,7 +51,7 @@ from entr_megatron.rollout.sglang import (
 )
 from entr_megatron.utils.spawn import free_port
 
-__all__ = ["PROBE_MAX_INTERVAL_S", "SGLangServers", "ServerRecovery", "start_servers"]
+__all__ = ["PROBE_MAX_INTERVAL_S", "SGLangServers", "ServerRecovery", "sglang_engine", "start_servers"]
 
 PROBE_MAX_INTERVAL_S = 60.0
 """Longest wait between two /health probes of a server given by URL that dropped out."""
@@ -133,15 +134,20 @@ class SGLangServers:
         terminate_all([p for p in self.processes if p is not None])
 
 
+def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:
+    """One SGLangEngine over the run's servers (launched here on `rollout.sglang.host`, with a router
+    when asked, or given by `rollout.sglang.urls`: `start_servers`); their shutdown on `stack`.
+    With `rollout.sglang.api_key_env` the servers, the router and every client get the key.
+    Recording routes (`RunConfig.records_routes`) of an MoE model, the servers launched here get
+    --enable-return-routed-experts and the engine asks for the routes (sglang_setup.route_layout)."""
+    engine = start_servers(cfg, model_dir, stack, log_dir).one_engine()
+    stack.callback(engine.shutdown)
+    return engine
+
+
 def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangServers:
     """The run's servers: launched here on `rollout.sglang.host` (with a router when asked) or
-    given by `rollout.sglang.urls`; their shutdown on `stack` (see sglang_setup.sglang_engine)."""
-    from entr_megatron.controller.sglang_setup import (
-        check_launch,
-        model_vocab_size,
-        route_layout,
-        sglang_wire_dtype,
-    )
+    given by `rollout.sglang.urls`; their shutdown on `stack` (see `sglang_engine`)."""
     from entr_megatron.rollout.sglang import RouterConfig, launch_router, launch_servers
 
     r, s = cfg.rollout, cfg.rollout.sglang

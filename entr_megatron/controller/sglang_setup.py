@@ -1,5 +1,6 @@
-"""SGLang engines for the training job: servers launched on this node or given by URL, and the
-controller's view of their weight version.
+"""What the training job decides about its SGLang servers before and around them (the servers
+themselves: sglang_servers.py): where they may be launched (`check_launch`), the wire dtype, the
+vocabulary size and MoE route layout of the model, and the controller's view of their weight version.
 
 The controller drives the servers through an SGLangEngine for generation only; weight updates run
 on learner rank 0, whose SGLangTransport holds a second SGLangEngine over the same servers (built
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterable, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,10 @@ from entr_megatron.rollout.engine import (
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.sglang import RouteLayout, SGLangEngine
+from entr_megatron.rollout.sglang import RouteLayout
 
 __all__ = ["PushedVersionView", "check_launch", "forget_server_versions", "model_vocab_size", "route_layout",
-           "sglang_engine", "sglang_wire_dtype"]
+           "sglang_wire_dtype"]
 
 
 def sglang_wire_dtype(cfg: RunConfig) -> str | None:
@@ -80,19 +80,6 @@ def route_layout(model_dir: Path) -> RouteLayout | None:
     moe_layers = spec.moe_layers if spec.first_k_dense else None
     return RouteLayout(num_layers=spec.num_layers, top_k=spec.moe_router_topk, num_experts=spec.num_experts,
                        moe_layers=moe_layers)
-
-
-def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangEngine:
-    """One SGLangEngine over the run's servers (launched here on `rollout.sglang.host`, with a router
-    when asked, or given by `rollout.sglang.urls`: sglang_servers.start_servers); their shutdown on
-    `stack`. With `rollout.sglang.api_key_env` the servers, the router and every client get the key.
-    Recording routes (`RunConfig.records_routes`) of an MoE model, the servers launched here get
-    --enable-return-routed-experts and the engine asks for the routes (`route_layout`)."""
-    from entr_megatron.controller.sglang_servers import start_servers
-
-    engine = start_servers(cfg, model_dir, stack, log_dir).one_engine()
-    stack.callback(engine.shutdown)
-    return engine
 
 
 def check_launch(cfg: RunConfig) -> None:

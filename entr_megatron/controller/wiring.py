@@ -39,8 +39,8 @@ from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S
 from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
-from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, start_servers
-from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions, sglang_engine
+from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
+from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
 from entr_megatron.utils.spawn import free_port_range

@@ -12,7 +12,7 @@ forward, per tile (t: a chunk of tokens, c: a chunk of this rank's columns)
                                                 inputs logits rounded to that dtype,
                                                 exactly as the unfused output layer)
   the tile's statistics (m, s, sy, zt[, q]) come from the unfused op's own step
-  ``_VocabParallelLogProbEntropy.local_stats``, and are folded into the running
+  ``VocabParallelLogProbEntropy.local_stats``, and are folded into the running
   per-token statistics of this rank by an online log-sum-exp (``fold_stats``, the
   same exact merge as the ranks' statistics get after the all-gather):
     m'  = max(m, m_c),   a = exp(m - m'),   a_c = exp(m_c - m')
@@ -53,14 +53,12 @@ the logits and writes their gradient, followed by the same two gradient GEMMs.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
+from entr_megatron.parallel.triton_env import triton_available, triton_interpreting
 from entr_megatron.parallel.vocab_parallel import (
-    _VocabParallelLogProbEntropy,
-    _group_rank_size,
+    VocabParallelLogProbEntropy,
+    group_rank_size,
     check_vocab_and_targets,
 )
 
@@ -80,7 +78,7 @@ _DEFAULT_CHUNK_VOCAB = 4096
 # kernel needs no buffer at all.
 _TRITON_TILE_ELEMENTS = 1 << 24
 
-_Ops = _VocabParallelLogProbEntropy  # the unfused op's named steps, shared here
+_Ops = VocabParallelLogProbEntropy  # the unfused op's named steps, shared here
 
 
 def default_tile_shape(n_tokens: int, width: int, chunk_tokens=None, chunk_vocab=None,
@@ -181,7 +179,7 @@ class _FusedLinearLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, group, temperature, vocab_size, chunk_tokens, chunk_vocab,
                 return_collision, use_triton):
-        rank, world = _group_rank_size(group)
+        rank, world = group_rank_size(group)
         vocab_start = rank * weight.shape[0]
         # valid_columns reads the shard width from the last dim: W^T is [h, V/tp] (a view).
         width = _Ops.valid_columns(weight.t(), rank, vocab_size)
@@ -312,16 +310,6 @@ def vocab_parallel_linear_logprobs_entropy(
         hidden, weight, targets.long(), group, float(temperature), vocab_size, chunk_tokens, chunk_vocab,
         bool(return_collision), use_triton,
     )
-
-
-def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (it is not imported here)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _use_triton(backend: str, hidden) -> bool:

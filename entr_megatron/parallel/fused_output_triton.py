@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from entr_megatron.parallel.fused_output import triton_interpreting
-from entr_megatron.parallel.vocab_parallel import _VocabParallelLogProbEntropy as _Ops
+from entr_megatron.parallel.triton_env import triton_interpreting
+from entr_megatron.parallel.vocab_parallel import VocabParallelLogProbEntropy as _Ops
 
 __all__ = [
     "default_splits", "interpreter_ready", "kernels", "local_stats", "logits_grad_tile",

@@ -34,7 +34,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_vocab_and_targets", "vocab_parallel_logprobs_entropy", "default_chunk_size"]
+__all__ = [
+    "VocabParallelLogProbEntropy",
+    "check_vocab_and_targets",
+    "default_chunk_size",
+    "group_rank_size",
+    "vocab_parallel_logprobs_entropy",
+]
 
 # Elements per [chunk, V/tp] fp32 buffer when chunk_size is not given: 2 MiB
 # buffers stay cache-resident on common CPUs and are large enough that per-chunk
@@ -51,14 +57,16 @@ def default_chunk_size(vocab_shard: int) -> int:
     return max(1, _DEFAULT_CHUNK_ELEMENTS // max(vocab_shard, 1))
 
 
-def _group_rank_size(group) -> tuple[int, int]:
+def group_rank_size(group) -> tuple[int, int]:
+    """(rank, world size) in `group`; (0, 1) for None (one rank)."""
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class _VocabParallelLogProbEntropy(torch.autograd.Function):
-    """Autograd function; the math is split into the named static steps below."""
+class VocabParallelLogProbEntropy(torch.autograd.Function):
+    """Autograd function; the math is split into the named static steps below, which the fused
+    output op (fused_output.py) and its Triton kernels (fused_output_triton.py) share."""
 
     @staticmethod
     def local_stats(logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, buf_e, n_stats):
@@ -112,7 +120,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def merge_stats(stats_RNC):
         """Exact log-sum-exp merge of the ranks' ``[R, N, C]`` statistics -> (logprob_N, entropy_N, logZ_N)."""
-        folded = _VocabParallelLogProbEntropy.fold_stats(stats_RNC[..., :_SUM_EXP2])
+        folded = VocabParallelLogProbEntropy.fold_stats(stats_RNC[..., :_SUM_EXP2])
         sum_exp = folded[:, _SUM_EXP]
         log_sum = torch.log(sum_exp)
         log_z = folded[:, _MAX] + log_sum
@@ -123,7 +131,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def merge_collision(stats_RNC):
         """Exact merge of the q column -> collision_N = 1 - sum_j p_j^2 = 1 - Q / S^2."""
-        folded = _VocabParallelLogProbEntropy.fold_stats(stats_RNC)
+        folded = VocabParallelLogProbEntropy.fold_stats(stats_RNC)
         return 1.0 - folded[:, _SUM_EXP2] / folded[:, _SUM_EXP].square()
 
     @staticmethod
@@ -184,9 +192,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, temperature, chunk_size, vocab_size, return_collision):
-        rank, world = _group_rank_size(group)
+        rank, world = group_rank_size(group)
         vocab_start = rank * logits.shape[-1]
-        width = _VocabParallelLogProbEntropy.valid_columns(logits, rank, vocab_size)
+        width = VocabParallelLogProbEntropy.valid_columns(logits, rank, vocab_size)
         # Padding columns are simply not looked at: a narrowed view, no copy.
         logits_NV = logits.reshape(-1, logits.shape[-1])[:, :width]
         targets_N = targets.reshape(-1)
@@ -196,21 +204,21 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         n_stats = 5 if return_collision else 4
         if width > 0:
             buf_y = torch.empty(chunk, width, dtype=torch.float32, device=logits.device)
-            stats = _VocabParallelLogProbEntropy.local_stats(
+            stats = VocabParallelLogProbEntropy.local_stats(
                 logits_NV, targets_N, vocab_start, inv_temp, chunk, buf_y, torch.empty_like(buf_y), n_stats
             )
             del buf_y
         else:
-            stats = _VocabParallelLogProbEntropy.padding_stats(targets_N.numel(), n_stats, logits.device)
-        gathered = _VocabParallelLogProbEntropy.gather_stats(stats, group, world)
-        logprob, entropy, log_z = _VocabParallelLogProbEntropy.merge_stats(gathered)
+            stats = VocabParallelLogProbEntropy.padding_stats(targets_N.numel(), n_stats, logits.device)
+        gathered = VocabParallelLogProbEntropy.gather_stats(stats, group, world)
+        logprob, entropy, log_z = VocabParallelLogProbEntropy.merge_stats(gathered)
 
         ctx.save_for_backward(logits, targets_N, log_z, entropy)
         ctx.vocab_start, ctx.inv_temp, ctx.chunk, ctx.width = vocab_start, inv_temp, chunk, width
         out_shape = logits.shape[:-1]
         if not return_collision:
             return logprob.view(out_shape), entropy.view(out_shape)
-        collision = _VocabParallelLogProbEntropy.merge_collision(gathered).view(out_shape)
+        collision = VocabParallelLogProbEntropy.merge_collision(gathered).view(out_shape)
         ctx.mark_non_differentiable(collision)
         return logprob.view(out_shape), entropy.view(out_shape), collision
 
@@ -229,7 +237,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         if width < vocab_shard:
             grad_NV[:, width:] = 0
         if width > 0:
-            _VocabParallelLogProbEntropy.logits_grad(
+            VocabParallelLogProbEntropy.logits_grad(
                 logits.reshape(-1, vocab_shard)[:, :width], targets_N, log_z, entropy, g_lp, g_h,
                 ctx.vocab_start, ctx.inv_temp, ctx.chunk,
                 torch.empty(ctx.chunk, width, dtype=torch.float32, device=logits.device), grad_NV[:, :width],
@@ -240,7 +248,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 def check_vocab_and_targets(targets, vocab_shard: int, group, vocab_size: int | None) -> None:
     """``vocab_size`` within the sharded vocabulary (``vocab_shard`` x the group's ranks) and every
     target id a real one; raises ValueError naming the numbers."""
-    _, world = _group_rank_size(group)
+    _, world = group_rank_size(group)
     vocab = vocab_shard * world
     if vocab_size is not None:
         if not 0 < vocab_size <= vocab:
@@ -291,6 +299,6 @@ def vocab_parallel_logprobs_entropy(
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a floating point tensor, got {logits.dtype}")
     check_vocab_and_targets(targets, logits.shape[-1], group, vocab_size)
-    return _VocabParallelLogProbEntropy.apply(
+    return VocabParallelLogProbEntropy.apply(
         logits, targets.long(), group, float(temperature), chunk_size, vocab_size, bool(return_collision)
     )

@@ -361,7 +361,7 @@ def test_vocabulary_splits_merge_exactly(n_splits):
     """The forward kernel's per-split statistics, merged, give float64's logZ, H and collision
     whatever the split count, including splits left without a single column (40 > 3 blocks)."""
     from entr_megatron.parallel import fused_output_triton
-    from entr_megatron.parallel.vocab_parallel import _VocabParallelLogProbEntropy as Ops
+    from entr_megatron.parallel.vocab_parallel import VocabParallelLogProbEntropy as Ops
 
     hidden, weight, targets, g_lp, g_h = make_case(41, shape=(37,))  # 3 token blocks of 16: a partial group
     ref_lp, ref_h, ref_coll, *_ = reference_f64(hidden, weight, targets, g_lp, g_h, 0.8)

@@ -220,7 +220,7 @@ def test_train_launches_sglang_with_the_routes_flag_only_when_recording(tmp_path
 
     import entr_megatron.rollout.sglang as sglang
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.sglang_setup import sglang_engine
+    from entr_megatron.controller.sglang_servers import sglang_engine
 
     class Launched(Exception):
         pass

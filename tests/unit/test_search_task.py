@@ -12,7 +12,8 @@ pytest.importorskip("transformers")
 
 from entr_megatron.rollout.engine import EngineHealth, GenerateResult, SamplingParams  # noqa: E402
 from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
-from entr_megatron.rollout.tasks.environment import Environment, Episode, run_episodes  # noqa: E402
+from entr_megatron.rollout.episode_batch import Episode, run_episodes  # noqa: E402
+from entr_megatron.rollout.tasks.environment import Environment  # noqa: E402
 from entr_megatron.rollout.tasks.search import SearchTask, search_tokenizer  # noqa: E402
 from entr_megatron.rollout.tasks.search_corpus import KINDS, Corpus  # noqa: E402
 from entr_megatron.rollout.tasks.search import all_problems  # noqa: E402

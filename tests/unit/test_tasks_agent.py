@@ -8,9 +8,9 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from entr_megatron.rollout.engine import EngineHealth, GenerateResult, RolloutEngine, SamplingParams  # noqa: E402
+from entr_megatron.rollout.episode_batch import Episode, run_episodes  # noqa: E402
 from entr_megatron.rollout.tasks import (  # noqa: E402
-    OBSERVATION_LOGPROB, CalculatorError, CalculatorTask, Environment, Episode,
-    run_episodes, safe_eval,
+    OBSERVATION_LOGPROB, CalculatorError, CalculatorTask, Environment, safe_eval,
 )
 
 

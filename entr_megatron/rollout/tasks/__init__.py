@@ -11,9 +11,9 @@
 - `countdown.py`: combine a few numbers into a target with a written scratchpad (40-60 token
   responses), its solver, and a labeller of every response token (forced / choice / arithmetic / answer);
 - `math_data.py` + `math_reward.py`: problems from JSONL/Parquet, math-verify reward;
-- `environment.py`: the multi-turn `Environment` protocol and a batch agent loop
-  (`run_episodes`, over `rollout.episodes.EpisodeEngine`); `calculator.py`: a calculator tool
-  task in its own `<calc>` format; `tool_env.py`: the environment of Hermes-format tool calls
+- `environment.py`: the multi-turn `Environment` protocol (episodes run through
+  `rollout.episodes.EpisodeEngine`, or in a batch by `rollout.episode_batch.run_episodes`);
+  `calculator.py`: a calculator tool task in its own `<calc>` format; `tool_env.py`: the environment of Hermes-format tool calls
   (`rollout/tools/`); `search.py`: multi-hop questions over a generated corpus with a BM25
   `search` tool (BrowseComp-Plus style).
 """
@@ -30,7 +30,7 @@ from entr_megatron.rollout.tasks.char_tokenizer import (
     build_char_tokenizer, load_tokenizer, save_char_tokenizer, write_tiny_model_config,
 )
 from entr_megatron.rollout.tasks.countdown import TOKEN_LABELS, CountdownProblem, CountdownTask, label_response
-from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environment, Episode, Step, run_episodes
+from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environment, Step
 from entr_megatron.rollout.tasks.math_data import MathProblem, MathTask, check_math_files, load_problems
 from entr_megatron.rollout.tasks.math_reward import math_verify_reward, normalised_match_reward
 
@@ -40,12 +40,12 @@ if TYPE_CHECKING:
 __all__ = [
     "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS", "TOKEN_LABELS",
     "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "CountdownProblem", "CountdownTask",
-    "Environment", "Episode",
+    "Environment",
     "MathProblem", "MathTask", "Step", "Task",
     "arithmetic_reward", "build_char_tokenizer", "check_task_files", "decode_response", "default_tokenizer",
     "load_problems",
     "label_response", "load_tokenizer", "task_class",
-    "make_task", "math_verify_reward", "normalised_match_reward", "run_episodes", "safe_eval",
+    "make_task", "math_verify_reward", "normalised_match_reward", "safe_eval",
     "save_char_tokenizer", "write_tiny_model_config",
 ]
 
