@@ -28,6 +28,7 @@ from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.config.run import RunConfig
 from entr_megatron.types import TrainBatch
+from entr_megatron.utils.faults import maybe_fault
 
 __all__ = ["LearnerWorker", "LearnerWorkerSpec", "make_learner_worker", "sft_learner_config"]
 
@@ -137,6 +138,7 @@ class LearnerWorker:
                 waited[0] += self.sync.wait_borrowed()
 
         if version is not None:
+            maybe_fault(f"rank{self.info.rank}", version, "train")  # tests only (utils/faults.py)
             batch = dataclasses.replace(batch, policy_version=version)
         steps = train_rollout_batch(self.ddp, self.optimizer, self.scheduler, batch, self.groups, self.algo_cfg,
                                     self.learner_cfg, vocab_size=self.model_spec.vocab_size,

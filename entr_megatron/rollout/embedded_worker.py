@@ -54,6 +54,7 @@ from entr_megatron.rollout.engine import EngineHealth, WeightReceiver, WeightUpd
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
 from entr_megatron.rollout.quantize import install_rounding
 from entr_megatron.rollout.weights import WeightStage
+from entr_megatron.utils.faults import maybe_fault
 from entr_megatron.utils.spawn import die_with_parent, exit_now, name_process
 
 __all__ = ["run_worker"]
@@ -190,6 +191,7 @@ class _Worker:
     # --- command handlers ----------------------------------------------------------------
 
     def _on_submit(self, msg: Submit) -> None:
+        maybe_fault("engine", self.decoder.version, "generate")  # tests only (utils/faults.py)
         for request in msg.requests:
             self.decoder.add(request)
 
