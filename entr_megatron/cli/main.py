@@ -9,6 +9,7 @@ import threading
 
 from entr_megatron import __version__
 from entr_megatron.cli import checkpoint, convert, demo, generate, plan, score, study, train
+from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_megatron_fallbacks()  # before any command imports megatron; the job says once what is missing
     args = build_parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C (engines and ranks stopped on the way out); during RL steps the
     # job's StopFlag makes it finish the step and save first.

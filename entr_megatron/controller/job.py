@@ -40,6 +40,7 @@ from entr_megatron.controller.sft import warm_up
 from entr_megatron.controller.sglang_setup import check_launch
 from entr_megatron.controller.wiring import connect, make_engines, relaunch_learner, with_episodes
 from entr_megatron.controller.workers import WorkerError
+from entr_megatron.utils.megatron_warnings import fallback_summary
 from entr_megatron.utils.run_lock import RunLock
 
 __all__ = ["RunPaths", "build_task", "check_inputs", "check_launch", "check_model_layout", "evaluate",
@@ -132,7 +133,16 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
         if removed:
             say(f"removed the leftovers of an interrupted checkpoint save: {', '.join(removed)}")
         write_config(cfg, paths)
+        _say_fallbacks(cfg)
         return _train_restarting(cfg, paths, tokenizer, task, max_steps, restart_from_scratch)
+
+
+def _say_fallbacks(cfg: RunConfig) -> None:
+    """The run's one line about Megatron's missing fast paths (the warnings are silenced where
+    each process starts: utils/megatron_warnings.py)."""
+    line = fallback_summary(on_gpu=cfg.launcher.device == "cuda")
+    if line is not None:
+        say(line)
 
 
 def _train_restarting(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any, max_steps: int | None,
@@ -188,7 +198,7 @@ def _train(cfg: RunConfig, paths: RunPaths, task: Any, start_dir: Path, processe
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)
         if resume_step is not None:
             checkpoints.resume(controller, resume_step)
-        on_step = step_recorder(cfg, paths.root, stack, pusher, done)
+        on_step = step_recorder(cfg, paths.root, stack, pusher, done, until)
         stop = stack.enter_context(StopFlag(grace_s=c.stop_grace_s))
 
         def count_restarts(metrics: dict) -> None:
@@ -226,6 +236,7 @@ def run_sft(cfg: RunConfig, run_dir: str | os.PathLike | None = None, steps: int
     tokenizer = tokenizer_for(cfg)
     task = build_task(cfg, tokenizer)
     with RunLock(paths.root, "sft"):
+        _say_fallbacks(cfg)
         return warm_up(cfg, paths, prepare_model(cfg, paths, tokenizer), task, steps=steps)
 
 

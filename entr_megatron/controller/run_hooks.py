@@ -4,7 +4,7 @@ metrics.jsonl (and TensorBoard, the progress bar) per step, and checkpoints.
     resume_step = resume_point(paths)                         # None: a fresh run; the newest good checkpoint
     checkpoints = RunCheckpoints(learner, paths.checkpoints, keep_last=3)
     checkpoints.resume(controller, resume_step)               # weights, optimizer, controller state
-    on_step = step_recorder(cfg, paths.root, stack, pusher, done)
+    on_step = step_recorder(cfg, paths.root, stack, pusher, done, until)
 """
 
 from __future__ import annotations
@@ -109,15 +109,16 @@ class RunCheckpoints:
 
 
 def step_recorder(cfg: RunConfig, run_root: Path, stack: ExitStack, pusher: Any,
-                  done: int) -> Callable[[dict], None]:
+                  done: int, until: int) -> Callable[[dict], None]:
     """The `on_step` hook: the step's metrics with the last waited push's report, to metrics.jsonl
-    (lines of steps >= `done` dropped first: they are redone) and the progress bar; both are
-    closed by `stack`."""
+    (lines of steps >= `done` dropped first: they are redone) and the progress bar, which counts
+    to `until`, the last step of this start (controller.train_steps, or fewer with --max-steps);
+    both are closed by `stack`."""
     c = cfg.controller
     wandb_config = config_as_dict(cfg) if cfg.logging.wandb is not None else None
     logger = stack.enter_context(MetricsLogger(run_root, tensorboard=cfg.logging.tensorboard, resume_from_step=done,
                                                wandb=cfg.logging.wandb, config=wandb_config))
-    bar = ProgressBar(c.train_steps, initial=done, desc=f"rl {c.mode}", enabled=cfg.logging.progress_bar,
+    bar = ProgressBar(until, initial=done, desc=f"rl {c.mode}", enabled=cfg.logging.progress_bar,
                       log_interval=cfg.logging.log_interval)
     stack.callback(bar.close)
 

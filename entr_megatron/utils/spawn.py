@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks
+
 __all__ = [
     "ALL_INTERFACES",
     "LOOPBACK",
@@ -314,7 +316,9 @@ def enter_rank(env: Mapping[str, str], threads: int | None = None, *, loopback_g
     (unless GLOO_SOCKET_IFNAME is already set): its own choice, the host name's address, may
     be an interface the loopback rendezvous cannot reach. With `bind_rendezvous`, rank 0 starts
     the rendezvous store on MASTER_ADDR only (`serve_rendezvous`), not on every interface.
+    Megatron's known fallback warnings are silenced here (utils/megatron_warnings.py).
     """
+    quiet_megatron_fallbacks()  # a rank's own copy of the driver's filters (they are per process)
     os.environ.update(env)
     if loopback_gloo and env.get("MASTER_ADDR") == LOOPBACK:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
