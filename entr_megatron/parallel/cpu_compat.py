@@ -8,7 +8,7 @@ this list: ``docs/MEGATRON_ON_CPU.md``.
 
 Redirected call sites (megatron-core 0.16.1; 0.17.0 has the same ones):
 
-1. ``torch`` seen by these modules is a proxy (``_CpuTorch``): ``torch.cuda``
+1. ``torch`` seen by these modules is a proxy (``cpu_torch.CpuTorch``): ``torch.cuda``
    has a CPU ``current_device()``, no-op ``synchronize()``, null ``Stream``/
    ``Event``/``stream()``, and tensor factories map ``device="cuda"`` to CPU.
    Everything else is the real ``torch``; other modules never see the proxy.
@@ -92,6 +92,8 @@ import warnings
 
 import torch
 
+from entr_megatron.parallel.cpu_torch import CpuTorch
+
 __all__ = [
     "VERIFIED_MEGATRON_CORE_VERSIONS",
     "UNVERIFIED_ENV_VAR",
@@ -139,120 +141,6 @@ _enabled = False
 
 def _megatron(name: str) -> types.ModuleType:
     return importlib.import_module(f"megatron.core.{name}")
-
-
-# --- 1. the torch proxy -----------------------------------------------------------
-
-def _cpu_device(device):
-    """Map any CUDA device spec (``"cuda"``, ``"cuda:1"``, ``torch.device('cuda')``, an int) to CPU."""
-    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
-        return torch.device("cpu")
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    return device
-
-
-def _on_cpu(factory):
-    @functools.wraps(factory)
-    def wrapper(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-            kwargs.pop("pin_memory", None)  # pinning needs a CUDA driver
-        return factory(*args, **kwargs)
-
-    return wrapper
-
-
-class _NullEvent:
-    """A CUDA event on a machine where all work is synchronous."""
-
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-
-class _NullStream(_NullEvent):
-    """The one (synchronous) stream of a CPU: equal to itself, so no side stream is ever detected."""
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event or _NullEvent()
-
-
-_NULL_STREAM = _NullStream()
-
-
-class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as megatron's proxied modules see it on CPU; the rest forwards to the real one."""
-
-    def __init__(self):
-        super().__init__("torch.cuda")
-
-    @staticmethod
-    def current_device():
-        return torch.device("cpu")
-
-    @staticmethod
-    def synchronize(device=None):
-        pass
-
-    @staticmethod
-    def Stream(*args, **kwargs):  # noqa: N802 (mirrors torch.cuda.Stream)
-        return _NULL_STREAM
-
-    @staticmethod
-    def current_stream(device=None):
-        return _NULL_STREAM
-
-    @staticmethod
-    def stream(stream):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def Event(*args, **kwargs):  # noqa: N802 (mirrors torch.cuda.Event)
-        return _NullEvent()
-
-    @staticmethod
-    def manual_seed(seed):
-        # The CPU generator is "the device generator" on CPU (see _CpuRNGStatesTracker).
-        torch.manual_seed(seed)
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-
-_FACTORIES = (
-    "arange", "as_tensor", "empty", "empty_like", "full", "full_like", "ones", "ones_like",
-    "rand", "randint", "randn", "tensor", "zeros", "zeros_like",
-)
-
-
-class _CpuTorch(types.ModuleType):
-    """The ``torch`` module as megatron's proxied modules see it on CPU (see module docstring)."""
-
-    def __init__(self):
-        super().__init__("torch")
-        self.cuda = _CpuCuda()
-        for name in _FACTORIES:
-            setattr(self, name, _on_cpu(getattr(torch, name)))
-
-    def __getattr__(self, name):
-        value = getattr(torch, name)
-        setattr(self, name, value)  # later lookups skip __getattr__
-        return value
 
 
 # --- 2. tensor methods while a few functions run -----------------------------------
@@ -363,7 +251,7 @@ def _patch_rng():
     random_mod.CudaRNGStatesTracker = _make_cpu_tracker_class(random_mod)
     random_mod._get_cuda_rng_state = _get_cpu_rng_state
     random_mod._set_cuda_rng_state = _set_cpu_rng_state
-    random_mod.torch = _CpuTorch()  # torch.cuda.manual_seed in model_parallel_cuda_manual_seed
+    random_mod.torch = CpuTorch()  # torch.cuda.manual_seed in model_parallel_cuda_manual_seed
     # A tracker created before enabling would still be the CUDA one.
     random_mod._CUDA_RNG_STATE_TRACKER = None
     random_mod._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
@@ -436,7 +324,7 @@ def enable_cpu_compat() -> bool:
     if _enabled:
         return True
     check_megatron_version()
-    proxy = _CpuTorch()
+    proxy = CpuTorch()
     for name in _PROXIED_MODULES:
         _megatron(name).torch = proxy
     language_module = _megatron("models.common.language_module.language_module")

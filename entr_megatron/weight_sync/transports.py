@@ -25,7 +25,7 @@ import torch
 from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightSource, WeightUpdateReport
 from entr_megatron.rollout.sglang.client import wait_all
 from entr_megatron.rollout.sglang.engine import SGLangEngine
-from entr_megatron.rollout.sglang.protocol import iter_flattened_buckets, unpack_flattened_bucket
+from entr_megatron.rollout.sglang.flat_bucket import iter_flattened_buckets, unpack_flattened_bucket
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend
 from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, send_control
 from entr_megatron.weight_sync.snapshot import SnapshotFailed, SnapshotStream

@@ -164,7 +164,7 @@ def test_routing_replay_config_names_the_field():
 
     # an unquoted `off` in a YAML file is PyYAML's false: it means 'off'
     assert load_config(None, ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
-    # SGLang records routes too (servers with --enable-return-routed-experts, rollout/sglang/protocol.py)
+    # SGLang records routes too (servers with --enable-return-routed-experts, rollout/sglang/answers.py)
     on_gpus = ["rollout.engine=sglang", "launcher.device=cuda", "launcher.gpus_per_node=2"]
     r3 = load_config(None, ["algorithm.routing_replay=r3", *on_gpus])
     assert r3.algorithm.routing_replay == "r3" and r3.records_routes and not r3.rollout.record_routes

@@ -8,16 +8,23 @@
     # weights, on learner rank 0: weight_sync.SGLangTransport(engine, "10.0.0.1", 29600)
 
 Modules: `protocol.py` the HTTP protocol of SGLang 0.5.23 (endpoints, the bodies we
-build, how answers are parsed, the flattened weight bucket), `client.py` one server's
-HTTP API and its errors (retries of idempotent calls, the API key), `engine.py` the
-`RolloutEngine` (generation, answers checked before use; a weight update pauses the
-servers around weight_sync's transfer), `launcher.py` server and router processes (on
-127.0.0.1 unless configured, the key handed over through the environment). Nothing here
-imports sglang.
+build), `answers.py` how its answers are checked and read, `flat_bucket.py` the flattened
+weight bucket, `client.py` one server's HTTP API and its errors (retries of idempotent calls,
+the API key), `engine.py` the `RolloutEngine` (generation, answers checked before use; a weight
+update pauses the servers around weight_sync's transfer) and `engine_config.py` its settings,
+`launcher.py` server and router processes (on 127.0.0.1 unless configured, the key handed over
+through the environment). Nothing here imports sglang.
 """
 
+from entr_megatron.rollout.sglang.answers import BadAnswer, RouteLayout, parse_generate_output
 from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout, api_key_from_env
 from entr_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineConfig, WeightTransfer
+from entr_megatron.rollout.sglang.flat_bucket import (
+    FlatBucket,
+    iter_flattened_buckets,
+    pack_flattened_bucket,
+    unpack_flattened_bucket,
+)
 from entr_megatron.rollout.sglang.launcher import (
     ManagedProcess,
     RouterConfig,
@@ -33,16 +40,9 @@ from entr_megatron.rollout.sglang.protocol import (
     ROUTES_FLAG,
     SGLANG_SOURCE,
     SGLANG_VERSION,
-    BadAnswer,
-    FlatBucket,
-    RouteLayout,
     generate_payload,
-    iter_flattened_buckets,
-    pack_flattened_bucket,
-    parse_generate_output,
     sample_seed,
     sampling_params_payload,
-    unpack_flattened_bucket,
 )
 
 __all__ = [
