@@ -40,10 +40,10 @@ from entr_megatron.checkpoint.dist_writer import LazyChunk, write_dist_dir
 from entr_megatron.checkpoint.hf_files import HfFiles, ShardWriter
 from entr_megatron.checkpoint.state import FORMAT_VERSION, INFO_KEY, OPTIMIZER_KEY_PREFIX, RNG_KEY, sharding_metadata
 from entr_megatron.checkpoint.validate import check_format
+from entr_megatron.utils.run_log import PROGRESS_EVERY_S
 
 __all__ = ["Progress", "converted_info", "dist_to_hf", "hf_to_dist", "stored_dtype"]
 
-PROGRESS_EVERY_S = 5.0
 _EXTRA_STATE = "._extra_state/"
 
 ProgressFn = Callable[[str, torch.Tensor], None]

@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
+from entr_megatron.utils.hf_layout import INDEX_FILE, SINGLE_FILE
+
 __all__ = ["HfFiles", "ShardWriter", "TensorInfo", "check_hf_dir", "clean_stale", "deferred_signals", "merge_shards",
            "parse_size", "read_header", "staged_dir", "write_json"]
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # A header longer than this is not a real one (safetensors itself caps it at 100 MB).
 _MAX_HEADER = 100 << 20
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

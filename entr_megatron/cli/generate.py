@@ -70,9 +70,9 @@ from entr_megatron.checkpoint.model_inputs import check_model_dir, tokenizer_pro
 from entr_megatron.config.rollout import ENGINES
 from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from entr_megatron.utils.run_log import PROGRESS_EVERY_S
 
 DTYPES = ("float32", "bfloat16")
-PROGRESS_EVERY_S = 5.0
 SGLANG_ONLY = ("tp", "port", "mem_fraction", "sglang_args", "sglang_log_dir", "sglang_url")
 """Flags that mean nothing to the embedded engine (refused there rather than ignored)."""
 LAUNCH_ONLY = ("tp", "port", "mem_fraction", "sglang_args", "sglang_log_dir")

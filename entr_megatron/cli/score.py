@@ -66,9 +66,8 @@ from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
 from entr_megatron.parallel.groups import LaunchInfo, launched_by_mpirun, resolve_launch_env
 from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
+from entr_megatron.utils.run_log import PROGRESS_EVERY_S
 from entr_megatron.utils.spawn import enter_rank, free_port, torchrun_env
-
-PROGRESS_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)

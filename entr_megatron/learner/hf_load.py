@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from entr_megatron import models
+from entr_megatron.utils.hf_layout import HF_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
 __all__ = [
     "HfCheckpoint",
@@ -37,9 +38,6 @@ __all__ = [
     "unwrap_chunk",
 ]
 
-HF_CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Non-parameter buffers some older checkpoints carry; never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _PREVIEW = 8

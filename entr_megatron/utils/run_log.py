@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "MetricsLogger", "ProgressBar", "read_metrics"]
+__all__ = ["METRICS_FILE", "PROGRESS_EVERY_S", "TENSORBOARD_DIR", "MetricsLogger", "ProgressBar", "read_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,9 @@ def _summary_writer(log_dir: Path, purge_step: int | None) -> Any:
 
 
 # --- progress --------------------------------------------------------------------------------
+
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two progress lines of a long command without steps (score, generate, convert)."""
 
 
 class ProgressBar:

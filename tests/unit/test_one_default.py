@@ -83,7 +83,8 @@ def test_the_weight_bucket_default_is_defined_once():
                     f"{rel}:{node.lineno}: use RolloutConfig.weight_bucket_bytes"
 
 
-@pytest.mark.parametrize("name", ["ABANDON_TIMEOUT_S", "ENTR_DEFAULT_TAU", "DEFAULT_WEIGHT_BUCKET_MIB"])
+@pytest.mark.parametrize("name", ["ABANDON_TIMEOUT_S", "ENTR_DEFAULT_TAU", "DEFAULT_WEIGHT_BUCKET_MIB",
+                                  "PROGRESS_EVERY_S", "SINGLE_FILE", "INDEX_FILE", "HF_CONFIG_FILE"])
 def test_a_named_default_is_assigned_in_one_module(name):
     where = [str(rel) for rel, tree in _trees() for node in tree.body
              if isinstance(node, (ast.Assign, ast.AnnAssign))
