@@ -7,7 +7,7 @@ import pathlib
 PKG = pathlib.Path(__file__).resolve().parents[2] / "entr_megatron"
 MAX_LINES = 450
 
-BEING_SPLIT = {"controller/loop.py", "rollout/tasks/countdown.py"}
+BEING_SPLIT = {"controller/loop.py"}
 """Over the limit while this test was written, each being split by whoever works on it; take a
 module out of this set once it fits (never add one)."""
 

@@ -8,8 +8,9 @@
 
 - `arithmetic.py`: synthetic multi-digit arithmetic with a local character tokenizer
   (`char_tokenizer.py`, also writes a tiny matching model config);
-- `countdown.py`: combine a few numbers into a target with a written scratchpad (40-60 token
-  responses), its solver, and a labeller of every response token (forced / choice / arithmetic / answer);
+- `countdown.py`: combine a few numbers into a target with a written scratchpad (40-50 token
+  responses); its rules and solver (`countdown_rules.py`) and a labeller of every response token
+  (forced / choice / arithmetic / answer: `countdown_labels.py`);
 - `math_data.py` + `math_reward.py`: problems from JSONL/Parquet, math-verify reward;
 - `environment.py`: the multi-turn `Environment` protocol (episodes run through
   `rollout.episodes.EpisodeEngine`, or in a batch by `rollout.episode_batch.run_episodes`);
