@@ -255,15 +255,15 @@ class TaskConfig:
     search: SearchTaskConfig = field(default_factory=SearchTaskConfig)
     """Options of the 'search' task."""
 
+    countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
+    """Options of the 'countdown' task."""
+
     def __post_init__(self) -> None:
         choice(self, "name", TaskName)
         integer(self, "eval_size", low=0)
         if self.name == "math" and not self.math.train_files:
             raise bad(self, "math.train_files", [], "task.name='math' needs at least one .jsonl/.json/.parquet file")
 
-
-    countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
-    """Options of the 'countdown' task."""
 
 @dataclass(frozen=True)
 class SFTConfig:
