@@ -18,17 +18,34 @@ only the instance's ``forward`` is replaced.
 
     enable_fused_output(chunks)                   # after building the learner's chunks
     weight = fused_output_weight(model)           # in forward_step: None unless fused, last stage
+
+When the policy loss is token-local (`algorithm.token_local`), `fused_policy_loss` goes one step
+further: the loss and its gradients are computed in the forward pass
+(`parallel.vocab_parallel_linear_fused_loss`, 3 output-layer GEMMs instead of 4), each token run
+through `policy_loss_terms` as its own one-token row. PyTorch path only (the Triton kernels are
+not extended: backend 'triton' falls back, logged once).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import types
 
 import torch
+from torch import Tensor
 
+from entr_megatron.algorithm import policy_loss_terms
+from entr_megatron.algorithm.masked_ops import zero_padding
+from entr_megatron.algorithm.token_local import token_local_reason
+from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.learner.hf_load import unwrap_chunk
+from entr_megatron.parallel.fused_output_loss import vocab_parallel_linear_fused_loss
 
-__all__ = ["enable_fused_output", "fused_output_weight", "is_fused"]
+__all__ = ["enable_fused_output", "fused_loss_applies", "fused_output_weight", "fused_policy_loss", "is_fused"]
+
+logger = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
 
 _FLAG = "_entr_fused_output"
 
@@ -81,3 +98,83 @@ def fused_output_weight(model) -> torch.Tensor | None:
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
     return gpt.output_layer.weight
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.info(message)
+
+
+def fused_loss_applies(algo_cfg: AlgorithmConfig, backend: str = "auto") -> bool:
+    """Whether the fused output layer also fuses the policy loss (its gradient in the forward
+    pass); logs the path chosen, once per reason."""
+    reason = token_local_reason(algo_cfg)
+    if reason is not None:
+        _log_once(f"fused output: the loss is computed after the op (4 output-layer GEMMs): {reason}")
+        return False
+    if backend == "triton":
+        _log_once("fused output: the token-local loss is fused into the output layer on the PyTorch path "
+                  "(no Triton kernel for it yet): fused_output_backend 'triton' is not used for the policy loss")
+    else:
+        _log_once("fused output: token-local loss, gradients computed in the forward pass (3 output-layer GEMMs)")
+    return True
+
+
+def _packed(mb, values_BT: Tensor, like: Tensor) -> Tensor:
+    """``[B_mb, T_resp]`` response values -> the micro-batch's packed ``[T]`` layout (0 elsewhere)."""
+    mask_BT = mb.response_mask_BT.to(values_BT.device)
+    out = torch.zeros(mb.length, dtype=values_BT.dtype, device=like.device)
+    out[mb.gather_index_BT.to(values_BT.device)[mask_BT].to(like.device)] = values_BT[mask_BT].to(like.device)
+    return out
+
+
+def _token_scales(mb, algo_cfg: AlgorithmConfig, like: Tensor) -> Tensor:
+    """Each response token's factor in its micro-batch's numerator (learner/loss.py's unit counts):
+    1 (token-mean), 1 / |o_i| (seq-mean-token-mean), 1 / L (seq-mean-token-sum-norm)."""
+    mask_BT = mb.response_mask_BT.to(like.device)
+    if algo_cfg.aggregation == "seq-mean-token-mean":
+        per_seq = 1.0 / mask_BT.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
+        return _packed(mb, per_seq.expand(mask_BT.shape).contiguous(), like)
+    scale = 1.0 if algo_cfg.aggregation == "token-mean" else 1.0 / max(float(algo_cfg.loss_norm_tokens), 1.0)
+    return _packed(mb, torch.full(mask_BT.shape, scale, dtype=torch.float32, device=like.device), like)
+
+
+def fused_policy_loss(hidden_bsh: Tensor, weight: Tensor, mb, tp_group, algo_cfg: AlgorithmConfig, *,
+                      behaviour_BT: Tensor, rollout_entropy_BT: Tensor | None, old_BT: Tensor | None,
+                      versions_BT: Tensor | None, vocab_size: int | None, temperature: float,
+                      chunk_tokens: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The micro-batch's numerator (learner/loss.py) of a token-local policy loss with its gradient
+    computed in the forward pass, and the detached packed ``[T]`` log-probs and entropy.
+
+    Each token of a chunk is its own one-token row of `policy_loss_terms` (advantage, mu, pi_old,
+    versions, entropy per row), its loss times its aggregation scale (`_token_scales`); the sum
+    equals `aggregate_loss` with the learner's unit counts because the objective is token-local.
+    """
+    device = hidden_bsh.device
+    hidden = hidden_bsh[0].to(weight.dtype)
+    mask_T = _packed(mb, mb.response_mask_BT, hidden)
+    blp_T = _packed(mb, behaviour_BT, hidden)
+    adv_T = _packed(mb, mb.advantages_B.to(device).unsqueeze(-1).expand(mb.response_mask_BT.shape).contiguous(),
+                    hidden)
+    scale_T = _token_scales(mb, algo_cfg, hidden)
+    old_T = None if old_BT is None else _packed(mb, old_BT, hidden)
+    versions_T = None if versions_BT is None else _packed(mb, versions_BT, hidden)
+    rollout_h_T = None if algo_cfg.entropy_source == "learner" else _packed(mb, rollout_entropy_BT, hidden)
+    # The counterfactual mask diagnostics are metrics only (computed after the op, whole batch).
+    row_cfg = dataclasses.replace(algo_cfg, mask_diagnostics=False)
+
+    def token_loss(s: int, e: int, logprob_n: Tensor, entropy_n: Tensor) -> Tensor:
+        m = mask_T[s:e].unsqueeze(1)
+        col = (lambda t: None if t is None else t[s:e].unsqueeze(1))  # noqa: E731 -- [n] -> [n, 1]
+        zeros = torch.zeros_like(logprob_n).unsqueeze(1)
+        # As the unfused path's to_padded: values outside the response are 0.
+        lp = torch.where(m, logprob_n.unsqueeze(1), zeros)
+        ent = torch.where(m, (entropy_n if rollout_h_T is None else rollout_h_T[s:e]).unsqueeze(1), zeros)
+        terms = policy_loss_terms(lp, ent, col(blp_T), adv_T[s:e], m, row_cfg, old_logprobs_BT=col(old_T),
+                                  versions_BT=col(versions_T), policy_version=mb.policy_version)
+        return zero_padding(terms.loss_BT, terms.denominator_BT)[:, 0] * scale_T[s:e]
+
+    numerator, logprob_T, entropy_T = vocab_parallel_linear_fused_loss(
+        hidden, weight, mb.targets[0].to(device), token_loss, tp_group, temperature, vocab_size, chunk_tokens)
+    return numerator, logprob_T, entropy_T

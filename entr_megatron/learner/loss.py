@@ -54,6 +54,7 @@ loss's own metrics are token-weighted means of their per-micro-batch values
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -63,6 +64,7 @@ from entr_megatron.algorithm import aggregate_loss, mismatch_metric_stats, polic
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import MicroBatch
+from entr_megatron.learner.fused_output import fused_loss_applies, fused_policy_loss
 from entr_megatron.learner.loss_report import LossReport
 from entr_megatron.parallel.fused_output import vocab_parallel_linear_logprobs_entropy
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -153,6 +155,8 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         raise ValueError("AlgorithmConfig.loss_agg_mode='seq-mean-token-sum-norm' needs loss_norm_tokens, Dr.GRPO's "
                          "constant divisor (a run sets it to rollout.sampling.max_new_tokens)")
     wants_collision = algo_cfg.correction == "entr_calibrated"
+    # Token-local losses on the fused output layer: gradients in the forward pass (learner/fused_output.py).
+    fuse_loss = learner_cfg.fused_output and fused_loss_applies(algo_cfg, learner_cfg.fused_output_backend)
 
     def loss_func(output_bsx: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, Tensor, dict]:
         device = output_bsx.device
@@ -161,23 +165,34 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
             # Padding-only micro-batch: contributes nothing, but backward must still reach the model.
             zero = output_bsx.sum() * 0.0
             return zero, torch.zeros([], dtype=count_dtype, device=device), LossReport()
-        out = packed_logprobs_entropy(output_bsx, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision,
-                                      temperature=temperature, output_weight=output_weight)
+        blp_BT = mb.behaviour_logprobs_BT.to(device)
+        old_BT = None if old_logprobs_T is None else mb.padded_from_batch(old_logprobs_T.to(device))
+        versions_BT = None if mb.versions_BT is None else mb.versions_BT.to(device)
+        fused = fuse_loss and output_weight is not None
+        if fused:  # the numerator and its gradient from the op; the terms below are metrics only
+            if algo_cfg.entropy_source == "rollout":
+                _entropy_for_algorithm(mb, blp_BT, algo_cfg)  # the missing-entropy error, before the op
+            numerator, *out = fused_policy_loss(
+                output_bsx, output_weight, mb, tp_group, algo_cfg, behaviour_BT=blp_BT,
+                rollout_entropy_BT=mb.rollout_entropy_BT, old_BT=old_BT, versions_BT=versions_BT,
+                vocab_size=vocab_size, temperature=temperature, chunk_tokens=learner_cfg.logprob_chunk_size)
+        else:
+            out = packed_logprobs_entropy(output_bsx, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision,
+                                          temperature=temperature, output_weight=output_weight)
         logprobs_T, entropy_T = out[0], out[1]
         mask_BT = mb.response_mask_BT.to(device)
         lp_BT = mb.to_padded(logprobs_T)
         learner_entropy_BT = mb.to_padded(entropy_T)
         entropy_BT = _entropy_for_algorithm(mb, learner_entropy_BT, algo_cfg)
         collision_BT = mb.to_padded(out[2]) if wants_collision else None
-        blp_BT = mb.behaviour_logprobs_BT.to(device)
-        old_BT = None if old_logprobs_T is None else mb.padded_from_batch(old_logprobs_T.to(device))
-        versions_BT = None if mb.versions_BT is None else mb.versions_BT.to(device)
-        terms = policy_loss_terms(lp_BT, entropy_BT, blp_BT, mb.advantages_B.to(device), mask_BT, algo_cfg,
-                                  old_logprobs_BT=old_BT, collision_BT=collision_BT, versions_BT=versions_BT,
-                                  policy_version=mb.policy_version)
+        with torch.no_grad() if fused else contextlib.nullcontext():
+            terms = policy_loss_terms(lp_BT, entropy_BT, blp_BT, mb.advantages_B.to(device), mask_BT, algo_cfg,
+                                      old_logprobs_BT=old_BT, collision_BT=collision_BT, versions_BT=versions_BT,
+                                      policy_version=mb.policy_version)
         unit_counts, count = parts(terms.denominator_BT)
-        numerator = aggregate_loss(terms.loss_BT, terms.denominator_BT, aggregation,
-                                   max_response_len=algo_cfg.loss_norm_tokens, **unit_counts)
+        if not fused:
+            numerator = aggregate_loss(terms.loss_BT, terms.denominator_BT, aggregation,
+                                       max_response_len=algo_cfg.loss_norm_tokens, **unit_counts)
         views = {"pi": learner_entropy_BT}
         if mb.rollout_entropy_BT is not None:
             views["mu"] = mb.rollout_entropy_BT.to(device)
