@@ -10,6 +10,10 @@ all methods alike):
   (c) fused     entr_megatron's vocab_parallel_linear_logprobs_entropy (no logits), its
                 default backend: the Triton kernels on CUDA, the chunked PyTorch path on CPU
   (c) fused_torch  on CUDA only: the same op forced onto its chunked PyTorch path
+  (d) fused_loss  the policy loss fused into the output layer (vocab_parallel_linear_fused_loss,
+                PyTorch path): ENTR with PPO-clip against mu, token-mean, its gradients computed
+                in the forward pass (3 GEMMs); backward only scales them
+  (d) unfused_loss  (b) followed by the same loss on its log-probs: (d)'s like-for-like baseline
   (c') liger / cce  on CUDA only, if importable: Liger's fused linear cross-entropy and
                 Cut Cross-Entropy (its defaults, gradient filtering on), log-prob only, on
                 this rank's shard alone (a local softmax: a speed/memory reference, not the
@@ -29,12 +33,14 @@ interleaved within each repeat so that load drifts hit them alike.
 GEMM equivalents: each method's median time over that of ONE output-layer GEMM
 ``[N, h] x [h, V/tp]`` (torch.mm into a buffer allocated beforehand, timed in the same
 repeats). (b) runs 3 such GEMMs (forward, two gradients), the fused op 4 (its backward
-recomputes the logits), so "GEMM efficiency" = 4 x GEMM time / fused time is the fraction
-of the matmul throughput (cuBLAS on CUDA, BLAS on CPU) that the fused op's own FLOPs imply.
+recomputes the logits), fused_loss 3 (the "GEMMs run" column), so "GEMM efficiency" = GEMMs run x
+GEMM time / the method's time is the fraction of the matmul throughput (cuBLAS on CUDA, BLAS on CPU)
+that the method's own FLOPs imply.
 
     python tools/bench_fused_output.py                     # 4096 tokens x h 2048 x V 65536, TP=2
     python tools/bench_fused_output.py --small             # a quick run
     python tools/bench_fused_output.py --tokens 2048 --hidden 1024 --vocab 32768 --tp 1 2 --repeats 5
+    python tools/bench_fused_output.py --methods unfused fused_loss   # the fused policy loss against (b)
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import torch.distributed as dist
 from bench_vocab_parallel import gather_then_softmax, peak_rss, reset_peak  # tools/ is sys.path[0]
 from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
 from entr_megatron.parallel.fused_output import triton_available
+from entr_megatron.parallel.fused_output_loss import GEMMS_PER_PASS, vocab_parallel_linear_fused_loss
 from entr_megatron.utils.spawn import run_gloo
 
 BASELINE = "unfused"
@@ -81,6 +88,37 @@ def fused_torch(x, w, targets, group, tile):
     return vocab_parallel_linear_logprobs_entropy(
         x, w, targets, group=group, chunk_tokens=tile[0], chunk_vocab=tile[1], backend="torch"
     )
+
+
+# The per-token inputs of the RL loss (mu, advantages), set by `worker` for the loss methods.
+_LOSS_INPUTS: dict = {}
+
+
+def _entr_ppo_rows(s, e, logprob_n, entropy_n):
+    """ENTR (learner entropy) + PPO-clip against mu, token-mean: each token its own one-token row,
+    as the learner runs it (learner/fused_output.py)."""
+    from entr_megatron.algorithm import policy_loss_terms
+
+    blp, adv, cfg = _LOSS_INPUTS["blp"][s:e, None], _LOSS_INPUTS["adv"][s:e], _LOSS_INPUTS["cfg"]
+    mask = torch.ones_like(blp, dtype=torch.bool)
+    return policy_loss_terms(logprob_n[:, None], entropy_n[:, None], blp, adv, mask, cfg).loss_BT[:, 0]
+
+
+def fused_loss(x, w, targets, group, tile):
+    return vocab_parallel_linear_fused_loss(x, w, targets, _entr_ppo_rows, group=group, chunk_tokens=tile[0])[0]
+
+
+def unfused_loss(x, w, targets, group, tile):
+    from entr_megatron.algorithm import policy_loss_terms
+
+    lp, ent = vocab_parallel_logprobs_entropy(x @ w.t(), targets, group=group)
+    mask = torch.ones(1, lp.numel(), dtype=torch.bool, device=lp.device)
+    return policy_loss_terms(lp[None], ent.detach()[None], _LOSS_INPUTS["blp"][None], _LOSS_INPUTS["adv"][:1], mask,
+                             _LOSS_INPUTS["cfg"]).loss_BT.sum()
+
+
+# Output-layer GEMMs of forward + backward per method.
+GEMMS = {"gather": 3, "unfused": 3, "fused": 4, "fused_torch": 4, "fused_loss": GEMMS_PER_PASS, "unfused_loss": 3}
 
 
 def liger(x, w, targets, group, tile):
@@ -111,7 +149,8 @@ def cce_ent(x, w, targets, group, tile):
     return cce(x, w, targets, group, tile)[0], _entropy_unfused(x, w)
 
 
-METHODS = {"gather": gather_full_logits, "unfused": unfused, "fused": fused}
+METHODS = {"gather": gather_full_logits, "unfused": unfused, "fused": fused, "fused_loss": fused_loss,
+           "unfused_loss": unfused_loss}
 OPTIONAL = {"fused_torch": (None, fused_torch), "liger": ("liger_kernel", liger), "cce": ("cut_cross_entropy", cce),
             "liger_ent": ("liger_kernel", liger_ent), "cce_ent": ("cut_cross_entropy", cce_ent)}
 
@@ -163,8 +202,12 @@ class Meter:
 
 def run_once(fn, hidden, weight, targets, g_lp, g_h, group, tile):
     x, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    lp, ent = fn(x, w, targets, group, tile)
-    loss = (lp * g_lp).sum() if ent is None else (lp * g_lp + ent * g_h).sum()
+    out = fn(x, w, targets, group, tile)
+    if isinstance(out, torch.Tensor):  # a loss method: the scalar loss itself
+        loss = out
+    else:
+        lp, ent = out
+        loss = (lp * g_lp).sum() if ent is None else (lp * g_lp + ent * g_h).sum()
     loss.backward()
     assert x.grad is not None and w.grad is not None
 
@@ -187,6 +230,7 @@ def worker(rank, world, n_tokens, hidden_size, vocab, dtype_name, repeats, tile,
     targets = torch.randint(0, vocab, (n_tokens,), generator=gen).to(device)
     g_lp, g_h = torch.randn(n_tokens, generator=gen).to(device), torch.randn(n_tokens, generator=gen).to(device)
     grads_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    _set_loss_inputs(n_tokens, vocab, gen, device)
     optional, missing = available_optional(device)
     missing = {name: why for name, why in missing.items() if name in chosen}
     methods = {name: fn for name, fn in {**METHODS, **optional}.items() if name in chosen}
@@ -237,6 +281,20 @@ def worker(rank, world, n_tokens, hidden_size, vocab, dtype_name, repeats, tile,
                 f.write(repr((world, name, None, None, why)) + "\n")
 
 
+def _set_loss_inputs(n_tokens, vocab, gen, device):
+    """mu near the random model's log-probs (ENTR keeps some tokens, masks others) and advantage 1:
+    the tokens are one sequence to unfused_loss and one-token rows to fused_loss, the same loss."""
+    import dataclasses
+    import math
+
+    from entr_megatron.config.algorithm import AlgorithmConfig
+
+    cfg = dataclasses.replace(AlgorithmConfig(), mask_diagnostics=False)
+    _LOSS_INPUTS.update(
+        blp=(-math.log(vocab) - 2.0 + torch.randn(n_tokens, generator=gen)).to(device),
+        adv=torch.ones(n_tokens).to(device), cfg=cfg)
+
+
 def fused_backend(device: str) -> str:
     """What 'fused' (backend "auto") runs on ``device``."""
     if device != "cuda":
@@ -252,28 +310,29 @@ def print_table(rows, header):
     print()
     print(header)
     print("| TP | method | peak mem increase | mem / (b) | act (less grads) | act / (b) | time median [min, max] "
-          "| time / (b) | GEMM equivalents |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| time / (b) | GEMM equivalents | GEMMs run |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = {r[0]: r for r in rows if r[1] == BASELINE}
     gemm = {r[0]: statistics.median(r[4]) for r in rows if r[1] == "gemm"}
     for world, name, mem, grads, times in rows:
         if name == "gemm":
             continue
         if mem is None:
-            print(f"| {world} | {name} | {times} | | | | | | |")
+            print(f"| {world} | {name} | {times} | | | | | | | |")
             continue
         b_world, _, b_mem, b_grads, b_times = base[world]
         act, b_act = mem - grads, b_mem - b_grads
         t, bt = statistics.median(times), statistics.median(b_times)
         print(f"| {world} | {name} | {mem / 2**20:.0f} MiB | {mem / b_mem:.3f}x | {act / 2**20:.0f} MiB | "
               f"{act / b_act:.3f}x | {t:.3f} s [{min(times):.3f}, {max(times):.3f}] | {t / bt:.3f}x | "
-              f"{t / gemm[world]:.2f} |")
+              f"{t / gemm[world]:.2f} | {GEMMS.get(name, '')} |")
     for world, t_gemm in gemm.items():
-        fused_rows = [r for r in rows if r[0] == world and r[1] == "fused" and r[2] is not None]
         line = f"TP={world}: one output-layer GEMM {t_gemm * 1e3:.1f} ms (median)"
-        if fused_rows:
-            line += (f"; fused GEMM efficiency (4 GEMMs' time / fused time) "
-                     f"{4 * t_gemm / statistics.median(fused_rows[0][4]):.2f}")
+        for name in ("fused", "fused_loss"):
+            found = [r for r in rows if r[0] == world and r[1] == name and r[2] is not None]
+            if found:
+                line += (f"; {name} GEMM efficiency ({GEMMS[name]} GEMMs' time / its time) "
+                         f"{GEMMS[name] * t_gemm / statistics.median(found[0][4]):.2f}")
         print(line)
 
 
