@@ -347,15 +347,15 @@ def mini_batch_reference(batch, algo_cfg, learner_cfg):
     return dict(params=params, steps=steps, final=final, initial_masks=initial_masks)
 
 
-def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1):
+def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1, fused=False):
     """``train_rollout_batch`` with 2 mini-batches (x epochs) against ``mini_batch_reference``: each
     step's loss and mask (the second computed against the weights the first step moved), and the
     final weights."""
     from entr_megatron.learner.rollout_batch import train_rollout_batch
 
     ref = mini_batch_reference(batch, algo_cfg, learner_cfg)
-    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
-    where = (f"mini-batches tp={tp} dp={groups.dp_size} {algo_cfg.correction} {algo_cfg.policy_loss} "
+    groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg, fused=fused)
+    where = (f"mini-batches tp={tp} dp={groups.dp_size} fused={fused} {algo_cfg.correction} {algo_cfg.policy_loss} "
              f"epochs={learner_cfg.epochs}")
     steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg,
                                 temperature=TEMPERATURE)
@@ -461,7 +461,10 @@ def _two_ranks(rank, world):
     close(many["loss"], one["loss"], "loss with 1 vs many micro-batches")
     for mode, source in (("seq-mean-token-mean", "rollout"), ("seq-mean-token-sum-norm", "learner")):
         cfg = algo_config(loss_agg_mode=mode, entropy_source=source, loss_norm_tokens=16)
-        run_layout(reference(batch, cfg, small), batch, cfg, learner_config(max_tokens=12))
+        ref_mode = reference(batch, cfg, small)
+        run_layout(ref_mode, batch, cfg, learner_config(max_tokens=12))
+        # The token-local loss fused into the output layer (its gradients in the forward pass), per-sequence scales.
+        run_layout(ref_mode, batch, cfg, learner_config(max_tokens=12), tp=2, sp=True, fused=True)
     distopt = learner_config(max_tokens=12, distributed_optimizer=True)
     run_layout(dense, batch, algo, distopt)
     # entr_calibrated gets the exact 1 - sum p^2 from the vocab-parallel op (one micro-batch: its
@@ -482,6 +485,7 @@ def _two_ranks(rank, world):
     # with a correction on pi_old (recomputed for the second mini-batch before the first step).
     check_mini_batches(batch, algo_config(), learner_config(max_tokens=12, mini_batches=2))
     check_mini_batches(batch, algo_config(correction="icepop"), learner_config(mini_batches=2, epochs=2), tp=2)
+    check_mini_batches(batch, algo_config(correction="tis"), learner_config(mini_batches=2), tp=2, fused=True)
     moe = reference(batch, algo, small, moe=True, num_layers=2)
     # Two micro-batches per rank of different lengths: the all-to-alls run in lockstep all the same.
     run_layout(moe, batch, algo, learner_config(max_tokens=12), ep=2, moe=True, num_layers=2)
