@@ -165,8 +165,10 @@ def fused_policy_loss(hidden_bsh: Tensor, weight: Tensor, mb, tp_group, algo_cfg
     row_cfg = dataclasses.replace(algo_cfg, mask_diagnostics=False)
 
     def token_loss(s: int, e: int, logprob_n: Tensor, entropy_n: Tensor) -> Tensor:
+        def col(t: Tensor | None) -> Tensor | None:  # packed [T] -> this chunk's [n, 1] rows
+            return None if t is None else t[s:e].unsqueeze(1)
+
         m = mask_T[s:e].unsqueeze(1)
-        col = (lambda t: None if t is None else t[s:e].unsqueeze(1))  # noqa: E731 -- [n] -> [n, 1]
         zeros = torch.zeros_like(logprob_n).unsqueeze(1)
         # As the unfused path's to_padded: values outside the response are 0.
         lp = torch.where(m, logprob_n.unsqueeze(1), zeros)

@@ -183,4 +183,5 @@ def vocab_parallel_linear_fused_loss(hidden: Tensor, weight: Tensor, targets: Te
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
     check_vocab_and_targets(targets, weight.shape[0], group, vocab_size)
-    return _FusedLinearLoss.apply(hidden, weight, targets.long(), token_loss, group, temperature, vocab_size, chunk_tokens)
+    return _FusedLinearLoss.apply(hidden, weight, targets.long(), token_loss, group, float(temperature), vocab_size,
+                                  chunk_tokens)

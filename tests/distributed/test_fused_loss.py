@@ -192,7 +192,8 @@ def test_the_fused_loss_runs_only_for_token_local_losses(monkeypatch):
 
     calls = []
     real = fused_output.vocab_parallel_linear_fused_loss
-    monkeypatch.setattr(fused_output, "vocab_parallel_linear_fused_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fused_output, "vocab_parallel_linear_fused_loss",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     mb = pack_microbatches(make_batch(0, VOCAB), 10_000, PAD_MULTIPLE)[0]
     layout = dict(sp=False, tied=False, real_vocab=None)
     for algo, fused_loss in ((AlgorithmConfig(correction="entr"), True), (AlgorithmConfig(policy_loss="gspo"), False),
