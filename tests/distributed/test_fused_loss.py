@@ -257,3 +257,28 @@ def test_replace_keeps_the_config_valid():
     """The per-token rows run with mask_diagnostics off (metrics only): replace must accept every case here."""
     for overrides in ALGORITHMS.values():
         assert not dataclasses.replace(AlgorithmConfig(**overrides), mask_diagnostics=False).mask_diagnostics
+
+
+def test_op_in_bf16_is_close_to_float64():
+    """bf16 inputs: the logits tile and its gradient rounded to bf16 for the GEMMs (as the unfused
+    output layer's are), the gradients summed in fp32 and returned in bf16."""
+    from entr_megatron.parallel.fused_output_loss import vocab_parallel_linear_fused_loss
+
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(20, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g) / 2
+    targets = torch.randint(0, VOCAB, (20,), generator=g)
+    adv = torch.randn(20, generator=g)
+
+    def token_loss(s, e, lp, ent):
+        return -torch.exp(lp - lp.detach()).clamp(max=1.2) * adv[s:e]
+
+    x, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    loss, lp, _ = vocab_parallel_linear_fused_loss(x, w, targets, token_loss, chunk_tokens=6)
+    loss.backward()
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16 and lp.dtype == torch.float32
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    lpr = torch.log_softmax(xr @ wr.t(), dim=-1).gather(-1, targets[:, None])[:, 0]
+    token_loss(0, 20, lpr, None).sum().backward()
+    close(lp, lpr.detach(), "logprob bf16", tol=0.02)
+    close(x.grad, xr.grad, "grad hidden bf16", tol=0.02)
+    close(w.grad, wr.grad, "grad weight bf16", tol=0.02)
