@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S
+from entr_megatron.controller.learner_worker import LearnerWorker
 from entr_megatron.controller.workers import WorkerGroup
 from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
 from entr_megatron.types import TrainBatch
@@ -86,10 +87,10 @@ class RemotePush:
             raise EnginePushError(f"weight version {self.version} did not reach every engine: {errors[0]}") \
                 from errors[0]
         if deadline is None:
-            rank_reports = self.pusher.group.call("wait_push")
+            rank_reports = self.pusher.group.call(LearnerWorker.wait_push)
         else:  # the engines hold the version: the senders are done or about to be
             left = max(deadline - time.monotonic(), 1.0)
-            rank_reports = self.pusher.group.call_async("wait_push", left).result(left + 30)
+            rank_reports = self.pusher.group.call_async(LearnerWorker.wait_push, left).result(left + 30)
         broken = [r["engine_error"] for r in rank_reports if "engine_error" in r]
         if broken:
             raise EnginePushError(f"weight version {self.version} did not reach every engine: {broken[0]}")
@@ -123,24 +124,24 @@ class RemoteLearner:
         self.group = group
 
     def train(self, batch: TrainBatch, current_version: int) -> dict[str, float]:
-        return self.group.call("train", batch, current_version)[0]
+        return self.group.call(LearnerWorker.train, batch, current_version)[0]
 
     def save(self, root: str, step: int, extra_state: Any = None, keep_last: int | None = None) -> str:
         """A dist checkpoint of every rank's state (and `extra_state`) as `step` under `root`."""
-        return self.group.call("save", root, step, extra_state, keep_last)[0]
+        return self.group.call(LearnerWorker.save, root, step, extra_state, keep_last)[0]
 
     def load(self, root: str, step: int | None = None, verify: bool = True) -> tuple[int, Any]:
         """Every rank loads checkpoint `step` (None: the latest good one) under `root`; (its step,
         its extra state). verify=False: the caller checked it against its manifest already."""
-        return self.group.call("load", root, step, verify)[0]
+        return self.group.call(LearnerWorker.load, root, step, verify)[0]
 
     def target_logprobs(self, examples: list[tuple[list[int], list[int]]]) -> list[float]:
         """log p(target | prompt) of each (prompt ids, target ids) pair (teacher forced, temperature 1)."""
-        return self.group.call("target_logprobs", examples)[0]
+        return self.group.call(LearnerWorker.target_logprobs, examples)[0]
 
     def export_hf(self, out_dir: str) -> str:
         """The current weights as an HF directory."""
-        return self.group.call("export_hf", out_dir)[0]
+        return self.group.call(LearnerWorker.export_hf, out_dir)[0]
 
 
 class RemotePusher:
@@ -167,7 +168,7 @@ class RemotePusher:
         updates = [_EngineUpdate(e, r, version) for e, r in zip(self.engines, self.receivers)]
         self.last_updates = updates
         try:
-            blocked = self.group.call("push", version)
+            blocked = self.group.call(LearnerWorker.push, version)
         except BaseException:
             for u in updates:  # the engines drop the half-received version when the wire breaks
                 u.join(timeout=5)

@@ -40,6 +40,7 @@ from typing import Any
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.learner_worker import LearnerWorker
 from entr_megatron.controller.sglang_setup import check_launch, model_vocab_size, route_layout, sglang_wire_dtype
 from entr_megatron.rollout.sglang import (
     ManagedProcess,
@@ -113,7 +114,7 @@ class SGLangServers:
                     pass  # not in one (a relaunched server), or it left with a dead learner
                 client.update_weight_version("-1", abort_all_requests=False)
         r = self.cfg.rollout
-        group.call("connect_weight_sync", address, port, (), r.weight_bucket_bytes, None,
+        group.call(LearnerWorker.connect_weight_sync, address, port, (), r.weight_bucket_bytes, None,
                    sglang=self.engine_config(indices), snapshot=r.weight_snapshot)
 
     def relaunch(self, index: int) -> None:

@@ -37,7 +37,7 @@ from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S
-from entr_megatron.controller.learner_worker import LearnerWorkerSpec, make_learner_worker
+from entr_megatron.controller.learner_worker import LearnerWorker, LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions
@@ -93,8 +93,9 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
     wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
     wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype
     timeout = cfg.rollout.push_timeout_s  # also gloo's: a stopped member cannot hold the senders longer
-    pusher.group.call("connect_weight_sync", address, base_port, (1,) * len(engines), cfg.rollout.weight_bucket_bytes,
-                      wire_dtype, timeout_s=timeout, snapshot=cfg.rollout.weight_snapshot)
+    pusher.group.call(LearnerWorker.connect_weight_sync, address, base_port, (1,) * len(engines),
+                      cfg.rollout.weight_bucket_bytes, wire_dtype, timeout_s=timeout,
+                      snapshot=cfg.rollout.weight_snapshot)
     pusher.engines = list(engines)
     pusher.receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
 
@@ -242,7 +243,7 @@ def _meeting_point(cfg: RunConfig, group) -> tuple[str, int]:
     """Once the ranks are ready: where their broadcast groups meet, one group per pipeline stage,
     hosted where learner rank 0 runs (single-node stages; a multi-node PP>1 layout would need each
     stage sender's address), stage p on base_port + p."""
-    address = group.wait_ready().call("master_address")[0]
+    address = group.wait_ready().call(LearnerWorker.master_address)[0]
     return address, free_port_range(cfg.parallel.pp)
 
 

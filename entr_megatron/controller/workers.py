@@ -2,8 +2,12 @@
 
     group = ProcessWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))   # local processes
     group = RayWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))       # Ray actors, placement group
-    metrics = group.call("train", batch, version)[0]     # blocks; a list, one result per rank
-    pending = group.call_async("push", version)          # .result() later
+    metrics = group.call(LearnerWorker.train, batch, version)[0]   # blocks; a list, one result per rank
+    pending = group.call_async(LearnerWorker.push, version)        # .result() later
+
+A call names the worker's method by the method object (`LearnerWorker.train`: go-to-definition
+reaches the code that runs), which travels pickled by reference and is applied to the rank's
+worker; never a string looked up on the worker.
 
 Each rank gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT) before `factory(*args)` runs, so the worker joins torch.distributed
@@ -35,9 +39,24 @@ from entr_megatron.utils.spawn import (
     torchrun_env,
 )
 
-__all__ = ["PendingCall", "ProcessWorkerGroup", "RayWorkerGroup", "WorkerError", "WorkerGroup"]
+__all__ = ["PendingCall", "ProcessWorkerGroup", "RayWorkerGroup", "WorkerError", "WorkerGroup", "WorkerMethod"]
 
 POLL_S = 0.5
+
+WorkerMethod = Callable[..., Any]
+"""A method of the worker class, given unbound (`LearnerWorker.train`): each rank runs
+`method(worker, *args, **kwargs)`."""
+
+
+def _checked(method: WorkerMethod) -> WorkerMethod:
+    """`method` if it is a function a rank can be asked to run (a worker method given by its object)."""
+    if isinstance(method, str) or not callable(method) or not hasattr(method, "__qualname__"):
+        raise TypeError(f"a worker call names the method object (e.g. LearnerWorker.train), got {method!r}")
+    return method
+
+
+def _what(method: WorkerMethod) -> str:
+    return method.__qualname__
 
 
 class WorkerError(RuntimeError):
@@ -62,11 +81,11 @@ class WorkerGroup(Protocol):
         """Blocks until every rank built its worker."""
         ...
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """`method(*args, **kwargs)` on every rank's worker at once; their answers in rank order."""
+    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> list[Any]:
+        """`method(worker, *args, **kwargs)` on every rank's worker at once; their answers in rank order."""
         ...
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> PendingCall:
         """As `call`, without waiting; one call in flight at a time."""
         ...
 
@@ -96,7 +115,7 @@ def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: t
                 break
             method, a, kw = msg
             try:
-                conn.send(("ok", getattr(worker, method)(*a, **kw)))
+                conn.send(("ok", method(worker, *a, **kw)))
             except BaseException:  # noqa: BLE001 - reported to the driver
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, BrokenPipeError):
@@ -165,7 +184,8 @@ class ProcessWorkerGroup:
                 raise
         return self
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> _ProcessPending:
+    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> _ProcessPending:
+        _checked(method)
         if self._startup_timeout_s is not None:
             raise RuntimeError(f"{self.name} group: still starting (call wait_ready first)")
         if self._busy:
@@ -173,9 +193,9 @@ class ProcessWorkerGroup:
         for conn in self._conns:
             conn.send((method, args, kwargs))
         self._busy = True
-        return _ProcessPending(self, method)
+        return _ProcessPending(self, _what(method))
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call_async(method, *args, **kwargs).result()
 
     def _collect(self, what: str, timeout: float | None) -> list[Any]:
@@ -259,8 +279,8 @@ class _RayRank:
         forks_die_with_this_process()  # else a rank killed while its checkpoint writers run is not seen dead
         self.worker = factory(*args)
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, method: WorkerMethod, args: tuple, kwargs: dict) -> Any:
+        return method(self.worker, *args, **kwargs)
 
     def stop(self) -> None:
         worker = getattr(self, "worker", None)
@@ -354,10 +374,11 @@ class RayWorkerGroup:
                     self._broken = True
                     raise WorkerError(f"{self.name} rank {rank} died during {what}:\n{e}") from e
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> _RayPending:
-        return _RayPending(self, [a.call.remote(method, args, kwargs) for a in self._actors], method)
+    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> _RayPending:
+        _checked(method)
+        return _RayPending(self, [a.call.remote(method, args, kwargs) for a in self._actors], _what(method))
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call_async(method, *args, **kwargs).result()
 
     def _get(self, refs: Sequence, what: str, timeout: float | None) -> list[Any]:

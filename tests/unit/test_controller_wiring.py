@@ -8,6 +8,7 @@ import json
 import pytest
 
 from entr_megatron.config.loader import load_config
+from entr_megatron.controller.learner_worker import LearnerWorker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_setup import PushedVersionView
 from entr_megatron.rollout.engine import EngineHealth, GenerateResult, WeightUpdateReport
@@ -21,11 +22,11 @@ class FakeGroup:
 
     def call(self, method, *args, **kwargs):
         self.calls.append((method, args, kwargs))
-        if method == "push":
+        if method.__name__ == "push":
             return [0.25, 0.5]
-        if method == "wait_push":
+        if method.__name__ == "wait_push":
             return [{"sender": 1.0, "transfer_s": 2.0, "gbytes_per_s": 3.0}, {}]
-        return [(method, "rank0"), (method, "rank1")]
+        return [(method.__name__, "rank0"), (method.__name__, "rank1")]
 
     def raise_if_dead(self, what, grace_s=1.0):
         pass  # its ranks never die
@@ -90,9 +91,10 @@ def test_learner_role_is_rank_zeros_answer():
     assert learner.load("/ckpt") == ("load", "rank0")
     assert learner.load("/ckpt", 7, verify=False) == ("load", "rank0")
     assert learner.export_hf("/out") == ("export_hf", "rank0")
-    assert group.calls == [("train", ("batch", 3), {}), ("save", ("/ckpt", 5, {"controller": {}}, 2), {}),
-                           ("load", ("/ckpt", None, True), {}), ("load", ("/ckpt", 7, False), {}),
-                           ("export_hf", ("/out",), {})]
+    W = LearnerWorker
+    assert group.calls == [(W.train, ("batch", 3), {}), (W.save, ("/ckpt", 5, {"controller": {}}, 2), {}),
+                           (W.load, ("/ckpt", None, True), {}), (W.load, ("/ckpt", 7, False), {}),
+                           (W.export_hf, ("/out",), {})]
 
 
 def test_pusher_role_feeds_each_engine_its_receiver_and_reports():

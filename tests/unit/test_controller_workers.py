@@ -14,15 +14,15 @@ import pytest
 from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerError, WorkerGroup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workers_fixture import make_broken, make_echo  # noqa: E402
+from workers_fixture import EchoWorker, make_broken, make_echo  # noqa: E402
 
 
 def _kill_rank_while_its_child_runs(group, tmp_path: Path):
     """Rank 0 forks a child that lives on while the rank does (checked), then forks one for 120 s
     (a checkpoint writer mid-save) and is SIGKILLed; returns (the pending call, the child)."""
-    assert group.call("fork_and_wait", 0.2, str(tmp_path / "a")) == [0]  # a live rank's child lives on
-    [pid] = group.call("pid")
-    pending = group.call_async("fork_and_wait", 120, str(tmp_path / "b"))
+    assert group.call(EchoWorker.fork_and_wait, 0.2, str(tmp_path / "a")) == [0]  # a live rank's child lives on
+    [pid] = group.call(EchoWorker.pid)
+    pending = group.call_async(EchoWorker.fork_and_wait, 120, str(tmp_path / "b"))
     while not (tmp_path / "b").exists() or not (tmp_path / "b").read_text():
         time.sleep(0.05)
     child = psutil.Process(int((tmp_path / "b").read_text()))
@@ -39,26 +39,26 @@ def group():
 
 def test_every_rank_answers_in_rank_order_with_torchrun_env(group):
     assert isinstance(group, WorkerGroup)
-    envs = group.call("whoami")
+    envs = group.call(EchoWorker.whoami)
     assert [e["RANK"] for e in envs] == ["0", "1", "2"] and all(e["WORLD_SIZE"] == "3" for e in envs)
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
-    assert group.call("add", 10, y=5) == [("t", 0, 15), ("t", 1, 16), ("t", 2, 17)]
-    pending = group.call_async("add", 1)
+    assert group.call(EchoWorker.add, 10, y=5) == [("t", 0, 15), ("t", 1, 16), ("t", 2, 17)]
+    pending = group.call_async(EchoWorker.add, 1)
     with pytest.raises(RuntimeError, match="still in flight"):
-        group.call_async("add", 2)
+        group.call_async(EchoWorker.add, 2)
     assert pending.result() == [("t", 0, 1), ("t", 1, 2), ("t", 2, 3)]
 
 
 def test_a_failing_rank_is_reported_with_its_traceback(group):
-    with pytest.raises(WorkerError, match=r"(?s)rank 1 failed in fail_on.*ValueError: rank 1 refuses"):
-        group.call("fail_on", 1)
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 failed in EchoWorker.fail_on.*ValueError: rank 1 refuses"):
+        group.call(EchoWorker.fail_on, 1)
 
 
 def test_a_dead_rank_is_reported_without_waiting_for_its_peers(group):
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=r"rank 2 died during die_on \(exit code 3"):
-        group.call("die_on", 2)
+    with pytest.raises(WorkerError, match=r"rank 2 died during EchoWorker.die_on \(exit code 3"):
+        group.call(EchoWorker.die_on, 2)
     assert time.monotonic() - t0 < 20  # peers sleep 30 s
 
 
@@ -69,7 +69,7 @@ def test_a_local_rank_killed_while_its_forked_child_runs_takes_the_child_with_it
     group = ProcessWorkerGroup(1, make_echo, ("t",), threads_per_rank=1, startup_timeout_s=120)
     try:
         pending, child = _kill_rank_while_its_child_runs(group, tmp_path)
-        with pytest.raises(WorkerError, match="rank 0 died during fork_and_wait"):
+        with pytest.raises(WorkerError, match="rank 0 died during EchoWorker.fork_and_wait"):
             pending.result(timeout=60)
         child.wait(10)  # gone with the rank (psutil.TimeoutExpired if it lives on)
     finally:
@@ -95,7 +95,7 @@ def test_a_push_broken_by_a_dead_rank_is_the_learners_failure(group):
     pusher = RemotePusher(group, push_timeout_s=5.0)
     with pytest.raises(EnginePushError, match="version 7 did not reach every engine: gloo: Connection reset"):
         RemotePush(pusher, 7, [BrokenUpdate()], 0.0).wait()
-    [pid, *_] = group.call("pid")
+    [pid, *_] = group.call(EchoWorker.pid)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerError, match=r"rank 0 died during the push of weight version 8 \(exit code -9"):
         RemotePush(pusher, 8, [BrokenUpdate()], 0.0).wait()
@@ -126,7 +126,7 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
         try:
             assert isinstance(group, WorkerGroup)
             names = ["ENTR_TEST_API_KEY", "ENTR_TEST_OTHER", "ENTR_TEST_UNSET"]
-            assert group.call("getenv", names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
+            assert group.call(EchoWorker.getenv, names) == [{"ENTR_TEST_API_KEY": "s3cret", "ENTR_TEST_OTHER": None,
                                                    "ENTR_TEST_UNSET": None}]
             group.raise_if_dead("a push", grace_s=5.0)  # alive: returns
             pending, child = _kill_rank_while_its_child_runs(group, tmp_path)
@@ -134,7 +134,7 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
             with pytest.raises(WorkerError, match="rank 0 died during the push of weight version 8"):
                 group.raise_if_dead("the push of weight version 8", grace_s=30.0)  # what RemotePush.wait asks
             assert time.monotonic() - t0 < 20  # seen dead, not the grace running out
-            with pytest.raises(WorkerError, match="rank 0 failed in fork_and_wait"):
+            with pytest.raises(WorkerError, match="rank 0 failed in EchoWorker.fork_and_wait"):
                 pending.result(timeout=60)
             assert time.monotonic() - t0 < 30  # not Ray's keepalive (minutes)
             child.wait(10)  # gone with the rank
@@ -142,3 +142,14 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
             group.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_a_call_names_the_method_object_not_a_string():
+    group = ProcessWorkerGroup(1, make_echo, ("t",), wait=False)
+    try:
+        with pytest.raises(TypeError, match="method object"):
+            group.call("add", 1)
+        group.wait_ready()
+        assert group.call(EchoWorker.add, 1) == [("t", 0, 1)]
+    finally:
+        group.shutdown()

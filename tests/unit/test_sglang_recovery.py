@@ -62,7 +62,7 @@ class Group:
         self.connects = []
 
     def call(self, method, *args, **kwargs):
-        assert method == "connect_weight_sync"
+        assert method.__name__ == "connect_weight_sync"
         self.connects.append(kwargs["sglang"].urls)
 
 
