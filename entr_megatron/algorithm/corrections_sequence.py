@@ -26,11 +26,8 @@ from entr_megatron.algorithm.correction_base import (
     prepare_inputs,
     published,
 )
-from entr_megatron.algorithm.masked_ops import masked_fraction, masked_max, masked_mean, sequence_mean
+from entr_megatron.algorithm.masked_ops import clamp_log_ratio, masked_fraction, masked_max, masked_mean, sequence_mean
 from entr_megatron.config.algorithm import AlgorithmConfig
-
-LOG_RATIO_CLAMP = 20.0
-"""TRM's log rho is clamped to [-20, 20] before k3 (verl's log_ratio_safe): no overflow."""
 
 
 def _sequence_drop(name: str, x, drop_B: Tensor, stat_B: Tensor) -> dict[str, Tensor]:
@@ -61,7 +58,7 @@ def opsm_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> Correctio
 
 def k3(log_rho_BT: Tensor) -> Tensor:
     """k3 = rho - 1 - log rho >= 0 (Schulman's estimator; E_mu[k3] = KL(mu || pi) for rho = pi / mu)."""
-    log_rho_BT = log_rho_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_rho_BT = clamp_log_ratio(log_rho_BT)  # TRM, as verl: no overflow
     return torch.expm1(log_rho_BT) - log_rho_BT
 
 

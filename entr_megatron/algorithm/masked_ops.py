@@ -11,6 +11,16 @@ import torch
 from torch import Tensor
 
 
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (verl's log_ratio_safe,
+the DPPO, SAPO and VESPO authors' code): no overflow on a token a mask drops anyway."""
+
+
+def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
+    """`log_ratio` clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (safe to exp)."""
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def float_detached(x: Tensor) -> Tensor:
     """Detached copy of `x` in at least float32 (bf16/fp16 are upcast, float64 kept)."""
     return x.detach().to(torch.promote_types(x.dtype, torch.float32))

@@ -30,12 +30,9 @@ import torch
 from torch import Tensor
 
 from entr_megatron.algorithm.corrections_divergence import bernoulli_kl
-from entr_megatron.algorithm.masked_ops import masked_fraction, zero_padding
+from entr_megatron.algorithm.masked_ops import clamp_log_ratio, masked_fraction, zero_padding
 from entr_megatron.algorithm.policy_loss_base import LossInputs, PolicyLossOutput, prepare_loss_inputs, ratio_metrics
 from entr_megatron.config.algorithm import AlgorithmConfig
-
-RATIO_LOG_CLAMP = 20.0
-"""log r is clamped to [-20, 20] before exp (verl and the authors' code): no overflow on a token the mask drops."""
 
 
 def dppo_keep_mask(logprobs_BT: Tensor, anchor_BT: Tensor, advantages_BT: Tensor, delta_low: float,
@@ -56,7 +53,7 @@ def dppo_keep_mask(logprobs_BT: Tensor, anchor_BT: Tensor, advantages_BT: Tensor
 
 def _dppo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool, divergence: str, name: str) -> PolicyLossOutput:
     x = prepare_loss_inputs(inputs)
-    log_ratio_BT = (x.logprobs_BT - x.anchor_BT).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    log_ratio_BT = clamp_log_ratio(x.logprobs_BT - x.anchor_BT)
     ratio_BT = log_ratio_BT.exp()
     coefficient_BT = (x.weight_BT * ratio_BT.clamp(max=cfg.dppo_ratio_cap)).detach()
     if clip:

@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from entr_megatron.algorithm.masked_ops import masked_max, masked_mean, sequence_sum, zero_padding
+from entr_megatron.algorithm.masked_ops import clamp_log_ratio, masked_max, masked_mean, sequence_sum, zero_padding
 from entr_megatron.algorithm.policy_loss_base import LossInputs, PolicyLossOutput, prepare_loss_inputs, ratio_metrics
 from entr_megatron.config.algorithm import AlgorithmConfig
-
-LOG_RATIO_CLAMP = 20.0
-"""SAPO and VESPO clamp log-ratios to [-20, 20] before exp (verl, the VESPO authors)."""
 
 
 def sapo_gate(ratio_BT: torch.Tensor, tau_BT: torch.Tensor) -> torch.Tensor:
@@ -46,7 +43,7 @@ def sapo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> Po
     """SAPO: l = -w f(r) A with the soft gate f (module docstring). `clip=False` (M2PO's mask in
     place of the trust region): l = -w r A."""
     x = prepare_loss_inputs(inputs)
-    ratio_BT = (x.logprobs_BT - x.anchor_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    ratio_BT = clamp_log_ratio(x.logprobs_BT - x.anchor_BT).exp()
     if not clip:
         loss_BT = -x.weight_BT * ratio_BT * x.advantages_BT
         return PolicyLossOutput(zero_padding(loss_BT, x.active_BT),
@@ -66,8 +63,8 @@ def vespo_loss(inputs: LossInputs, cfg: AlgorithmConfig, clip: bool = True) -> P
     """VESPO: l = -sg[phi(w_i)] A log pi with the sequence weight phi (module docstring). The
     weight is its own trust region: `clip` is unused."""
     x = prepare_loss_inputs(inputs)
-    log_ratio_BT = (x.logprobs_BT - x.anchor_BT).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    log_w_B = sequence_sum(log_ratio_BT, x.active_BT).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio_BT = clamp_log_ratio((x.logprobs_BT - x.anchor_BT).detach())
+    log_w_B = clamp_log_ratio(sequence_sum(log_ratio_BT, x.active_BT))
     nonempty_B = x.active_BT.any(dim=-1)
     # The sign of a sequence's advantage (every token of it carries the same one).
     positive_B = torch.where(x.active_BT, x.advantages_BT, torch.zeros_like(x.advantages_BT)).sum(-1) >= 0

@@ -30,7 +30,7 @@ from entr_megatron.rollout.tasks.calculator import CalculatorEnv, CalculatorErro
 from entr_megatron.rollout.tasks.char_tokenizer import (
     build_char_tokenizer, load_tokenizer, save_char_tokenizer, write_tiny_model_config,
 )
-from entr_megatron.rollout.tasks.countdown import TOKEN_LABELS, CountdownProblem, CountdownTask, label_response
+from entr_megatron.rollout.tasks.countdown import CountdownProblem, CountdownTask, label_response
 from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environment, Step
 from entr_megatron.rollout.tasks.math_data import MathProblem, MathTask, check_math_files, load_problems
 from entr_megatron.rollout.tasks.math_reward import math_verify_reward, normalised_match_reward
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from entr_megatron.config.run import TaskConfig
 
 __all__ = [
-    "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS", "TOKEN_LABELS",
+    "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS",
     "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "CountdownProblem", "CountdownTask",
     "Environment",
     "MathProblem", "MathTask", "Step", "Task",

@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 
 from entr_megatron.rollout.tasks.countdown_rules import ANSWER_MARK, CountdownProblem, apply_step, legal_heads
+from entr_megatron.types import TOKEN_LABELS
 
 __all__ = ["ANSWER", "ARITHMETIC", "CHOICE", "FORCED", "TOKEN_LABELS", "label_response", "label_tokens"]
 
-FORCED, CHOICE, ARITHMETIC, ANSWER = "forced", "choice", "arithmetic", "answer"
-TOKEN_LABELS: tuple[str, ...] = (FORCED, CHOICE, ARITHMETIC, ANSWER)
-"""Every label `label_response` gives (module docstring: what each means)."""
+FORCED, CHOICE, ARITHMETIC, ANSWER = TOKEN_LABELS
+"""The labels `label_response` gives (module docstring: what each means), types.TOKEN_LABELS in order."""
 
 
 def _parse_list(text: str) -> tuple[int, ...] | None:
