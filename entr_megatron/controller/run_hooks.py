@@ -19,6 +19,7 @@ from typing import Any
 from entr_megatron.config.loader import config_as_dict
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
+from entr_megatron.utils.faults import maybe_fault
 from entr_megatron.utils.run_log import MetricsLogger, ProgressBar
 
 __all__ = ["DiskSpaceError", "RunCheckpoints", "check_disk", "resume_point", "step_recorder"]
@@ -100,6 +101,7 @@ class RunCheckpoints:
         t0 = time.perf_counter()
         self.learner.save(str(self.root), ctl.step, {"controller": ctl.state_dict()}, self.keep_last)
         say(f"checkpoint at step {ctl.step} ({time.perf_counter() - t0:.1f} s)")
+        maybe_fault("driver", ctl.step, "checkpoint")  # tests only (utils/faults.py)
 
     def resume(self, ctl: Any, step: int) -> None:
         """Loads checkpoint `step` (verified by `resume_point`) into the learner and `ctl`."""

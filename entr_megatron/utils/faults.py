@@ -5,10 +5,11 @@ point, instead of a test polling for the right moment to kill it (a race a slow 
     ENTR_MEGATRON_TEST_FAULT_DIR=/tmp/run-faults                  one marker per fault: fires once
 
 Each item is `<who>@<version>:<point>[:<action>]`: the process named `who` (`engine` for an
-embedded engine's decode loop, `rank<r>` for learner rank r) reaching `point` (`generate`: an
-engine given requests while holding weights of version >= `version`; `train`: a rank asked to
-train version >= `version`) sends itself SIGKILL (`action` kill, the default) or SIGSTOP (`stop`,
-a hang). A fault fires once per fault directory: the replacement of a killed process finds the
+embedded engine's decode loop, `rank<r>` for learner rank r, `driver` for the job's controller)
+reaching `point` (`generate`: an engine given requests while holding weights of version >=
+`version`; `train`: a rank asked to train version >= `version`; `checkpoint`: the driver having
+saved the checkpoint of step >= `version`) sends itself SIGKILL (`action` kill, the default) or
+SIGSTOP (`stop`, a hang). A fault fires once per fault directory: the replacement of a killed process finds the
 marker and goes on. Nothing happens without the variable: production never sets it.
 """
 

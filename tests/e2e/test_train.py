@@ -141,9 +141,10 @@ def _latest(run_dir: Path) -> int | None:
 
 
 def test_kill_and_resume_gives_the_same_next_steps(tmp_path, sft_model):
-    """Run A: 5 uninterrupted steps. Run B: the same config, SIGKILLed after its step-2 checkpoint,
-    then resumed. B's steps 2.. equal A's (sync mode: sampling seeds follow the data position,
-    the learner restores weights, optimizer and RNG, the engines get the checkpoint's weights)."""
+    """Run A: 5 uninterrupted steps. Run B: the same config, its driver SIGKILLed right after its
+    step-2 checkpoint (by itself: utils/faults.py, no polling race), then resumed. B's steps 2..
+    equal A's (sync mode: sampling seeds follow the data position, the learner restores weights,
+    optimizer and RNG, the engines get the checkpoint's weights)."""
     sections = {"controller": {"mode": "sync", "train_steps": 5, "checkpoint_interval": 2}}
     config_a, run_a = rl_config(tmp_path, sft_model, "a", **sections)
     config_b, run_b = rl_config(tmp_path, sft_model, "b", **sections)
@@ -151,17 +152,16 @@ def test_kill_and_resume_gives_the_same_next_steps(tmp_path, sft_model):
     run_a_job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config_a)],
                                  stdout=subprocess.DEVNULL, stderr=log_a, text=True)  # beside B
 
+    (tmp_path / "faults-b").mkdir()  # the driver only: its ranks and engine must notice and exit
+    env = {**os.environ, FAULT_ENV: "driver@2:checkpoint", FAULT_DIR_ENV: str(tmp_path / "faults-b")}
     proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config_b)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while _latest(run_b) != 2:
-        assert proc.poll() is None, f"run B ended before its first checkpoint:\n{proc.stderr.read()[-4000:]}"
-        assert time.monotonic() < deadline, "no checkpoint at step 2"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # the driver only: its ranks and engine must notice and exit
-    proc.wait()
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, err[-4000:]
+    assert _latest(run_b) == 2
     killed_rows = read_metrics(run_b / "metrics.jsonl")
-    assert len(killed_rows) >= 2
+    assert len(killed_rows) == 2
 
     cli("train", "--config", str(config_b))
     assert run_a_job.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-4000:]
