@@ -50,8 +50,9 @@ DEFINITIONS = f"""\
   directory yet), `running`, `done`, `failed` (its error is the message the run ended with; the
   whole output is the cell's train.log), `interrupted` (stopped by a stop of the study, at a step
   with a checkpoint or while starting; the next `study run` resumes it).
-- **Groups.** The method axis is study.json's report.method (default: the first axis that
-  is not {SEED_AXIS}), the lag axis report.lag (default: none, every cell one lag);
+- **Groups.** The method axis is study.json's report.method (default: the axis that is not
+  {SEED_AXIS} or the lag axis; when several are, their values joined, e.g.
+  `policy_loss=sapo,correction=none`), the lag axis report.lag (default: none, every cell one lag);
   cells that differ only in {SEED_AXIS} are the seeds of one (method, lag) group. A
   curve is the seeds' mean and its band their min..max; against wall-clock, x is the
   seeds' mean wall-clock at that step.

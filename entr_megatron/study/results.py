@@ -26,7 +26,7 @@ import pandas as pd
 
 from entr_megatron.utils.run_log import METRICS_FILE, read_metrics
 
-__all__ = ["NONFINITE_GUARDED", "SEED_AXIS", "StudyInfo", "load_results", "read_study"]
+__all__ = ["COMBINED_METHOD", "NONFINITE_GUARDED", "SEED_AXIS", "StudyInfo", "load_results", "read_study"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,9 @@ SEED_AXIS = "controller.seed"
 NONFINITE_GUARDED = ("loss", "optim/grad_norm")
 """Metrics whose non-finite value is a collapse; each gets a derived bool column "<key>:nonfinite"."""
 PENDING = "pending"
+COMBINED_METHOD = "method"
+"""The method "axis" of a study whose grid varies several axes besides the seed and lag (and whose
+spec names no report.method): each cell's values of those axes joined ("policy_loss=sapo,correction=none")."""
 """State of a cell that has not started (no status.json, or no directory yet)."""
 
 
@@ -48,6 +51,8 @@ class StudyInfo:
     lag: str | None
     reference: dict[str, Any] | None
     cells: list[_Cell] = field(default_factory=list, repr=False)
+    method_of: tuple[str, ...] = ()
+    """When `method` is COMBINED_METHOD: the axes whose values it joins."""
 
 
 @dataclass
@@ -82,10 +87,27 @@ def _read_info(study_dir: Path) -> StudyInfo:
         raise ValueError(f"{study_dir} is not a study directory: no readable study.json")
     axes = [str(a) for a in meta.get("axes") or []]
     report = meta.get("report") or {}
-    method = report.get("method") or next((a for a in axes if a != SEED_AXIS), None)
+    lag = report.get("lag") or None
+    others = tuple(a for a in axes if a not in (SEED_AXIS, lag))
+    method_of: tuple[str, ...] = ()
+    if report.get("method"):
+        method = report["method"]
+    elif len(others) > 1:  # cells differing in any of them are different methods, never seeds of one
+        method, method_of = COMBINED_METHOD, others
+    else:
+        method = others[0] if others else None
     reference = report.get("reference") or None
-    return StudyInfo(str(meta.get("name") or study_dir.name), axes, method, report.get("lag") or None,
-                     dict(reference) if reference else None)
+    return StudyInfo(str(meta.get("name") or study_dir.name), axes, method, lag,
+                     dict(reference) if reference else None, method_of=method_of)
+
+
+def _with_method(info: StudyInfo, axes: dict[str, Any]) -> dict[str, Any]:
+    """A cell's axes, with COMBINED_METHOD's value ("policy_loss=sapo,correction=none") when the
+    study's methods are combinations of several axes."""
+    if not info.method_of:
+        return axes
+    label = ",".join(f"{a.rsplit('.', 1)[-1]}={_label(axes.get(a))}" for a in info.method_of if axes.get(a) is not None)
+    return {**axes, COMBINED_METHOD: label}
 
 
 def _cell_frame(cell_id: str, state: str, axes: Mapping[str, Any], rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -127,7 +149,7 @@ def read_study(study_dir: str | os.PathLike) -> StudyInfo:
         meta = _read_json(cell_dir / "cell.json") or {}
         cell_id = str(meta.get("id") or cell_dir.name)
         axes = dict(meta.get("axes") or {})
-        axes = {**{a: axes.get(a) for a in info.axes}, **axes}
+        axes = _with_method(info, {**{a: axes.get(a) for a in info.axes}, **axes})
         status = _read_json(cell_dir / "status.json") or {}
         state = str(status.get("state") or PENDING)
         rows: list[dict[str, Any]] = []
@@ -143,7 +165,7 @@ def read_study(study_dir: str | os.PathLike) -> StudyInfo:
     for cell_id, axes in _listed_cells(study_dir):
         if cell_id not in seen:
             seen.add(cell_id)
-            axes = {**{a: axes.get(a) for a in info.axes}, **axes}
+            axes = _with_method(info, {**{a: axes.get(a) for a in info.axes}, **axes})
             info.cells.append(_Cell(cell_id, axes, {"state": PENDING}, pd.DataFrame(), None))
     info.cells.sort(key=lambda c: c.id)
     return info

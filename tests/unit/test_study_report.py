@@ -326,3 +326,27 @@ def test_collapse_by_accuracy_has_one_definition_in_the_code_the_report_and_the_
     assert "more than 0.1 (absolute; `ACCURACY_DROP`) below its value before RL" in studies
     assert "below its start" not in studies
     assert "more than 0.1 (absolute) below before RL" in words((docs / "STUDIES.md").read_text())
+
+
+def test_cells_differing_in_two_axes_are_two_methods_never_seeds_of_one(tmp_path):
+    """A grid over policy_loss and correction, no report.method: the methods are the axes' value
+    combinations; cells that differ only in the seed are the seeds of one."""
+    root = tmp_path / "study"
+    root.mkdir()
+    loss, correction = "algorithm.policy_loss", "algorithm.correction"
+    (root / "study.json").write_text(json.dumps({"name": "mix", "axes": [loss, correction, SEED]}))
+    after = {("ppo_clip", "entr"): (0.5, 0.25), ("ppo_clip", "none"): (0.75, 0.125), ("sapo", "none"): (0.375, 0.625)}
+    for (pl, corr), accuracies in after.items():
+        for seed, accuracy in enumerate(accuracies):
+            evals = {"before_rl": {"eval/accuracy": 0.3, "eval/sampled_accuracy": 0.2, "eval/num_problems": 8.0},
+                     "after_rl": {"eval/accuracy": 0.3, "eval/sampled_accuracy": accuracy, "eval/num_problems": 8.0}}
+            _write_cell(root, f"policy_loss={pl},correction={corr},seed={seed}", {loss: pl, correction: corr, SEED: seed},
+                        rows=[_row(corr, t, 0.5, seed) for t in range(STEPS)], evals=evals)
+    info = read_study(root)
+    labels = sorted({c.axes[info.method] for c in info.cells})
+    assert labels == ["policy_loss=ppo_clip,correction=entr", "policy_loss=ppo_clip,correction=none",
+                      "policy_loss=sapo,correction=none"]
+    table = final_accuracy_table(final_accuracy_stats(load_cells(root), info)).set_index("method").iloc[:, 0]
+    assert len(table) == 3
+    for (pl, corr), (a, b) in after.items():  # mean [min, max] of the two seeds, nothing else pooled in
+        assert table[f"policy_loss={pl},correction={corr}"] == f"{(a + b) / 2:.3f} [{min(a, b):.3f}, {max(a, b):.3f}] (2 seeds)"
