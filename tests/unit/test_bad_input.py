@@ -21,9 +21,10 @@ from entr_megatron.config.validate import FieldError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "cpu_demo.yaml"
-STUDIES = sorted(p for p in (ROOT / "examples" / "studies").glob("*.yaml")
+STUDIES = sorted(p for p in (ROOT / "examples" / "studies").rglob("*.yaml")
                  if "\nbase:" in p.read_text())  # the others: base.yaml (a run), a planner's cluster file
-RUN_EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + [ROOT / "examples" / "studies" / "base.yaml"]
+RUN_EXAMPLES = sorted((ROOT / "examples").glob("*.yaml")) + [ROOT / "examples" / "studies" / "base.yaml",
+                                                            ROOT / "examples" / "studies" / "countdown" / "base.yaml"]
 
 
 def _cli(capsys, *argv) -> tuple[int, str]:
