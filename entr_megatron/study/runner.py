@@ -34,6 +34,7 @@ node sees.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import json
 import os
 import signal
@@ -330,18 +331,18 @@ def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_addres
         return result
     submit = _ray_submitter(spec, ray_address) if launcher == "ray" else None
 
-    def attempt(cell: Cell, cell_dir: Path) -> None:
-        if stop.signal is not None:
-            return
+    def attempt(cell_dir: Path) -> dict[str, Any]:  # in a worker thread: runs the cell, records nothing
+        try:
+            return submit(str(cell_dir)) if submit else _cell_attempt(str(cell_dir))
+        except Exception as e:  # the launcher itself failed (e.g. a Ray task died): record, go on
+            return {"returncode": -1, "wall_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+
+    def start(cell: Cell, cell_dir: Path) -> None:
         status = _read_json(cell_dir / "status.json") or {}
         status.update(state="running", attempts=status.get("attempts", 0) + 1, started=time.time())
         _write_json(cell_dir / "status.json", status)
         progress.update(started=1, cell=cell.id)
-        try:
-            outcome = submit(str(cell_dir)) if submit else _cell_attempt(str(cell_dir))
-        except Exception as e:  # the launcher itself failed (e.g. a Ray task died): record, go on
-            outcome = {"returncode": -1, "wall_s": 0.0, "error": f"{type(e).__name__}: {e}"}
-        record(cell, cell_dir, outcome)
+        running[pool.submit(attempt, cell_dir)] = (cell, cell_dir)
 
     def record(cell: Cell, cell_dir: Path, outcome: dict[str, Any]) -> None:
         status = _read_json(cell_dir / "status.json") or {}
@@ -358,9 +359,21 @@ def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_addres
             result[state].append(cell.id)
         progress.update(finished=state, wall_s=outcome["wall_s"], cell=cell.id)
 
+    # The main thread starts and records every cell: a stop signal's handler runs there, before the
+    # outcome it may explain is recorded and before another cell could start (a worker thread taking
+    # the next cell itself would race the handler).
+    running: dict[cf.Future, tuple[Cell, Path]] = {}
+    queue = iter(todo)
     with StopRequest() as stop, cf.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for future in cf.as_completed([pool.submit(attempt, cell, cell_dir) for cell, cell_dir in todo]):
-            future.result()
+        for cell, cell_dir in itertools.islice(queue, jobs):
+            start(cell, cell_dir)
+        while running:
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for future in finished:
+                record(*running.pop(future), future.result())
+                following = next(queue, None) if stop.signal is None else None
+                if following is not None:
+                    start(*following)
     result["interrupted"] = stop.signal is not None
     result["signal"] = stop.signal
     return result

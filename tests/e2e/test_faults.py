@@ -239,8 +239,8 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
                        "embedded": {**data["rollout"]["embedded"], "health_timeout_s": 3.0}}
     data["launcher"]["max_restarts"] = 1
     cfg.write_text(yaml.safe_dump(data))
-    (tmp_path / "faults").mkdir()
-    env = {**os.environ, FAULT_DIR_ENV: str(tmp_path / "faults"),
+    (tmp_path / "fault_markers").mkdir()
+    env = {**os.environ, FAULT_DIR_ENV: str(tmp_path / "fault_markers"),
            FAULT_ENV: f"engine@{kill_at}:generate:kill;engine@{stop_at}:generate:stop;rank0@{rank_at}:train:kill"}
     job = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(cfg)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -250,7 +250,7 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, err[-4000:]
-    assert sorted(p.name for p in (tmp_path / "faults").iterdir()) == ["fault-0", "fault-1", "fault-2"]
+    assert sorted(p.name for p in (tmp_path / "fault_markers").iterdir()) == ["fault-0", "fault-1", "fault-2"]
     assert "embedded engine 0 failed (the engine process exited (exit code -9))" in err, err[-4000:]
     assert "a learner rank failed" in err and "(launcher.max_restarts: 1 of 1)" in err, err[-4000:]
     assert "the engines kept" in err and "starting a new one (replacement 3" not in err, err[-4000:]
