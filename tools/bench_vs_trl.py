@@ -1,6 +1,6 @@
 """Our `train` against TRL's GRPOTrainer on the same job, side by side, in one run.
 
-    bash scripts/setup.sh && EXTRAS=dev,peers bash scripts/setup.sh     # TRL, pinned, beside the CPU torch
+    EXTRAS=dev,peers bash scripts/setup.sh     # TRL, pinned, beside the CPU torch
     python tools/bench_vs_trl.py [--config examples/cpu_demo.yaml] [--steps 250] [--seeds 0 1 2]
         [--systems trl sync one_step_off fully_async] [--out DIR] [--model SFT_DIR] [key=value ...]
 
@@ -11,12 +11,13 @@ i-th of our `PromptStream(task, prompts_per_step, s)` for both, `prompts_per_ste
 order rotated from seed to seed) so that a slow spell of the machine does not fall on one system.
 
 The same job: the config's learning rate, warm-up steps and constant schedule, gradient clip,
-Adam betas and eps, PPO clip widths (`algorithm.clip_range`: 0.2 / 0.28 in the demo), no KL, token-mean loss (TRL's `dapo` on one
-process), GRPO advantages with the group std, temperature / top-p / top-k, max new tokens, one
-optimizer step per batch (`num_iterations=1`, one mini-batch). What differs, and why it is fair:
-- TRL runs one process with as many torch threads as our job has cores (learner ranks x
-  `launcher.cpu_threads_per_rank` + engines x `rollout.embedded.num_threads`); ours splits them
-  between the learner and the engine process as its config says.
+Adam betas and eps, PPO clip widths (`algorithm.clip_range`: 0.2 / 0.28 in the demo), no KL,
+token-mean loss (TRL's `dapo` on one process), GRPO advantages with the group std, temperature /
+top-p / top-k, max new tokens, one optimizer step per batch (`num_iterations=1`, one mini-batch).
+What differs, and why it is fair:
+- TRL runs one process with a torch thread per core this process may use (its affinity mask);
+  ours puts the same cores where its config says (`controller/wiring.cpu_threads`: unset fields
+  give the waiting side's cores to the working side in sync mode, split them when both work).
 - TRL's gradient checkpointing (on by default) is turned off: ours does not recompute activations.
 - Our correction (`algorithm.correction`, ENTR in the demo) runs in ours; TRL has no off-policy
   correction (it is on-policy). In sync mode ours is on-policy too and the mask is idle.
@@ -107,6 +108,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from entr_megatron.controller.model_init import build_task
     from entr_megatron.rollout.tasks import load_tokenizer
     from entr_megatron.types import Sample
+    from entr_megatron.utils.spawn import available_cores
 
     [seed] = args.seeds
     cfg = load_config(args.config, [*args.overrides, *_job_overrides(args.model, args.steps, seed)])
@@ -141,8 +143,7 @@ def trl_worker(args: argparse.Namespace) -> None:
             out.append(float(task.reward(sample, ref)))
         return out
 
-    threads = (cfg.launcher.nproc_per_node * cfg.launcher.nnodes * (cfg.launcher.cpu_threads_per_rank or 1)
-               + r.num_engines * (r.embedded.num_threads or 1))
+    threads = available_cores()
     torch.set_num_threads(threads)
     config = GRPOConfig(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=r.prompts_per_step * r.sampling.n,
@@ -150,7 +151,8 @@ def trl_worker(args: argparse.Namespace) -> None:
         temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=max(r.sampling.top_k, 0),
         learning_rate=opt.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=opt.lr_warmup_steps,
         max_grad_norm=opt.clip_grad, adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_epsilon=opt.adam_eps,
-        weight_decay=opt.weight_decay, beta=0.0, epsilon=clip_low, epsilon_high=clip_high, loss_type="dapo", scale_rewards="group",
+        weight_decay=opt.weight_decay, beta=0.0, epsilon=clip_low, epsilon_high=clip_high, loss_type="dapo",
+        scale_rewards="group",
         num_iterations=1, shuffle_dataset=False, use_cpu=True, bf16=False, gradient_checkpointing=False,
         save_strategy="no", report_to="none", logging_steps=max(args.steps // 10, 1), seed=seed,
         dataloader_pin_memory=False, disable_dropout=True,
@@ -221,8 +223,9 @@ def main() -> None:
             print(f"seed {seed}: {system} ...", file=sys.stderr, flush=True)
             row = run_trl(args, model, seed, out) if system == "trl" else run_ours(args, system, model, seed, out)
             runs[system].append(row)
-            print(f"  {row['steps'] / row['rl_s']:.2f} steps/s, RL {row['rl_s']:.1f} s, process {row['process_s']:.1f} s,"
-                  f" greedy {row['after']['eval/accuracy']:.3f}", file=sys.stderr, flush=True)
+            print(f"  {row['steps'] / row['rl_s']:.2f} steps/s, RL {row['rl_s']:.1f} s,"
+                  f" process {row['process_s']:.1f} s, greedy {row['after']['eval/accuracy']:.3f}",
+                  file=sys.stderr, flush=True)
     (out / "bench_vs_trl.json").write_text(json.dumps(runs, indent=1))
     report(runs, args.steps, model)
 

@@ -113,7 +113,10 @@ class LauncherConfig:
     """Rendezvous port; 0 picks a free one (single node only). In [0, 65535]."""
 
     cpu_threads_per_rank: int | None = None
-    """torch intra-op threads of each learner rank. None: torch's default. >= 1."""
+    """torch intra-op threads of each learner rank (the warm-up's ranks get every core anyway). None,
+    on one CPU machine: the cores where the work is (all of them in sync and fixed_lag modes, where
+    the learner and engines take turns; a share beside the engines' in the overlapping modes;
+    controller/wiring.cpu_threads); elsewhere torch's default. >= 1."""
 
     max_restarts: int = 0
     """torchrun's --max-restarts: when a learner rank fails (raises or dies), stop every rank and

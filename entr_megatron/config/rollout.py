@@ -185,7 +185,8 @@ class EmbeddedConfig:
     """Padded prompt tokens admitted in one prefill. >= 1."""
 
     num_threads: int | None = None
-    """torch intra-op threads of each engine process. None: torch's default. >= 1."""
+    """torch intra-op threads of each engine process. None, on one CPU machine: the cores where the
+    work is (as launcher.cpu_threads_per_rank); elsewhere torch's default. >= 1."""
 
     health_timeout_s: float = 60.0
     """Seconds an engine has to answer a health check (asked when it failed a call, or when no

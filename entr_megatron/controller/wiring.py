@@ -26,12 +26,11 @@ running engines, and the engines told that the next version may be older than th
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
@@ -43,7 +42,7 @@ from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sg
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
-from entr_megatron.utils.spawn import free_port_range
+from entr_megatron.utils.spawn import available_cores, free_port_range
 
 __all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "embedded_engine",
            "learner_group", "make_engines", "with_episodes"]
@@ -254,9 +253,7 @@ def learner_group(cfg: RunConfig, model_dir: Path, phase: str, wait: bool = True
     spec = LearnerWorkerSpec(cfg, str(model_dir), phase)
     launcher = cfg.launcher
     world = launcher.world_size
-    threads = launcher.cpu_threads_per_rank
-    if phase == "sft" and launcher.device == "cpu" and launcher.kind == "local":
-        threads = max(threads or 1, (os.cpu_count() or 1) // world)  # no engine runs beside the warm-up
+    threads = cpu_threads(cfg, phase).learner
     if launcher.kind == "ray":
         gpus = 1.0 if launcher.device == "cuda" else 0.0
         key = cfg.rollout.sglang.api_key_env if cfg.rollout.engine == "sglang" else None  # rank 0 updates the servers
@@ -300,7 +297,48 @@ def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
     from entr_megatron.rollout.embedded import EmbeddedEngineConfig
 
     return EmbeddedEngineConfig.from_config(cfg.rollout, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
-                                            seed=cfg.controller.seed + index, record_routes=cfg.records_routes)
+                                            seed=cfg.controller.seed + index, record_routes=cfg.records_routes,
+                                            num_threads=cpu_threads(cfg, "rl").engine)
+
+
+SEQUENTIAL_MODES = ("sync", "fixed_lag")
+"""Controller modes in which the learner and the engines take turns (one waits while the other works)."""
+
+
+class CpuThreads(NamedTuple):
+    learner: int | None
+    """torch threads of each learner rank (None: torch's default)."""
+    engine: int | None
+    """torch threads of each embedded engine process (None: torch's default)."""
+
+
+def cpu_threads(cfg: RunConfig, phase: str) -> CpuThreads:
+    """Threads of the learner ranks and embedded engines of a job on one CPU machine in `phase`
+    ("sft", "rl"): the fields set in the config (launcher.cpu_threads_per_rank,
+    rollout.embedded.num_threads) as they are, except in the warm-up, whose only processes are
+    learner ranks: they share every core. An unset field puts the machine's cores where the work
+    is: when one side waits while the other works (the sync and fixed_lag modes) each process may
+    use all the cores its side has (learner ranks share them, engines share them); when both work at
+    once (one_step_off, fully_async) the cores are split between learner ranks and engines, one
+    share each. OMP_WAIT_POLICY is left at its default: PASSIVE made sync runs on 2 cores about 2x
+    slower per step (its threads sleep and wake on every small op). On GPU, with Ray, or with engines
+    elsewhere (SGLang): as set (None: torch's default)."""
+    launcher, rollout = cfg.launcher, cfg.rollout
+    learner, engine = launcher.cpu_threads_per_rank, rollout.embedded.num_threads
+    if launcher.device != "cpu" or launcher.kind != "local" or launcher.nnodes != 1:
+        return CpuThreads(learner, engine)
+    cores = available_cores()
+    ranks = launcher.nproc_per_node
+    engines = rollout.num_engines if rollout.engine == "embedded" else 0
+    if phase == "sft":  # no engine runs beside the warm-up: its ranks get every core whatever is set
+        return CpuThreads(max(learner or 1, cores // ranks), engine)
+    if not engines or cfg.controller.mode in SEQUENTIAL_MODES:
+        auto_learner, auto_engine = max(1, cores // ranks), max(1, cores // max(engines, 1))
+    else:
+        share = max(1, cores // (ranks + engines))
+        auto_engine = share
+        auto_learner = max(1, (cores - engines * share) // ranks)
+    return CpuThreads(learner or auto_learner, engine or auto_engine)
 
 
 def _ray_init(cfg: RunConfig) -> None:

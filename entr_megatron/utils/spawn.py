@@ -43,6 +43,7 @@ from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks
 __all__ = [
     "ALL_INTERFACES",
     "LOOPBACK",
+    "available_cores",
     "bind_ip",
     "die_with_parent",
     "exit_now",
@@ -339,6 +340,14 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, threads: int, ar
     exit_now(0)  # a failure above raises instead: torch's wrapper reports it to the parent
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: a container's or taskset's limit), >= 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, threads: int | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
@@ -346,7 +355,7 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
     after ``timeout_s``; the children are terminated in both cases. Each child
     gets ``threads`` intra-op threads (default: cores divided among ranks).
     """
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads or max(1, available_cores() // world_size)
     ctx = mp.start_processes(
         _child, args=(fn, world_size, free_port(), threads, args), nprocs=world_size,
         join=False, start_method="spawn",
