@@ -86,9 +86,18 @@ def test_no_mask_is_bidirectional():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_packed_sequences_never_attend_across_boundaries(padded):
+@pytest.mark.parametrize("short_len,chunk_scores", [(128, 1 << 24), (3, 1 << 24), (0, 1 << 24), (128, H * 40)],
+                         ids=["padded-chunk", "mixed", "one-by-one", "many-chunks"])
+def test_packed_sequences_never_attend_across_boundaries(padded, short_len, chunk_scores, monkeypatch):
+    """Short sequences attend in padded chunks, long ones one by one (attention.SHORT_SEQ_LEN): every
+    split (all in one chunk; lengths 1 and 3 chunked, 4 and 6 alone; all alone; a scores budget that
+    puts 1 and 3 in one chunk, 4 and 6 in chunks of their own) gives the float64 reference."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from entr_megatron.learner import attention
+
+    monkeypatch.setattr(attention, "SHORT_SEQ_LEN", short_len)
+    monkeypatch.setattr(attention, "_CHUNK_SCORES", chunk_scores)
     attn = make_attention()
     lens = [3, 1, 6, 4]
     slots = [4, 2, 6, 6] if padded else lens  # padded: each sequence sits in a bigger slot
