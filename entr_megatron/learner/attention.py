@@ -131,8 +131,8 @@ def packed_attention(q_THD, k_TGD, v_TGD, cu_seqlens_q, cu_seqlens_kv, causal, s
         rows.append(torch.arange(start_q, start_q + len_q, device=q_THD.device))
         values.append(out[0].transpose(0, 1).reshape(len_q, heads * dim))
     out = q_THD.new_zeros(total, heads * dim)
-    if not rows:
-        return out + 0.0 * q_THD.sum()  # nothing to attend (empty sequences): still on the graph
+    if not rows:  # only empty sequences: nothing attends
+        return out
     return out.index_copy(0, torch.cat(rows), torch.cat(values))
 
 
