@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compare_modes import cli, warmup_model  # noqa: E402  (tools/, this script's directory)
 
 OURS = ("sync", "one_step_off", "fully_async")
 SYSTEMS = ("trl", *OURS)
@@ -53,12 +54,8 @@ SYSTEMS = ("trl", *OURS)
 def _cli(*args: str, env: dict | None = None) -> tuple[dict, float]:
     """The last JSON line `entr-megatron args...` prints, and the process's wall time."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", *args], capture_output=True, text=True,
-                          env=env)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        sys.exit(f"entr-megatron {args[0]} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+    stdout = cli(*args, env=env)
+    return json.loads(stdout.strip().splitlines()[-1]), time.perf_counter() - t0
 
 
 def _job_overrides(model: str, steps: int, seed: int) -> list[str]:
@@ -211,11 +208,7 @@ def main() -> None:
         except ImportError:
             sys.exit("TRL is not installed: EXTRAS=dev,peers bash scripts/setup.sh (or drop 'trl' from --systems)")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_vs_trl_"))
-    model = args.model
-    if model is None:
-        print(f"warm-up (sft) into {out / 'warmup'} ...", file=sys.stderr, flush=True)
-        _cli("sft", "--config", args.config, "--run-dir", str(out / "warmup"), *args.overrides)
-        model = str(out / "warmup" / "sft" / "model")
+    model = args.model or warmup_model(args.config, out, args.overrides)
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}
     for k, seed in enumerate(args.seeds):
         order = args.systems[k % len(args.systems):] + args.systems[:k % len(args.systems)]

@@ -28,11 +28,20 @@ from entr_megatron.utils.run_log import read_metrics  # noqa: E402
 MODES = ("sync", "one_step_off", "fully_async")
 
 
-def cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", *args], capture_output=True, text=True)
+def cli(*args: str, env: dict | None = None) -> str:
+    """What `entr-megatron args...` prints; a failure ends this tool with its stderr's tail."""
+    proc = subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", *args], capture_output=True, text=True,
+                          env=env)
     if proc.returncode:
         sys.exit(f"entr-megatron {args[0]} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout
+
+
+def warmup_model(config: str, out: Path, overrides: list[str]) -> str:
+    """The config's SFT warm-up, run into OUT/warmup; returns the HF directory of its model."""
+    print(f"warm-up (sft) into {out / 'warmup'} ...", file=sys.stderr, flush=True)
+    cli("sft", "--config", config, "--run-dir", str(out / "warmup"), *overrides)
+    return str(out / "warmup" / "sft" / "model")
 
 
 def main() -> None:
@@ -47,11 +56,7 @@ def main() -> None:
     if args.modes[0] != "sync":
         args.modes = ["sync"] + [m for m in args.modes if m != "sync"]
     out = Path(args.out or tempfile.mkdtemp(prefix="compare_modes_"))
-    model = args.model
-    if model is None:
-        print(f"warm-up (sft) into {out / 'warmup'} ...", file=sys.stderr, flush=True)
-        cli("sft", "--config", args.config, "--run-dir", str(out / "warmup"), *args.overrides)
-        model = str(out / "warmup" / "sft" / "model")
+    model = args.model or warmup_model(args.config, out, args.overrides)
     rows = []
     for mode in args.modes:
         run_dir = out / mode

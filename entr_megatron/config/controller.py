@@ -8,6 +8,9 @@ from typing import Literal, get_args
 from entr_megatron.config.validate import bad, boolean, choice, integer, number
 
 ControllerMode = Literal["sync", "one_step_off", "fully_async", "fixed_lag"]
+
+SEQUENTIAL_MODES = ("sync", "fixed_lag")
+"""Controller modes in which the learner and the engines take turns (one waits while the other works)."""
 CONTROLLER_MODES: tuple[str, ...] = get_args(ControllerMode)
 StalePolicy = Literal["drop", "regenerate"]
 STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)

@@ -32,6 +32,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from entr_megatron.config.controller import SEQUENTIAL_MODES
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
@@ -299,10 +300,6 @@ def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
     return EmbeddedEngineConfig.from_config(cfg.rollout, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
                                             seed=cfg.controller.seed + index, record_routes=cfg.records_routes,
                                             num_threads=cpu_threads(cfg, "rl").engine)
-
-
-SEQUENTIAL_MODES = ("sync", "fixed_lag")
-"""Controller modes in which the learner and the engines take turns (one waits while the other works)."""
 
 
 class CpuThreads(NamedTuple):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from entr_megatron.config.controller import SEQUENTIAL_MODES
 from entr_megatron.study.simulation import SimulationBoundError, default_max_events, simulate
 from entr_megatron.study.workload import COST_FIELDS, MODES, Costs, Plan, Workload
 
@@ -146,7 +147,7 @@ def costs_from_run(run_dir: str, engine_costs: dict[str, float], skip_steps: int
     workload = Workload(prompts_per_step=r.prompts_per_step, n=r.sampling.n, max_policy_lag=c.max_policy_lag,
                         max_inflight_groups=c.max_inflight_groups, inter_lag=c.inter_lag, intra_lag=c.intra_lag,
                         seed=c.seed)
-    if calibrate_engine and c.mode in ("sync", "fixed_lag"):
+    if calibrate_engine and c.mode in SEQUENTIAL_MODES:
         costs = _calibrated(costs, workload, [float(row["timing/wait_rollout_s"]) for row in rows])
     return costs, workload
 

@@ -16,6 +16,7 @@ import random
 from collections import deque
 from typing import Any
 
+from entr_megatron.config.controller import SEQUENTIAL_MODES
 from entr_megatron.study.workload import Costs, Plan, Workload
 
 __all__ = ["SimulationBoundError", "default_max_events", "simulate"]
@@ -225,7 +226,7 @@ class _Simulation:
             self.submit(P)
         for step in range(self.w.steps):
             self.current_step, t0 = step, self.now
-            if self.mode in ("sync", "fixed_lag"):
+            if self.mode in SEQUENTIAL_MODES:
                 self.submit(P)
                 batch = self._collect_all(P)
             elif self.mode == "one_step_off":
@@ -254,7 +255,7 @@ class _Simulation:
                             / max(sum(g.tokens for g in batch), 1) if self.mode != "fixed_lag" else
                             min(self.version, self.w.inter_lag + self.w.intra_lag / 2))
             self.version += 1
-            if self.mode in ("sync", "fixed_lag"):
+            if self.mode in SEQUENTIAL_MODES:
                 self._push(wait=True)
             elif self.mode == "fully_async":
                 self._push(wait=False)
