@@ -5,6 +5,7 @@ carries its training step in "step" even when steps arrive out of order."""
 from __future__ import annotations
 
 import struct
+import time
 
 import pytest
 
@@ -43,6 +44,22 @@ def read_records(path):
     return out
 
 
+def read_until_exit(path, timeout_s=30.0):
+    """The file's records once W&B's writer has put its closing "exit" record on disk:
+    `finish()` can return before its service flushes the file (seen on a loaded CI machine)."""
+    deadline = time.monotonic() + timeout_s
+    from google.protobuf.message import DecodeError
+
+    while True:
+        try:
+            records = read_records(path)
+        except DecodeError:  # a record half written
+            records = []
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def test_offline_run_resumes_the_same_run_with_the_training_step(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = WandbConfig(project="p", group="study-x", name="cell-1", mode="offline")
@@ -59,7 +76,7 @@ def test_offline_run_resumes_the_same_run_with_the_training_step(tmp_path, monke
     assert len(files) == 2  # two starts, one W&B run id (wandb sync merges them)
     history, runs = [], []
     for path in files:
-        for record in read_records(path):
+        for record in read_until_exit(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 runs.append((record.run.run_id, record.run.run_group, record.run.project))
