@@ -164,7 +164,7 @@ class SearchTaskConfig:
 
     world: SearchWorld = "fixed"
     """'fixed': one corpus of num_entities entities that every question is asked of (a tiny model
-    memorises its facts instead of learning to read: README, "The CPU agent demo"). 'per_episode':
+    memorises its facts instead of learning to read: docs/DEMOS.md, "The CPU agent demo"). 'per_episode':
     every question is asked of its own world of num_entities entities, named by a tag in the prompt
     ("w4821 q: home of founder of velora?") and drawn from it and corpus_seed
     (rollout/tasks/search_worlds.py), so an answer can only be read, never recalled; the splits are

@@ -6,7 +6,7 @@
     env = WorldEnv(tokenizer, runner_of)                            # reset(prompt) takes w4821's tools
 
 Why: on one fixed corpus a tiny model memorises the facts behind its training questions instead
-of learning to read the documents (README, "The CPU agent demo": 97% of training questions, 6% of
+of learning to read the documents (docs/DEMOS.md, "The CPU agent demo": 97% of training questions, 6% of
 held-out ones). Here each question is asked of a world drawn from its tag alone (one of
 `WORLD_TAGS`): the entities, their kinds and every link, so no fact carries over from one question
 to the next. The only way to answer is the procedure: search the name in the question, read the
