@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.seeding import mix_seed
 
-__all__ = ["ABANDON_TIMEOUT_S", "Learner", "PromptStream", "PushHandle", "WeightPusher"]
+__all__ = ["ABANDON_TIMEOUT_S", "NO_RECOVERY", "Learner", "PromptStream", "PushHandle", "Recovery", "WeightPusher"]
 
 ABANDON_TIMEOUT_S = 30.0
 """After a learner failure, how long the controller waits for each engine to give up what it was
@@ -41,6 +41,44 @@ class WeightPusher(Protocol):
     def push(self, version: int) -> PushHandle:
         """Starts sending the learner's weights as `version`; returns without waiting."""
         ...
+
+
+class Recovery:
+    """What the controller calls when an engine fails: `controller/wiring.py` `EngineRecovery`
+    (embedded engines, processes or Ray actors) and `controller/sglang_servers.py` `ServerRecovery`
+    subclass it. This base is the null recovery (`NO_RECOVERY`): no engine is ever found failed, so
+    an engine's error ends the run, and silence is waited out."""
+
+    def __init__(self) -> None:
+        self.restarts = 0
+        """Engines replaced so far in this job."""
+
+    def failed(self) -> list[tuple[int, str]]:
+        """The engines that are dead or do not answer a health check, with their last error."""
+        return []
+
+    def noticed(self) -> bool:
+        """True when an engine is already known to have failed (an engine set that kept serving
+        from the others): the controller then calls `failed` and `replace` without waiting."""
+        return False
+
+    def replace(self, failed: list[tuple[int, str]], version: int, pending_push: Any = None) -> None:
+        """New engines in place of `failed`, every engine at the learner's `version` afterwards."""
+        raise NotImplementedError(f"{type(self).__name__} replaces no engine")
+
+    def returned(self) -> bool:
+        """True when an engine out of service answers again (SGLang servers given by URL)."""
+        return False
+
+    def readmit(self, version: int) -> None:
+        """Takes the engines that answer again back, at the learner's `version`."""
+
+    def out_of_service(self) -> int:
+        """Engines out of service now."""
+        return 0
+
+
+NO_RECOVERY = Recovery()
 
 
 class PromptStream:

@@ -56,7 +56,16 @@ from entr_megatron.config.rollout import RolloutConfig
 from entr_megatron.controller.buffer import Group, GroupRef, StalenessBuffer, lag_metrics
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import RestartsExhausted
-from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S, Learner, PromptStream, PushHandle, WeightPusher
+from entr_megatron.controller.inflight import InFlight
+from entr_megatron.controller.interfaces import (
+    ABANDON_TIMEOUT_S,
+    NO_RECOVERY,
+    Learner,
+    PromptStream,
+    PushHandle,
+    Recovery,
+    WeightPusher,
+)
 from entr_megatron.controller.fixed_lag import LagPipeline
 from entr_megatron.controller.replacing import generate_replacing
 from entr_megatron.rollout.engine import (
@@ -65,7 +74,6 @@ from entr_megatron.rollout.engine import (
     GenerateResult,
     RolloutEngine,
     SamplingParams,
-    generate,
 )
 from entr_megatron.rollout.episodes import episode_metrics
 from entr_megatron.rollout.tasks.base import TokenLabeller, no_token_labels
@@ -102,25 +110,16 @@ class ControllerHooks:
     """Checked after every step (e.g. Ctrl-C was pressed): true ends `run` after a checkpoint."""
 
 
-@dataclass
-class _InFlight:
-    ref: GroupRef
-    reference: Any
-    engine_version: int
-    """Engine weight version when submitted: a lower bound on every token version of the group."""
-    results: dict[int, GenerateResult] = field(default_factory=dict)
-
-
 class Controller:
     """Drives engines and learner; owns the policy version, the buffer and the data position."""
 
     def __init__(self, engine: RolloutEngine, learner: Learner, pusher: WeightPusher, task: Any,
                  controller: ControllerConfig, rollout: RolloutConfig, advantage_fn: AdvantageFn | str = "grpo",
-                 hooks: ControllerHooks | None = None, recovery: Any = None) -> None:
+                 hooks: ControllerHooks | None = None, recovery: Recovery | None = None) -> None:
         """`controller` and `rollout` are the run's validated config sections (the loop reads the
         mode, bound and seed from the first, prompts per step, filtering and sampling from the second).
         `recovery`: replaces failed engines (`EngineRecovery`; its engines are `engine`, an EngineSet);
-        None: an engine failure ends the run."""
+        None (`NO_RECOVERY`): an engine failure ends the run."""
         self.engine, self.learner, self.pusher, self.task = engine, learner, pusher, task
         self._label_tokens = task.token_labels if isinstance(task, TokenLabeller) else no_token_labels
         self.opt, self.rollout = controller, rollout
@@ -128,7 +127,7 @@ class Controller:
         """Its n is the group size; its seed is replaced per group."""
         self.advantage_fn = ADVANTAGE_ESTIMATORS[advantage_fn] if isinstance(advantage_fn, str) else advantage_fn
         self.hooks = hooks or ControllerHooks()
-        self.recovery = recovery
+        self.recovery = recovery if recovery is not None else NO_RECOVERY
         self._last_sample = time.monotonic()  # when a sample last came (rollout.poll_timeout_s)
         self.buffer = StalenessBuffer(controller.max_policy_lag, controller.stale_policy, rollout.dynamic_filtering)
         self.prompts = PromptStream(task, rollout.prompts_per_step, controller.seed)
@@ -137,8 +136,7 @@ class Controller:
         self.step = 0
         self.next_group_id = 0
         self.aborted = 0
-        self._inflight: dict[str, _InFlight] = {}
-        self._ignored: dict[str, int] = {}  # request id of an aborted group -> results still to come
+        self._inflight = InFlight(self.sampling.n)
         self._resubmit: list[GroupRef] = []  # in-flight at save time, submitted again on resume
         self._push_handle: PushHandle | None = None
         self._pushed_version = 0
@@ -168,12 +166,12 @@ class Controller:
         for _ in range(num_steps):
             t0 = time.perf_counter()
             metrics = step_fn()
-            if self.recovery is not None and getattr(self.recovery, "returned", lambda: False)():
+            if self.recovery.returned():
                 self._readmit()
             metrics["timing/step_s"] = step_s = time.perf_counter() - t0
             metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / step_s if step_s > 0 else 0.0
-            metrics["engines/restarts"] = float(self.recovery.restarts if self.recovery is not None else 0)
-            metrics["engines/out_of_service"] = float(len(getattr(self.recovery, "out", ())))
+            metrics["engines/restarts"] = float(self.recovery.restarts)
+            metrics["engines/out_of_service"] = float(self.recovery.out_of_service())
             stop = hooks.should_stop is not None and hooks.should_stop()
             if hooks.on_eval and hooks.eval_interval and self.step % hooks.eval_interval == 0:
                 self.drain()
@@ -233,9 +231,7 @@ class Controller:
 
     def _generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         """One round of requests, every sample; a failed engine replaced and the round generated
-        again with the same seeds (replacing.py), without `recovery` the engine's error raised."""
-        if self.recovery is None:
-            return generate(self.engine, requests, timeout_s=GENERATE_AHEAD_TIMEOUT_S)
+        again with the same seeds (replacing.py); without `recovery` the engine's error raised."""
         return generate_replacing(self.engine, requests, self.recover, timeout_s=GENERATE_AHEAD_TIMEOUT_S,
                                   idle_timeout_s=self.rollout.poll_timeout_s)
 
@@ -263,7 +259,7 @@ class Controller:
             self._submit_new(max(inflight_target() - len(self._inflight), 0))
             if groups := self.buffer.take(self.P, self.version):
                 break
-            if not self._inflight and not self._ignored:
+            if not self._inflight.busy:
                 raise RuntimeError("controller has nothing in flight and too few groups to train on")
             self._receive()
             if self._discarded_this_step > MAX_DISCARDED_PER_STEP * self.P:
@@ -282,7 +278,7 @@ class Controller:
     def _submit_refs(self, refs: list[GroupRef]) -> None:
         if not refs:
             return
-        requests, records = [], []
+        requests = []
         engine_version = self.engine.weight_version
         for ref in refs:
             prompt_ids, reference = self.prompts.get(ref.prompt_index)
@@ -290,21 +286,18 @@ class Controller:
             params = dataclasses.replace(self.sampling, seed=seed)
             requests.append(GenerateRequest(prompt_ids, params, request_id=uuid.uuid4().hex, group_id=ref.group_id,
                                             metadata={"prompt_index": ref.prompt_index}))
-            records.append(_InFlight(ref, reference, engine_version))
-        for request, record in zip(requests, records):  # recorded first: a failed submit loses none
-            self._inflight[request.request_id] = record
+            self._inflight.add(requests[-1].request_id, ref, reference, engine_version)  # first: a failed submit loses none
         try:
             ids = self.engine.submit(requests)
         except EngineError as e:
             self.recover(e)
             return
         for rid, request in zip(ids, requests):
-            if rid != request.request_id:  # an engine that numbers requests itself
-                self._inflight[rid] = self._inflight.pop(request.request_id)
+            self._inflight.renumber(request.request_id, rid)  # an engine that numbers requests itself
 
     def _receive(self, timeout: float | None = POLL_TIMEOUT_S) -> None:
         """Polls once; completed groups get their rewards and enter the buffer."""
-        if self.recovery is not None and self.engine.failed:  # the others kept it from raising
+        if self.recovery.noticed():  # an engine failed; the others kept the set from raising
             self.recover(None)
             return
         try:
@@ -314,23 +307,12 @@ class Controller:
             return
         if results:
             self._last_sample = time.monotonic()
-        elif self.recovery is not None and time.monotonic() - self._last_sample > self.rollout.poll_timeout_s:
+        elif time.monotonic() - self._last_sample > self.rollout.poll_timeout_s:
             self.recover(None)  # silent for poll_timeout_s: a health check tells hung from slow
             self._last_sample = time.monotonic()
         for result in results:
-            rid = result.request_id
-            if rid in self._ignored:
-                self._ignored[rid] -= 1
-                if not self._ignored[rid]:
-                    del self._ignored[rid]
+            if (record := self._inflight.accept(result)) is None:  # more to come, or given up on
                 continue
-            record = self._inflight.get(rid)
-            if record is None:  # a request abandoned by the controller before this one (`abandon`)
-                continue
-            record.results[result.sample_index] = result
-            if len(record.results) < self.sampling.n:
-                continue
-            del self._inflight[rid]
             samples = []
             for index in sorted(record.results):
                 sample = record.results[index].to_sample()
@@ -344,18 +326,15 @@ class Controller:
     def _abort_doomed(self) -> None:
         """Aborts in-flight groups that may hold a token the bound already excludes."""
         oldest_allowed = self.version - self.opt.max_policy_lag
-        doomed = [rid for rid, r in self._inflight.items() if r.engine_version < oldest_allowed]
+        doomed = self._inflight.give_up(lambda group: group.engine_version < oldest_allowed)
         if not doomed:
             return
-        for rid in doomed:
-            record = self._inflight.pop(rid)
-            self._ignored[rid] = self.sampling.n - len(record.results)
-            self.buffer.discard(record.ref)
-        self._ignored = {rid: k for rid, k in self._ignored.items() if k > 0}
+        for group in doomed.values():
+            self.buffer.discard(group.ref)
         self.aborted += len(doomed)
         self._discarded_this_step += len(doomed)
         try:
-            self.engine.abort(doomed)
+            self.engine.abort(list(doomed))
         except EngineError as e:
             self.recover(e)
 
@@ -396,7 +375,7 @@ class Controller:
         """Replaces the engines that failed (`recovery`), which then hold the learner's version,
         and submits the groups lost with them again; True when some were replaced. Raises `error`
         when none failed (or without `recovery`), RestartsExhausted past rollout.max_engine_restarts."""
-        while self.recovery is not None:
+        while True:
             failed = self.recovery.failed()
             if not failed:
                 break
@@ -409,9 +388,7 @@ class Controller:
                 error = e
                 continue
             self._pushed_version = self.version
-            lost = [rid for rid in self._inflight if not self.engine.is_live(rid)]
-            self._ignored = {rid: k for rid, k in self._ignored.items() if self.engine.is_live(rid)}
-            refs = [self._inflight.pop(rid).ref for rid in lost]
+            refs = self._inflight.lost(self.engine.is_live)
             say(f"step {self.step}: engine(s) {', '.join(str(i) for i, _ in failed)} replaced at weight version "
                 f"{self.version}; {len(refs)} group(s) in flight on them generated again")
             self._submit_refs(refs)
@@ -439,17 +416,13 @@ class Controller:
         pending, self._push_handle = self._push_handle, None
         if pending is not None and hasattr(pending, "abandon"):
             pending.abandon()
-        for rid, record in self._inflight.items():
-            self._ignored[rid] = self.sampling.n - len(record.results)
-        self._inflight.clear()
+        self._inflight.give_up()
         deadline = time.monotonic() + timeout_s
         try:
-            self.engine.abort(list(self._ignored))
-            while self._ignored and time.monotonic() < deadline:
+            self.engine.abort(list(self._inflight.ignored))
+            while self._inflight.ignored and time.monotonic() < deadline:
                 for result in self.engine.poll(timeout=POLL_TIMEOUT_S):
-                    left = self._ignored.pop(result.request_id, 0) - 1
-                    if left > 0:
-                        self._ignored[result.request_id] = left
+                    self._inflight.swallow(result.request_id)
         except EngineError:
             pass  # a failed engine: replaced when the new learner pushes its weights
 
@@ -459,7 +432,7 @@ class Controller:
         learner's version: a checkpoint holds only the learner's current weights, so this is the
         engine state a resumed run can reproduce."""
         self._last_sample = time.monotonic()
-        while self._inflight or self._ignored:
+        while self._inflight.busy:
             self._receive()
         self._push(wait=True)
 
@@ -470,7 +443,7 @@ class Controller:
             "version": self.version, "step": self.step, "next_prompt_index": self.prompts.next_index,
             "next_group_id": self.next_group_id, "aborted": self.aborted,
             "buffer": self.buffer.state_dict(),
-            "inflight": [dataclasses.asdict(r) for r in [x.ref for x in self._inflight.values()] + self._resubmit],
+            "inflight": [dataclasses.asdict(r) for r in self._inflight.refs() + self._resubmit],
             "generated_ahead": None if self.lag_pipeline is None else self.lag_pipeline.state_dict(),
         }
 

@@ -40,6 +40,7 @@ from typing import Any
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.interfaces import Recovery
 from entr_megatron.controller.learner_worker import LearnerWorker
 from entr_megatron.controller.sglang_setup import check_launch, model_vocab_size, route_layout, sglang_wire_dtype
 from entr_megatron.rollout.sglang import (
@@ -198,21 +199,26 @@ class _Prober(threading.Thread):
             wait = min(2 * wait, PROBE_MAX_INTERVAL_S)
 
 
-class ServerRecovery:
+class ServerRecovery(Recovery):
     """The `recovery` of a run's SGLang servers (see the module docstring); the controller calls
     `failed`, `replace` and, between steps, `returned` / `readmit`."""
 
     def __init__(self, cfg: RunConfig, servers: SGLangServers, engines: EngineSet, pusher: Any, address: str,
                  stack: ExitStack):
+        super().__init__()
         self.cfg, self.servers, self.engines, self.pusher, self.address = cfg, servers, engines, pusher, address
-        self.restarts = 0
-        """Launched servers relaunched so far in this job."""
         self.out: dict[int, _Prober] = {}
         """Servers given by URL that dropped out, probed until they answer."""
         stack.callback(self.close)
 
     def in_service(self) -> list[int]:
         return [i for i in range(len(self.servers.urls)) if i not in self.out]
+
+    def out_of_service(self) -> int:
+        return len(self.out)
+
+    def noticed(self) -> bool:
+        return bool(self.engines.failed)
 
     def failed(self) -> list[tuple[int, str]]:
         """Servers in service whose process exited or that do not answer /model_info (a launched

@@ -36,7 +36,7 @@ from entr_megatron.config.controller import SEQUENTIAL_MODES
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
-from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S
+from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S, Recovery
 from entr_megatron.controller.learner_worker import LearnerWorker, LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
@@ -100,7 +100,7 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
     pusher.receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
 
 
-class EngineRecovery:
+class EngineRecovery(Recovery):
     """Replaces the embedded engines of an `EngineSet` that died or stopped answering.
 
         failed = recovery.failed()                 # [(index, error)]: health-checked, the silent ones SIGKILLed
@@ -115,10 +115,12 @@ class EngineRecovery:
 
     def __init__(self, cfg: RunConfig, model_dir: Path, stack: ExitStack, engines: EngineSet, pusher: RemotePusher,
                  address: str):
+        super().__init__()
         self.cfg, self.model_dir, self.stack = cfg, model_dir, stack
         self.engines, self.pusher, self.address = engines, pusher, address
-        self.restarts = 0
-        """Engines replaced so far in this job."""
+
+    def noticed(self) -> bool:
+        return bool(self.engines.failed)
 
     def failed(self) -> list[tuple[int, str]]:
         """The engines that are dead or did not answer a health check within

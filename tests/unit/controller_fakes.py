@@ -7,14 +7,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from entr_megatron.controller.engines import RestartsExhausted
+from entr_megatron.controller.interfaces import Recovery as RecoveryBase
 
 
-class Recovery:
+class Recovery(RecoveryBase):
     """`EngineRecovery`'s contract without processes: a failed engine is killed and replaced by
     `new_engine(version)` at the learner's version, within `limit` replacements."""
 
     def __init__(self, engines, new_engine: Callable, limit: int = 3):
-        self.engines, self.new_engine, self.limit, self.restarts, self.replaced = engines, new_engine, limit, 0, []
+        super().__init__()
+        self.engines, self.new_engine, self.limit, self.replaced = engines, new_engine, limit, []
+
+    def noticed(self):
+        return bool(self.engines.failed)
 
     def failed(self):
         out = []

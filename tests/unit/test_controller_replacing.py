@@ -190,7 +190,7 @@ def test_an_evaluation_survives_an_engine_killed_mid_pass():
 def test_a_failed_learners_groups_are_aborted_and_never_reach_the_next_controller():
     ctl, engine, _, _ = make("fully_async", engines=2, max_policy_lag=2)
     ctl.run(2)
-    inflight = set(ctl._inflight)
+    inflight = set(ctl._inflight.groups)
     assert inflight
     ctl.abandon(timeout_s=0)  # nothing waited for: their aborted samples are still on the engines
     assert not ctl._inflight
@@ -206,7 +206,7 @@ def test_a_failed_learners_groups_are_aborted_and_never_reach_the_next_controlle
     ctl, engine, _, _ = make("fully_async", engines=2, max_policy_lag=2)
     ctl.run(2)
     ctl.abandon(timeout_s=5)  # waited for: the engines are idle afterwards
-    assert not ctl._ignored and not any(e.live for e in engine.engines)
+    assert not ctl._inflight.ignored and not any(e.live for e in engine.engines)
 
 
 def test_a_parked_engine_gets_no_calls_and_counts_for_nothing_until_replaced():
