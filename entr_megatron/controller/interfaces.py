@@ -3,12 +3,14 @@ loops run in-process against fakes in tests and against processes/Ray actors for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.seeding import mix_seed
 
-__all__ = ["ABANDON_TIMEOUT_S", "NO_RECOVERY", "Learner", "PromptStream", "PushHandle", "Recovery", "WeightPusher"]
+__all__ = ["ABANDON_TIMEOUT_S", "NO_RECOVERY", "ControllerHooks", "Learner", "PromptStream", "PushHandle", "Recovery", "WeightPusher"]
 
 ABANDON_TIMEOUT_S = 30.0
 """After a learner failure, how long the controller waits for each engine to give up what it was
@@ -41,6 +43,23 @@ class WeightPusher(Protocol):
     def push(self, version: int) -> PushHandle:
         """Starts sending the learner's weights as `version`; returns without waiting."""
         ...
+
+
+@dataclass
+class ControllerHooks:
+    """Side effects kept out of the loop: metrics writers, checkpoints."""
+
+    on_step: list[Callable[[dict], None]] = field(default_factory=list)
+    checkpoint_interval: int = 0
+    """Call on_checkpoint every this many steps (0: never)."""
+    on_checkpoint: Callable[[Any], None] | None = None
+    """Gets the controller (drained of in-flight work): saves `state_dict()` with the model."""
+    eval_interval: int = 0
+    """Call on_eval every this many steps (0: never), drained like a checkpoint."""
+    on_eval: Callable[[Any], dict] | None = None
+    """Gets the drained controller (engines idle, at the learner's version); its metrics join the step's."""
+    should_stop: Callable[[], bool] | None = None
+    """Checked after every step (e.g. Ctrl-C was pressed): true ends `run` after a checkpoint."""
 
 
 class Recovery:

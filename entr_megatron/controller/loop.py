@@ -45,7 +45,6 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +59,7 @@ from entr_megatron.controller.inflight import InFlight
 from entr_megatron.controller.interfaces import (
     ABANDON_TIMEOUT_S,
     NO_RECOVERY,
+    ControllerHooks,
     Learner,
     PromptStream,
     PushHandle,
@@ -91,23 +91,6 @@ GENERATE_AHEAD_TIMEOUT_S = 3600.0
 MAX_DISCARDED_PER_STEP = 64
 """Groups (x prompts_per_step) one step may filter or discard before the run gives up: a task whose
 groups all get equal rewards (dynamic filtering) or never finish within the bound would spin forever."""
-
-
-@dataclass
-class ControllerHooks:
-    """Side effects kept out of the loop: metrics writers, checkpoints."""
-
-    on_step: list[Callable[[dict], None]] = field(default_factory=list)
-    checkpoint_interval: int = 0
-    """Call on_checkpoint every this many steps (0: never)."""
-    on_checkpoint: Callable[[Controller], None] | None = None
-    """Gets the controller (drained of in-flight work): saves `state_dict()` with the model."""
-    eval_interval: int = 0
-    """Call on_eval every this many steps (0: never), drained like a checkpoint."""
-    on_eval: Callable[[Controller], dict] | None = None
-    """Gets the drained controller (engines idle, at the learner's version); its metrics join the step's."""
-    should_stop: Callable[[], bool] | None = None
-    """Checked after every step (e.g. Ctrl-C was pressed): true ends `run` after a checkpoint."""
 
 
 class Controller:
