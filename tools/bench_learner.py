@@ -42,7 +42,7 @@ class _Timers:
 
 def _install_timers(timers: _Timers) -> None:
     """Wrap the loss function factory and the vocab-parallel op's backward with timers."""
-    from entr_megatron.learner import train_step as ts
+    from entr_megatron.learner import trainer as ts
     from entr_megatron.parallel import vocab_parallel as vp
 
     fn_cls = vp.VocabParallelLogProbEntropy
@@ -110,7 +110,7 @@ def worker(rank, world, args, results_path):
     from entr_megatron.config.learner import LearnerConfig, OptimConfig
     from entr_megatron.learner.build import build_learner_model_from_hf
     from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
-    from entr_megatron.learner.train_step import train_step
+    from entr_megatron.learner.trainer import train_step
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.parallel.groups import destroy, initialize_model_parallel
 

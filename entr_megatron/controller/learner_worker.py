@@ -78,6 +78,7 @@ class LearnerWorker:
     def __init__(self, spec: LearnerWorkerSpec):
         from entr_megatron.learner.build import build_learner_model_from_hf, read_hf_config
         from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
+        from entr_megatron.learner.trainer import RLTrainer
         from entr_megatron.parallel.groups import init_distributed_from_env, initialize_model_parallel
 
         run = spec.run
@@ -109,6 +110,8 @@ class LearnerWorker:
             self.learner_cfg, self.algo_cfg = run.learner, run.algorithm
         self.ddp = wrap_model_chunks(self.chunks, self.groups, self.learner_cfg)
         self.optimizer, self.scheduler = build_optimizer(self.ddp, self.learner_cfg)
+        self.trainer = RLTrainer(self.ddp, self.groups, self.learner_cfg, self.algo_cfg, self.optimizer, self.scheduler,
+                                 vocab_size=self.model_spec.vocab_size, temperature=run.rollout.sampling.temperature)
         self.sync = None
         self._push = None
         self._sglang = None  # the SGLang client of SGLangTransport (rank 0, rollout.engine 'sglang')
@@ -128,7 +131,7 @@ class LearnerWorker:
         trained (the controller's `Learner` protocol), becomes the batch's `policy_version`: a3po
         interpolates its proximal policy by each token's lag (policy-lag metrics are the
         controller's, computed from the samples)."""
-        from entr_megatron.learner.rollout_batch import merge_step_metrics, train_rollout_batch
+        from entr_megatron.learner.rollout_batch import merge_step_metrics
 
         t0 = time.perf_counter()
         waited = [0.0]
@@ -140,10 +143,7 @@ class LearnerWorker:
         if version is not None:
             maybe_fault(f"rank{self.info.rank}", version, "train")  # tests only (utils/faults.py)
             batch = dataclasses.replace(batch, policy_version=version)
-        steps = train_rollout_batch(self.ddp, self.optimizer, self.scheduler, batch, self.groups, self.algo_cfg,
-                                    self.learner_cfg, vocab_size=self.model_spec.vocab_size,
-                                    temperature=self.run.rollout.sampling.temperature,
-                                    before_update=before_update)
+        steps = self.trainer.train_rollout_batch(batch, before_update=before_update)
         metrics = merge_step_metrics(steps)
         metrics["timing/learner_step_s"] = time.perf_counter() - t0
         metrics["timing/weight_borrow_wait_s"] = waited[0]

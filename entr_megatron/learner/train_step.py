@@ -1,4 +1,5 @@
-"""One RL training step, and the log-prob-only forward, through Megatron's pipeline schedules.
+"""The pieces of one RL training step and of the log-prob-only forward (`RLTrainer`, trainer.py,
+puts them together): packed micro-batches and Megatron's pipeline schedules.
 
     TrainBatch (this DP rank's sequences)
       -> packed micro-batches (batching.py; counts and lengths agreed over DP)
@@ -21,20 +22,16 @@ except with interleaving, where all micro-batches are padded to one length
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config
 from torch import Tensor
 
-from entr_megatron.algorithm.metrics import MetricStats, finalize_mismatch_metrics, mismatch_metric_stats
-from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.learner.batching import (
     MicroBatch,
@@ -43,23 +40,21 @@ from entr_megatron.learner.batching import (
     plan_microbatches,
 )
 from entr_megatron.learner.fused_output import fused_output_weight
-from entr_megatron.learner.loss import make_logprob_loss_func, make_policy_loss_func
-from entr_megatron.learner.loss_report import LossReport
-from entr_megatron.learner.optimizer import check_training_config, optimizer_step
 from entr_megatron.learner.routing_replay import ReplayStep
 from entr_megatron.types import TrainBatch
 
-__all__ = ["compute_logprobs", "microbatches_for_step", "required_pad_multiple", "train_step", "unreplayed_mismatch"]
+__all__ = ["check_layout", "current_device", "from_last_stage", "microbatches_for_step", "prepare_config", "required_pad_multiple",
+           "run_schedule"]
 
 
-def _device() -> torch.device:
+def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _all_reduce_max(values: list[int], group, size: int) -> list[int]:
     if size == 1 or not values:
         return values
-    t = torch.tensor(values, dtype=torch.long, device=_device())
+    t = torch.tensor(values, dtype=torch.long, device=current_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
@@ -112,12 +107,12 @@ def _on_device(mb: MicroBatch, device: torch.device) -> tuple[Tensor, Tensor, Pa
     return mb.tokens.to(device), mb.position_ids.to(device), packed
 
 
-def _run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forward_only: bool,
+def run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forward_only: bool,
                   replay: ReplayStep | None = None) -> list:
     """Megatron's forward-backward over ``micro``; ``make_loss(index, mb)`` gives each loss_func;
     ``replay`` sets (and reads back) each forward's MoE routes."""
     config = get_model_config(model_chunks[0])
-    device = _device()
+    device = current_device()
 
     def forward_step(data_iterator, model):
         index, mb = next(data_iterator)
@@ -150,14 +145,14 @@ def _run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forw
     )
 
 
-def _check_layout(groups) -> None:
+def check_layout(groups) -> None:
     if groups.cp_size > 1:
         # Each CP rank would count the same sequences (seq-mean counts x cp) and thd packing under
         # CP needs every sequence padded to a multiple of 2 * cp: not implemented yet.
         raise ValueError(f"context parallel size {groups.cp_size}: the learner's packed micro-batches need cp=1")
 
 
-def _prepare_config(config, groups) -> None:
+def prepare_config(config, groups) -> None:
     # Packed micro-batches differ in length: pipeline stages exchange shapes before activations
     # (except under interleaving, where all micro-batches get one length: _needs_fixed_length).
     config.variable_seq_lengths = groups.pp_size > 1 and not _needs_fixed_length(groups)
@@ -165,161 +160,10 @@ def _prepare_config(config, groups) -> None:
 
 # --- metrics ----------------------------------------------------------------------------------------
 
-def _from_last_stage(metrics: dict, groups) -> dict:
+def from_last_stage(metrics: dict, groups) -> dict:
     """The last pipeline stage's metrics on every stage of the pipeline."""
     if groups.pp_size == 1:
         return metrics
     box = [metrics]
     dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
     return box[0]
-
-
-# --- public API ---------------------------------------------------------------------------------------
-
-def train_step(model_chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, groups,
-               algo_cfg: AlgorithmConfig, learner_cfg: LearnerConfig, *, vocab_size: int | None = None,
-               temperature: float = 1.0, old_logprobs: Tensor | None = None,
-               before_update: Callable[[], object] | None = None) -> dict[str, float]:
-    """One optimizer step of the RL loss on ``batch`` (this data-parallel rank's sequences).
-
-    Args:
-        model_chunks: this rank's model chunks wrapped by ``optimizer.wrap_model_chunks``
-            (one per virtual pipeline stage).
-        optimizer, scheduler: from ``optimizer.build_optimizer``.
-        batch: this DP rank's share of the global batch (``batching.split_for_data_parallel``),
-            the same on every TP/PP rank of the replica.
-        groups: the ``ParallelGroups`` of the layout.
-        vocab_size: the true (unpadded) vocabulary size: output columns beyond it (Megatron pads
-            the vocabulary to a multiple of the TP size) stay out of the softmax, as in the
-            engines and ``score``. None: every column is real.
-        temperature: the rollouts' sampling temperature T: log-probs and entropy are taken of
-            softmax(z / T), the distribution the behaviour log-probs were measured under.
-        old_logprobs: pi_old, the log-probs of ``batch`` (packed ``[T]``, ``compute_logprobs``)
-            under the weights before this rollout batch's first optimizer step, for corrections
-            that anchor on it (``algo_cfg.uses_old_logprobs``). None: the weights have not moved
-            since then, so pi_old is the current policy, detached, taken in the same pass (exact).
-        before_update: called after forward and backward, just before the optimizer changes
-            the weights (e.g. `WeightSync.wait_borrowed`: a push still reading them).
-
-    Returns the same metrics on every rank: ``loss`` (exact: global numerator / global
-    count), the mismatch metrics (mismatch/*, mask/fraction, is/ess, entropy_bin/*), the
-    correction's and loss's metrics (token-weighted over micro-batches and DP), ``optim/grad_norm``, ``optim/skipped`` (1.0 when the non-finite
-    norm skipped the step), ``optim/lr`` and ``batch/microbatches``; with MoE routing replay
-    (``algo_cfg.routing_replay``, the model built for it) ``routing/disagree_frac`` and per layer.
-    """
-    config = get_model_config(model_chunks[0])
-    check_training_config(config, learner_cfg)
-    _check_layout(groups)
-    if not all(isinstance(c, DistributedDataParallel) for c in model_chunks):
-        raise ValueError("train_step needs DDP-wrapped model chunks: call learner.optimizer.wrap_model_chunks first")
-    _prepare_config(config, groups)
-    config.finalize_model_grads_func = finalize_model_grads
-
-    micro = microbatches_for_step(batch, groups, learner_cfg, config)
-    replay = ReplayStep.for_batch(model_chunks, batch, groups, scoring=False, mode=algo_cfg.routing_replay)
-
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    last = groups.is_last_stage()
-
-    def make_loss(index: int, mb: MicroBatch):
-        return make_policy_loss_func(mb, groups.tp, algo_cfg, learner_cfg, vocab_size=vocab_size,
-                                     temperature=temperature, old_logprobs_T=old_logprobs)
-
-    reports = _run_schedule(model_chunks, micro, groups, make_loss, forward_only=False, replay=replay)
-    step = optimizer_step(optimizer, scheduler, learner_cfg.optim.clip_grad, before_update=before_update)
-
-    metrics = LossReport.total(reports).all_reduced(groups).metrics() if last else {}
-    metrics = _from_last_stage(metrics, groups)
-    metrics.update({
-        "optim/grad_norm": step.grad_norm,
-        "optim/skipped": 0.0 if step.applied else 1.0,
-        "optim/lr": step.lr,
-        "batch/microbatches": float(len(micro)),
-    })
-    if replay is not None:
-        metrics.update(replay.metrics(groups, _device()))
-    return metrics
-
-
-def compute_logprobs(model_chunks: list, batch: TrainBatch, groups, learner_cfg: LearnerConfig,
-                     vocab_size: int | None = None, temperature: float = 1.0,
-                     routing_replay: str | None = None) -> tuple[Tensor, Tensor] | tuple[None, None]:
-    """Log-probs and entropy of every target position of ``batch`` under the current weights.
-
-    Forward only (no gradients, modules in eval mode), through the same packing and
-    pipeline schedule as ``train_step``. Returns float32 ``[T]`` tensors in ``batch``'s
-    packed layout (position j of a sequence: log p(token j+1 | tokens 0..j); 0 at each
-    sequence's last position) on the LAST pipeline stage, ``(None, None)`` elsewhere.
-    Used for the old/proximal policy of corrections that need one and for scoring.
-    ``vocab_size``, ``temperature``: as in ``train_step``. ``routing_replay``: None replays MoE
-    routes as the model was built to ('r2' records them); 'off' lets every router choose.
-    """
-    config = get_model_config(model_chunks[0])
-    _check_layout(groups)
-    _prepare_config(config, groups)
-    micro = microbatches_for_step(batch, groups, learner_cfg, config)
-    replay = ReplayStep.for_batch(model_chunks, batch, groups, scoring=True, mode=routing_replay)
-    was_training = [c.training for c in model_chunks]
-    for c in model_chunks:
-        c.eval()
-    try:
-        with torch.no_grad():
-            reports = _run_schedule(
-                model_chunks, micro, groups,
-                partial(_logprob_loss, groups=groups, learner_cfg=learner_cfg, vocab_size=vocab_size,
-                        temperature=temperature),
-                forward_only=True, replay=replay,
-            )
-    finally:
-        for c, training in zip(model_chunks, was_training):
-            c.train(training)
-    if replay is not None:
-        replay.finish(batch)
-    if not groups.is_last_stage():
-        return None, None
-    total = batch.tokens_T.numel()
-    logprobs = torch.zeros(total, dtype=torch.float32)
-    entropy = torch.zeros(total, dtype=torch.float32)
-    for report in reports:
-        mb = micro[report["index"]]
-        real = mb.source_index >= 0
-        logprobs[mb.source_index[real]] = report["logprobs"].float().cpu()[real]
-        entropy[mb.source_index[real]] = report["entropy"].float().cpu()[real]
-    last_positions = batch.cu_seqlens[1:] - 1  # no next token there
-    logprobs[last_positions] = 0.0
-    entropy[last_positions] = 0.0
-    return logprobs, entropy
-
-
-def unreplayed_mismatch(model_chunks: list, shares: list[TrainBatch], groups, learner_cfg: LearnerConfig, *,
-                        vocab_size: int | None = None, temperature: float = 1.0) -> dict[str, float]:
-    """The behaviour-vs-learner mismatch with MoE routing replay off: one forward-only pass of
-    each of this DP rank's ``shares`` in which every router chooses its own experts.
-    ``mismatch_unreplayed/{k3, mean_abs_delta, tokens}`` and
-    ``mismatch_unreplayed/entropy_bin/<lo>-<hi>/k3`` (the learner's entropy there), over every
-    DP rank's policy tokens, the same on every rank (``algorithm.measure_unreplayed``)."""
-    sums: dict[str, Tensor] = {}
-    for share in shares:
-        logprobs, entropy = compute_logprobs(model_chunks, share, groups, learner_cfg, vocab_size=vocab_size,
-                                             temperature=temperature, routing_replay="off")
-        if logprobs is not None:
-            stats = mismatch_metric_stats(logprobs, share.behaviour_logprobs_T, entropy, share.loss_mask_T)
-            sums = {k: sums.get(k, 0.0) + v for k, v in stats.sums.items()}
-    metrics: dict[str, float] = {}
-    if groups.is_last_stage():
-        total = torch.stack(list(sums.values())).to(_device())
-        if groups.dp_size > 1:
-            dist.all_reduce(total, group=groups.dp)
-        final = finalize_mismatch_metrics(MetricStats(dict(zip(sums, total.cpu())), {}, {}))
-        for key in ("mismatch/k3", "mismatch/mean_abs_delta", "mismatch/tokens"):
-            metrics[key.replace("mismatch/", "mismatch_unreplayed/")] = float(final[key])
-        metrics.update({f"mismatch_unreplayed/{k}": float(v) for k, v in final.items()
-                        if k.startswith("entropy_bin/") and k.endswith("/k3")})
-    return _from_last_stage(metrics, groups)
-
-
-def _logprob_loss(index: int, mb: MicroBatch, groups, learner_cfg: LearnerConfig, vocab_size: int | None,
-                  temperature: float):
-    return make_logprob_loss_func(mb, index, groups.tp, learner_cfg, vocab_size=vocab_size, temperature=temperature)

@@ -91,7 +91,7 @@ def train(learner, batch):
     """One ``learner.train_step`` on the global ``batch``; the loss (the same float on every rank)."""
     from entr_megatron.config.algorithm import AlgorithmConfig
     from entr_megatron.learner.batching import split_for_data_parallel
-    from entr_megatron.learner.train_step import train_step
+    from entr_megatron.learner.trainer import train_step
 
     g = learner.groups
     local = split_for_data_parallel(batch, g.dp_size)[g.dp_rank]
@@ -103,7 +103,7 @@ def train(learner, batch):
 def all_logprobs(learner, batch):
     """``learner.compute_logprobs`` of the whole global batch, ``[T]``, on every rank."""
     from entr_megatron.learner.batching import split_for_data_parallel
-    from entr_megatron.learner.train_step import compute_logprobs
+    from entr_megatron.learner.trainer import compute_logprobs
 
     g = learner.groups
     lp, _ = compute_logprobs(learner.chunks, split_for_data_parallel(batch, g.dp_size)[g.dp_rank], g, learner.cfg)

@@ -236,7 +236,7 @@ def run_layout(ref, batch, algo_cfg, learner_cfg, tp=1, pp=1, vpp=None, ep=1, sp
                temperature=TEMPERATURE,
                check_logprobs=False, fused=False, dispatcher="alltoall"):
     from entr_megatron.learner.batching import split_for_data_parallel
-    from entr_megatron.learner.train_step import compute_logprobs, train_step
+    from entr_megatron.learner.trainer import compute_logprobs, train_step
 
     t0 = time.perf_counter()
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp, pp, vpp, ep, sp, moe, num_layers, learner_cfg,
@@ -351,7 +351,7 @@ def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1, fused=False):
     """``train_rollout_batch`` with 2 mini-batches (x epochs) against ``mini_batch_reference``: each
     step's loss and mask (the second computed against the weights the first step moved), and the
     final weights."""
-    from entr_megatron.learner.rollout_batch import train_rollout_batch
+    from entr_megatron.learner.trainer import train_rollout_batch
 
     ref = mini_batch_reference(batch, algo_cfg, learner_cfg)
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg, fused=fused)
@@ -392,7 +392,7 @@ def check_nonfinite_step_is_skipped(ref, learner_cfg, tp=1):
     """A NaN advantage makes the gradient norm NaN: no weight moves, the LR schedule does not
     advance, the step is reported skipped; the next finite step is applied normally."""
     from entr_megatron.learner.batching import split_for_data_parallel
-    from entr_megatron.learner.train_step import train_step
+    from entr_megatron.learner.trainer import train_step
 
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg)
     algo_cfg = algo_config()

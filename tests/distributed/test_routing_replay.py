@@ -129,7 +129,7 @@ def build(case, mode, tp=1, pp=1, ep=1, vpp=None):
 def score(case, chunks, groups):
     """This rank's share, its log-probs (last stage; None elsewhere) and the reference of the share."""
     from entr_megatron.learner.batching import split_for_data_parallel
-    from entr_megatron.learner.train_step import compute_logprobs
+    from entr_megatron.learner.trainer import compute_logprobs
 
     shares = split_for_data_parallel(case["batch"], groups.dp_size)
     local = shares[groups.dp_rank]
@@ -159,7 +159,7 @@ def routing_maps(chunks):
 def train_metrics(chunks, groups, batch, mode, measure_unreplayed=False):
     from entr_megatron.config.algorithm import AlgorithmConfig
     from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
-    from entr_megatron.learner.rollout_batch import train_rollout_batch
+    from entr_megatron.learner.trainer import train_rollout_batch
 
     cfg = learner_cfg()
     ddp = wrap_model_chunks(chunks, groups, cfg)
@@ -175,7 +175,7 @@ def train_metrics(chunks, groups, batch, mode, measure_unreplayed=False):
 
 def _one_rank(rank, world, cases):
     from entr_megatron.learner.batching import ENGINE_ROUTES, OLD_POLICY_ROUTES
-    from entr_megatron.learner.train_step import compute_logprobs
+    from entr_megatron.learner.trainer import compute_logprobs
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.types import TrainBatch
 
