@@ -21,6 +21,7 @@ import pandas as pd
 
 from entr_megatron.study import plots
 from entr_megatron.study.fits import SigmoidFit, fit_frame, fit_groups
+from entr_megatron.study.paired import paired_differences
 from entr_megatron.study.plots import LAG, METHOD, final_accuracy_table, lag_order, markdown_table
 from entr_megatron.study.results import (NONFINITE_GUARDED, SEED_AXIS, StudyInfo, _Cell, _label, _results,
                                         load_results, read_study)
@@ -343,6 +344,12 @@ def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None
     add("Mismatch by entropy bin", "Mean |delta| (learner vs behaviour log-prob) per token-entropy bin.",
         "delta_by_entropy_bin.png")
     add("Training diagnostics", "diagnostics.png")
+    if info.reference:
+        paired = paired_differences(cells, info.axes, info.reference)
+        add("Paired differences against the reference",
+            f"Held-out sampled accuracy after RL minus that of the reference cell {info.reference} with the same "
+            "seed and other axes (study/paired.py).",
+            markdown_table(paired.round(4)) if not paired.empty else "_No pair has both accuracies yet._")
     add("Collapses", markdown_table(cells[["cell", *info.axes, "collapsed", "collapse_reason"]]))
     if speed is None:
         add("Speedup at matched reward", f"_Skipped: {speed_why}_")
