@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("studies", nargs="+", type=Path, help="study directories (study run --out)")
     p.add_argument("--reference", type=_pair, required=True, help="AXIS=VALUE of the reference, e.g. method=entr")
     p.add_argument("--where", type=_pair, action="append", default=[], help="AXIS=VALUE filter (repeatable)")
+    p.add_argument("--plot", type=Path, help="also draw the per-seed differences into this PNG")
     p.add_argument("--column", default="eval_after_sampled",
                    help="cells.csv column to compare (default: eval_after_sampled; eval_after_greedy too)")
     args = p.parse_args(argv)
@@ -72,7 +73,32 @@ def main(argv: list[str] | None = None) -> int:
               f"{other[args.column]} in {other['_study']} (kept the first)", file=sys.stderr)
     table = paired_differences(seen, [ref_col, SEED_AXIS], {ref_col: ref_value}, column=args.column)
     print(markdown_table(table.round(4)))
+    if args.plot is not None:
+        _plot(table, args.plot, f"{args.column} minus {ref_key}={ref_value}'s, same seed")
     return 0
+
+
+def _plot(table: pd.DataFrame, path: Path, label: str) -> None:
+    """One row per method: each seed's difference a dot, the mean a bar; 0 = the reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = table.sort_values("mean")
+    fig, ax = plt.subplots(figsize=(6.5, 0.45 * len(table) + 1.2))
+    for y, row in enumerate(table.itertuples()):
+        diffs = [float(d.split(" ")[0]) for d in row.differences.split(", ")]
+        ax.barh(y, row.mean, color="#9ecae1", height=0.6)
+        ax.scatter(diffs, [y] * len(diffs), color="#08519c", s=18, zorder=3)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(table)), [g.split("=", 1)[-1] for g in table["group"]])
+    ax.set_xlabel(label)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
