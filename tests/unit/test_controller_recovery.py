@@ -19,63 +19,11 @@ from entr_megatron.config.loader import load_config
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.loop import Controller
 from entr_megatron.controller.wiring import EngineRecovery
-from entr_megatron.rollout.engine import EngineError, EngineHealth, GenerateResult
+from entr_megatron.rollout.engine import EngineError
 
-from controller_fakes import Learner, Pusher, Recovery
+from controller_fakes import Engine, Learner, Pusher, Recovery
 
 P, N = 2, 2
-
-
-class Engine:
-    """Finishes one request per poll, tokens at its weight version; `die()` makes it fail like a
-    killed process, `hang()` like a stopped one (it answers nothing)."""
-
-    def __init__(self, version=0):
-        self.version, self.live, self.error, self.hung, self.killed = version, {}, None, False, False
-
-    @property
-    def weight_version(self):
-        return self.version
-
-    def die(self):
-        self.error = "the engine process exited (exit code -9)"
-
-    def hang(self):
-        self.hung = True
-
-    def submit(self, requests):
-        if self.error:
-            raise EngineError(self.error)
-        for r in requests:
-            self.live[r.request_id] = r
-        return [r.request_id for r in requests]
-
-    def poll(self, timeout=0.0):
-        if self.error:
-            raise EngineError(self.error)
-        if self.hung or not self.live:
-            return []
-        rid, r = next(iter(self.live.items()))
-        del self.live[rid]
-        return [GenerateResult(rid, i, list(r.prompt_ids), [1 + i], [-1.0], [self.version], "stop",
-                               group_id=r.group_id, metadata=dict(r.metadata)) for i in range(r.params.n)]
-
-    def abort(self, ids):
-        pass
-
-    def update_weights(self, weights, version):
-        self.version = version
-
-    def health(self, timeout_s=None):
-        alive = self.error is None and not self.hung
-        return EngineHealth(alive=alive, weight_version=self.version, error=None if alive else self.error or "hung")
-
-    def kill(self):
-        self.killed = True
-        self.error = self.error or "killed"
-
-    def shutdown(self):
-        pass
 
 
 class Task:
