@@ -188,11 +188,10 @@ def _train(cfg: RunConfig, paths: RunPaths, task: Any, start_dir: Path, processe
     c, done = cfg.controller, resume_step or 0
     out: dict[str, Any] = {"start_step": done}
     with ExitStack() as stack:
-        if resume_step is None and engine.weight_version != 0:  # servers given by URL, or a relaunched learner
-            say("pushing the learner's weights to the engines (version 0)")
-            pusher.push(0).wait()
         controller = Controller(engine, learner, pusher, task, c, cfg.rollout,
                                 advantage_fn=cfg.algorithm.advantage_estimator, recovery=pusher.recovery)
+        if resume_step is None:  # servers given by URL, or engines kept across a learner relaunch
+            controller.sync_engines()  # before the held-out evaluation (a resume syncs in `run`)
         held_out = HeldOut(cfg, task, engine, paths, recover=controller.recover if pusher.recovery is not None else None)
         out["eval_before"] = held_out.before_rl(fresh=resume_step is None)
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)

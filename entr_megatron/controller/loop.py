@@ -136,10 +136,7 @@ class Controller:
         """Trains `num_steps` steps; returns one metrics dict per step."""
         step_fn = {"sync": self._step_sync, "one_step_off": self._step_one_step_off,
                    "fully_async": self._step_fully_async, "fixed_lag": self._step_fixed_lag}[self.opt.mode]
-        if self.engine.weight_version != self.version:  # fresh engines after a resume
-            self._pushed_version = self.engine.weight_version
-            self._push(wait=True)
-        self._pushed_version = self.version
+        self.sync_engines()
         self._submit_refs(self._resubmit)
         self._resubmit = []
         if self.lag_pipeline is not None:
@@ -170,6 +167,15 @@ class Controller:
             if stop:
                 break
         return history
+
+    def sync_engines(self) -> None:
+        """Pushes the learner's version to engines that hold another one (fresh engines after a
+        resume, servers given by URL, engines kept across a learner relaunch), and waits."""
+        if self.engine.weight_version != self.version:
+            say(f"pushing the learner's weights to the engines (version {self.version})")
+            self._pushed_version = self.engine.weight_version
+            self._push(wait=True)
+        self._pushed_version = self.version
 
     def _step_sync(self) -> dict:
         groups, wait_s = self._collect(inflight_target=lambda: self.P - len(self.buffer))
