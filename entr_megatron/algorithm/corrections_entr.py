@@ -32,8 +32,8 @@ from entr_megatron.config.algorithm import AlgorithmConfig
 def entr_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
     """ENTR: keep tokens with delta^2 / (H + eps) <= tau; weight 1; PPO ratio against mu."""
     x = prepare_inputs(inputs, use_old=False)
-    keep_BT = entr_mask(x.delta_BT, x.entropy_BT, cfg.tau, cfg.entr_eps)
     score_BT = entr_score(x.delta_BT, x.entropy_BT, cfg.entr_eps)
+    keep_BT = score_BT <= cfg.tau  # entr_mask's rule, on the score computed once
     metrics = {"entr/score_mean": masked_mean(score_BT, x.valid_BT)}
     return finish("entr", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
 
