@@ -283,6 +283,25 @@ def speedup_table(info: StudyInfo) -> tuple[pd.DataFrame | None, str]:
     return pd.DataFrame.from_records(records), ""
 
 
+MASK_COLUMNS = ("mask/fraction", "mask/effective_fraction", "policy_loss/clip_frac_low", "policy_loss/clip_frac_high")
+"""Per-step metrics of what a method's rule did (mask_table), beside the counterfactual/<rule>/mask_fraction ones."""
+
+
+def mask_table(results: pd.DataFrame, info: StudyInfo) -> pd.DataFrame:
+    """Per (method, lag): the mean over every step of every seed of the applied mask, its effective
+    part, the clip's binding fractions, and what each rule would have masked on the same tokens
+    (`counterfactual/<rule>/mask_fraction`, metrics of the learner). Empty without those metrics."""
+    wanted = [c for c in (*MASK_COLUMNS, *sorted(c for c in results.columns if c.startswith("counterfactual/")))
+              if c in results.columns]
+    if not wanted or results.empty:
+        return pd.DataFrame()
+    grouped = _grouped(info, results)
+    table = grouped.groupby([METHOD, LAG])[wanted].mean().reset_index().rename(columns={METHOD: "method", LAG: "lag"})
+    table.columns = [c.replace("counterfactual/", "cf/").replace("/mask_fraction", "").replace("policy_loss/", "")
+                     for c in table.columns]
+    return table
+
+
 def fit_table(results: pd.DataFrame, info: StudyInfo) -> tuple[pd.DataFrame, dict[tuple[str, str], SigmoidFit]]:
     """ScaleRL fits per (method, lag) of reward/mean against tokens_cum, all seeds pooled
     (fits.fit_groups). (table, fits by (method, lag))."""
@@ -344,6 +363,11 @@ def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None
     add("Mismatch by entropy bin", "Mean |delta| (learner vs behaviour log-prob) per token-entropy bin.",
         "delta_by_entropy_bin.png")
     add("Training diagnostics", "diagnostics.png")
+    masks = mask_table(results, info)
+    add("What the rules masked", "Means over every step and seed: the applied mask and its effective part (masked "
+        "tokens the clip would not have zeroed), the ratio clip's binding, and each rule's mask on the same tokens "
+        "(cf/<rule>: counterfactual, computed in the same pass).",
+        markdown_table(masks) if not masks.empty else "_No mask metrics in these runs._")
     if info.reference:
         paired = paired_differences(cells, info.axes, info.reference)
         add("Paired differences against the reference",

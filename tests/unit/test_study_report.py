@@ -350,3 +350,23 @@ def test_cells_differing_in_two_axes_are_two_methods_never_seeds_of_one(tmp_path
     assert len(table) == 3
     for (pl, corr), (a, b) in after.items():  # mean [min, max] of the two seeds, nothing else pooled in
         assert table[f"policy_loss={pl},correction={corr}"] == f"{(a + b) / 2:.3f} [{min(a, b):.3f}, {max(a, b):.3f}] (2 seeds)"
+
+
+def test_mask_table_averages_each_rule_over_every_step_and_seed(tmp_path):
+    from entr_megatron.study.report import mask_table
+    from entr_megatron.study.results import _results, read_study
+
+    root = tmp_path / "masks"
+    _write_study(root)
+    for seed in (0, 1):
+        rows = [{**_row("entr", t, 0.5, seed), "counterfactual/icepop/mask_fraction": 0.001 * t + 0.01 * seed,
+                 "mask/effective_fraction": 0.01} for t in range(STEPS)]
+        _write_cell(root, _cell_id("entr", 4, seed), {METHOD: "entr", LAG: 4, SEED: seed}, rows=rows)
+    info = read_study(root)
+    table = mask_table(_results(info), info).set_index(["method", "lag"])
+    row = table.loc[("entr", "4")]
+    # icepop: mean over t of 0.001 t is 0.0095; over seeds 0 and 1 add 0.005
+    assert row["cf/icepop"] == pytest.approx(0.0145) and row["mask/fraction"] == pytest.approx(0.05)
+    assert row["mask/effective_fraction"] == pytest.approx(0.01)
+    report = write_report(root, tmp_path / "out").read_text()
+    assert "## What the rules masked" in report and "cf/icepop" in report
