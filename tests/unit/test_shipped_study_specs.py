@@ -36,7 +36,7 @@ def _stated_cells(path: Path) -> int:
 def test_every_spec_folder_is_searched():
     names = {str(p.relative_to(STUDIES)) for p in SPECS}
     assert {"staleness.yaml", "countdown/main.yaml", "countdown/pilot.yaml", "countdown/intra_lag.yaml",
-            "countdown/ablations.yaml", "countdown/tau.yaml"} <= names
+            "countdown/ablations.yaml", "countdown/tau.yaml", "countdown/clip_binds.yaml"} <= names
     assert "countdown/base.yaml" not in names and "cluster_qwen3_30b_a3b.yaml" not in names
 
 
@@ -76,7 +76,7 @@ def _method(cell) -> tuple:
     return a.correction, a.policy_loss, a.entropy_source, a.add_entr_mask
 
 
-@pytest.mark.parametrize("name", ["pilot", "main", "intra_lag", "ablations", "tau"])
+@pytest.mark.parametrize("name", ["pilot", "main", "intra_lag", "ablations", "tau", "clip_binds"])
 def test_countdown_cells_share_the_fair_test_base(name):
     spec = load_spec(COUNTDOWN / f"{name}.yaml")
     for cell in spec.cells():
@@ -85,7 +85,8 @@ def test_countdown_cells_share_the_fair_test_base(name):
         assert (c.rollout.engine, c.rollout.dtype, c.rollout.quantize, c.rollout.quantize_activations) == (
             "embedded", "bfloat16", "fp8", True)
         assert c.model.dtype == "float32"
-        assert c.learner.mini_batches == 2 and c.learner.steps_per_batch == 2
+        minis = 8 if name == "clip_binds" else 2  # clip_binds changes only this
+        assert c.learner.mini_batches == minis and c.learner.steps_per_batch == minis
         assert c.learner.optim.lr == 3.0e-5
         assert c.task.eval_size == 200
         assert c.sft is not None and c.sft.target_accuracy is None
@@ -120,11 +121,21 @@ def test_countdown_ablations_and_tau():
     ablations = _cells("ablations")
     assert sorted(c.axes["method"] for c in ablations if c.config.controller.seed == 0) == sorted(
         ["entr", "none", "matched_band", "matched_random", "naive", "naive_entr", "reinforce", "reinforce_entr"])
-    assert {c.config.controller.inter_lag for c in ablations} == {12} and len(ablations) == 24
+    assert {c.config.controller.inter_lag for c in ablations} == {32} and len(ablations) == 24  # where naive collapses
     tau = _cells("tau")
     got = sorted((c.config.algorithm.tau, c.config.algorithm.entropy_source, c.config.controller.seed) for c in tau)
     assert got == sorted(itertools.product([0.25, 0.5, 1.0, 2.0, 4.0], ["learner", "rollout"], [0, 1, 2]))
     assert {c.config.algorithm.correction for c in tau} == {"entr"}
+
+
+def test_countdown_clip_binds_splits_each_batch_into_eight_mini_batches():
+    cells = _cells("clip_binds")
+    assert sorted((c.axes["method"], c.config.controller.seed) for c in cells) == sorted(
+        itertools.product(["none", "entr", "icepop", "naive"], [0, 1]))
+    assert {(c.config.learner.mini_batches, c.config.controller.inter_lag) for c in cells} == {(8, 32)}
+    # each mini-batch is one whole group: prompts x samples split evenly
+    assert {c.config.rollout.prompts_per_step * c.config.rollout.sampling.n // c.config.learner.mini_batches
+            for c in cells} == {c.config.rollout.sampling.n for c in cells}
 
 
 def test_countdown_pilot_is_short():
