@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if ref_col is None or SEED_AXIS not in cells:
         p.error(f"the studies have no axis {ref_key!r} or no seed axis {SEED_AXIS!r}")
     cells = cells[cells[args.column].notna()]
+    for (method, seed), same in cells.groupby([ref_col, SEED_AXIS]):
+        if same[args.column].nunique() > 1:
+            print(f"note: {ref_col}={method} seed {seed} differs between studies: "
+                  + ", ".join(f"{v} in {s}" for v, s in zip(same[args.column], same["_study"]))
+                  + " (kept the first)", file=sys.stderr)
     seen = cells.drop_duplicates([ref_col, SEED_AXIS])
-    for (_, row), (_, other) in ((r, o) for r in seen.iterrows() for o in cells.iterrows()
-                                 if o[1][ref_col] == r[1][ref_col] and o[1][SEED_AXIS] == r[1][SEED_AXIS]
-                                 and o[1]["_study"] != r[1]["_study"] and o[1][args.column] != r[1][args.column]):
-        print(f"note: {ref_col}={row[ref_col]} seed {row[SEED_AXIS]}: {row[args.column]} in {row['_study']}, "
-              f"{other[args.column]} in {other['_study']} (kept the first)", file=sys.stderr)
     table = paired_differences(seen, [ref_col, SEED_AXIS], {ref_col: ref_value}, column=args.column)
     print(markdown_table(table.round(4)))
     if args.plot is not None:

@@ -67,9 +67,7 @@ class InFlight:
         before that, and for samples of requests given up on or unknown (abandoned earlier)."""
         rid = result.request_id
         if rid in self.ignored:
-            self.ignored[rid] -= 1
-            if not self.ignored[rid]:
-                del self.ignored[rid]
+            self.swallow(rid)
             return None
         group = self.groups.get(rid)
         if group is None:
@@ -97,7 +95,7 @@ class InFlight:
         return [self.groups.pop(rid).ref for rid in lost]
 
     def swallow(self, request_id: str) -> None:
-        """One sample of a request given up on arrived (read outside `accept`, e.g. `abandon`)."""
+        """One sample of a request given up on arrived (`accept`, or read directly by `abandon`)."""
         left = self.ignored.pop(request_id, 0) - 1
         if left > 0:
             self.ignored[request_id] = left
