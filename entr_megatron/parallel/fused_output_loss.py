@@ -137,9 +137,11 @@ class _FusedLinearLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_logprob=None, grad_entropy=None):
         grad_h, grad_w = ctx.grads
         ctx.grads = None  # one backward: the stored gradients are released
-        scale = grad_loss.to(torch.float32)
-        grad_h = None if grad_h is None else grad_h * scale.to(grad_h.dtype)
-        grad_w = None if grad_w is None else grad_w * scale.to(grad_w.dtype)
+        # Scaled in place: the stored gradients have no other reader, and a scaled copy would hold
+        # a second [V/tp, h] weight gradient at the peak of backward.
+        for grad in (grad_h, grad_w):
+            if grad is not None:
+                grad.mul_(grad_loss.to(grad.dtype))
         return grad_h, grad_w, None, None, None, None, None, None
 
 
