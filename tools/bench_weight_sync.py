@@ -2,6 +2,7 @@
 
     python tools/bench_weight_sync.py                       # ~1.05 GB fp32 Llama-shaped model
     python tools/bench_weight_sync.py --snapshot borrow --bucket-mb 512 --chunk-mb 64 256 --buffers 0 4 --reps 3
+    python tools/bench_weight_sync.py --placement separate colocated --snapshot borrow --bucket-mb 512   # handoff vs broadcast
 
 Two processes: the learner (a Megatron GPTModel at TP=1 on one gloo rank, randomly
 initialised from a Llama config written here, no HF hub) and a real `EmbeddedEngine`
@@ -18,6 +19,10 @@ repetition times, in turn:
   its staging copy (`WeightStage.bucket_buffer`: no copy on its side), acknowledges,
   then swaps the version in. Time = `transfer_s` (push call until every engine rank
   holds the version).
+* colocated handoff (`--placement colocated`, `rollout.placement: colocated`): the same push
+  through `ColocatedTransport` on a second group: per bucket the engine answers with a handle
+  to its staging copy in shared memory and the learner copies the bucket there itself (the
+  only copy of a borrowed parameter; "copies" counts the bucket copies into engine memory).
 * bare: the same bytes as ONE flat uint8 buffer, prepared beforehand, in one
   broadcast on the same group, then the same one-integer acknowledgement. (The engine
   then loads that buffer too, untimed, so every repetition installs a real version.)
@@ -105,6 +110,7 @@ def _learner(rank, world, args, model_dir, port):
     from entr_megatron.parallel.groups import initialize_model_parallel
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from entr_megatron.weight_sync import BucketTransport, WeightSync, WeightSyncConfig, receiver_for, stage_groups
+    from entr_megatron.weight_sync.colocated import ColocatedReceiver, ColocatedTransport
 
     enable_cpu_compat()
     t0 = time.perf_counter()
@@ -119,6 +125,9 @@ def _learner(rank, world, args, model_dir, port):
     print(f"engine started in {time.perf_counter() - t0:.0f} s", flush=True)
     wgroups = stage_groups("127.0.0.1", port, pp_size=1, backend="gloo")
     transport = BucketTransport(wgroups[0], engines=[(engine, receiver_for(wgroups, 0))], timeout_s=1200)
+    cgroups = stage_groups("127.0.0.1", free_port(), pp_size=1, backend="gloo")  # the colocated handoff's own group
+    colocated = ColocatedTransport(cgroups[0], engines=[(engine, ColocatedReceiver(cgroups, 1, 1200))], timeout_s=1200)
+    transports = {"separate": transport, "colocated": colocated}
     rows, version = [], 0
     try:
         # The bare baseline's buffer: this stage's HF tensors packed once, as one bucket.
@@ -139,6 +148,7 @@ def _learner(rank, world, args, model_dir, port):
             call = threading.Thread(target=lambda: out.append(engine.update_weights(receiver, version)))
             call.start()
             time.sleep(0.05)  # the engine's receiver is waiting: time the wire, not the call
+            transport.connect()  # joined by the first push unless only colocated pushes ran
             t_wire = time.time()
             t = time.perf_counter()
             if chunk_bytes > 0:
@@ -161,12 +171,14 @@ def _learner(rank, world, args, model_dir, port):
         copies = [copy_alone() for _ in range(args.reps + 1)][1:]
         del scratch
         bares, loads = [], []
-        for snapshot, chunk_mb, bucket_mb, buffers in itertools.product(args.snapshot, args.chunk_mb, args.bucket_mb,
-                                                                         args.buffers):
-            transport.chunk_bytes = chunk_mb << 20
+        for placement, snapshot, chunk_mb, bucket_mb, buffers in itertools.product(
+                args.placement, args.snapshot, args.chunk_mb, args.bucket_mb, args.buffers):
+            pushing = transports[placement]
+            pushing.chunk_bytes = chunk_mb << 20
             config = WeightSyncConfig(bucket_bytes=bucket_mb << 20, max_buckets_in_flight=buffers or None,
                                       snapshot=snapshot, borrow_min_bytes=args.borrow_min_mb << 20)
-            sync = WeightSync.for_learner(chunks, spec, groups, transport, config)
+            sync = WeightSync.for_learner(chunks, spec, groups, pushing, config)
+            copies_before = colocated.copies
             reports, paired, piecewise = [], [], []
             for rep in range(args.reps + 1):
                 version += 1
@@ -184,12 +196,14 @@ def _learner(rank, world, args, model_dir, port):
                     bares.append(wire)
                     loads.append(load)
             sync.pool.clear()
-            rows.append((snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise))
+            copies = (colocated.copies - copies_before) / (args.reps + 1) if placement == "colocated" else None
+            rows.append((placement, snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise, copies))
             med = statistics.median
-            print(f"  snapshot {snapshot}, chunk {chunk_mb} MiB, bucket {bucket_mb} MiB, buffers {buffers or 'all'}: "
+            print(f"  {placement}: snapshot {snapshot}, chunk {chunk_mb} MiB, bucket {bucket_mb} MiB, buffers {buffers or 'all'}: "
                   f"sync {med(r.transfer_s for r in reports):.3f} s, bare {med(paired):.3f} s", flush=True)
     finally:
         transport.close()
+        colocated.close()
         engine.shutdown()
     _table(rows, total, bares, loads, copies, args, wgroups[0].streams)
 
@@ -208,29 +222,31 @@ def _table(rows, total, bares, loads, copies, args, streams):
           f"vocab {args.vocab}), learner Megatron TP=1 -> EmbeddedEngine process, gloo over 127.0.0.1, "
           f"median of {args.reps}, {os.cpu_count()} CPU cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
-    print("| transfer | snapshot | bucket | chunk | snapshot buffers | buckets | borrowed | peak snapshot | time (s) | GB/s "
-          "| vs bare | learner blocked (s) | engine blocked (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| bare gloo broadcast, one flat buffer | - | - | - | - | 1 | - | - | {bare_s:.3f} | {total / bare_s / GB:.2f} "
+    print("| transfer | snapshot | bucket | chunk | snapshot buffers | buckets | borrowed | peak snapshot | copies into "
+          "the engine per version | time (s) | GB/s | vs bare | learner blocked (s) | engine blocked (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| bare gloo broadcast, one flat buffer | - | - | - | - | 1 | - | - | - | {bare_s:.3f} | {total / bare_s / GB:.2f} "
           "| 1.00 | - | - |")
-    for snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise in rows:
+    for placement, snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise, copies in rows:
         t = med(r.transfer_s for r in reports)
         ratio = med(b / r.transfer_s for r, b in zip(reports, paired))  # each with the bare run next to it
-        print(f"| weight sync | {snapshot} | {bucket_mb} MiB | {chunk_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} "
-              f"| {reports[0].borrowed_bytes / total:.0%} | {reports[0].peak_snapshot_bytes / GB:.3f} GB | {t:.3f} "
+        what = "weight sync (broadcast)" if placement == "separate" else "colocated handoff (shared memory)"
+        print(f"| {what} | {snapshot} | {bucket_mb} MiB | {chunk_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} "
+              f"| {reports[0].borrowed_bytes / total:.0%} | {reports[0].peak_snapshot_bytes / GB:.3f} GB "
+              f"| {'-' if copies is None else f'{copies:.0f} buckets'} | {t:.3f} "
               f"| {total / t / GB:.2f} | {ratio:.2f} | {med(r.blocked_s for r in reports):.3f} | "
               f"{med(r.engine_blocked_s for r in reports):.4f} |")
     by_chunk: dict[int, list[tuple[float, float]]] = {}
-    for _, chunk_mb, _, _, _, paired, piecewise in rows:
+    for _, _, chunk_mb, _, _, _, paired, piecewise, _ in rows:
         by_chunk.setdefault(chunk_mb, []).extend(zip(paired, piecewise))
     for chunk_mb, pairs in by_chunk.items():
         t = med(p for _, p in pairs)
         print(f"| (context) bare, the same buffer in {chunk_mb} MiB pieces over the group's {streams} gloo streams "
-              f"| - | - | {chunk_mb} MiB | - | 1 | - | - | {t:.3f} | {total / t / GB:.2f} | "
+              f"| - | - | {chunk_mb} MiB | - | 1 | - | - | - | {t:.3f} | {total / t / GB:.2f} | "
               f"{med(b / p for b, p in pairs):.2f} | - | - |")
-    print(f"| (context) bare broadcast, then the engine copies it into its stage | - | - | - | - | 1 | - | - | "
+    print(f"| (context) bare broadcast, then the engine copies it into its stage | - | - | - | - | 1 | - | - | - | "
           f"{med(loads):.3f} | {total / med(loads) / GB:.2f} | {bare_s / med(loads):.2f} | - | - |")
-    print(f"| (context) the learner's copy of the model into a warm buffer, alone | - | - | - | - | - | - | - | "
+    print(f"| (context) the learner's copy of the model into a warm buffer, alone | - | - | - | - | - | - | - | - | "
           f"{med(copies):.3f} | {total / med(copies) / GB:.2f} | - | - | - |")
     print("(vs bare: per repetition, bare time / sync time of the runs next to each other; goal >= 0.8)")
 
@@ -250,6 +266,8 @@ def main(argv=None):
     p.add_argument("--snapshot", nargs="+", default=["borrow", "copy"], choices=["borrow", "copy"],
                    help="WeightSyncConfig.snapshot: parameters sent where they are, or every tensor copied first")
     p.add_argument("--borrow-min-mb", type=int, default=1, help="WeightSyncConfig.borrow_min_bytes, in MiB")
+    p.add_argument("--placement", nargs="+", default=["separate"], choices=["separate", "colocated"],
+                   help="rollout.placement: broadcast over the weight group, or the colocated shared-memory handoff")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--verbose", action="store_true", help="print every repetition")

@@ -21,6 +21,8 @@ SGLangDtype = Literal["auto", "bfloat16", "float16", "float32"]
 SGLANG_DTYPES: tuple[str, ...] = get_args(SGLangDtype)
 WeightSnapshot = Literal["borrow", "copy"]
 WEIGHT_SNAPSHOTS: tuple[str, ...] = get_args(WeightSnapshot)
+Placement = Literal["separate", "colocated"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 KvOnUpdate = Literal["keep", "recompute"]
 KV_ON_UPDATE: tuple[str, ...] = get_args(KvOnUpdate)
 Quantize = Literal["none", "fp8"]
@@ -297,6 +299,13 @@ class RolloutConfig:
     'copy': everything is copied into host buffers first (one more copy of the stage's weights in
     memory and CPU time), and the learner never waits for the wire."""
 
+    placement: Placement = "separate"
+    """Where the engines run against the learner (one of PLACEMENTS). 'separate': on devices of their
+    own, weights broadcast over a gloo/NCCL group. 'colocated': beside the learner on its host (on
+    CUDA its GPU): each learner stage copies its buckets straight into the engine's staging copy
+    (shared memory on CPU, CUDA IPC on GPU; weight_sync/colocated.py), bucketed and versioned as
+    on the broadcast path. Embedded engines only; the engines must run on the learner's host."""
+
     max_engine_restarts: int = 3
     """Engines that died or stopped answering and were replaced during one `train` job: embedded
     engines (a new process, or a new Ray actor with launcher.kind 'ray') and SGLang servers
@@ -343,6 +352,11 @@ class RolloutConfig:
             choice(self, "kv_on_update", KvOnUpdate)
         integer(self, "weight_bucket_mib", low=1, optional=True)
         choice(self, "weight_snapshot", WeightSnapshot)
+        choice(self, "placement", Placement)
+        if self.placement == "colocated" and self.engine != "embedded":
+            raise bad(self, "placement", self.placement,
+                      "must be 'separate': SGLang servers take weights over their own broadcast group "
+                      "(colocation is the embedded engine's)", when=f"engine={self.engine!r}")
         integer(self, "max_engine_restarts", low=0)
         for name in ("push_timeout_s", "poll_timeout_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)

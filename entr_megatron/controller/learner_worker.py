@@ -156,8 +156,11 @@ class LearnerWorker:
 
     def connect_weight_sync(self, master_address: str, base_port: int, engine_ranks: tuple[int, ...],
                             bucket_bytes: int, dtype: str | None, timeout_s: float = 600.0,
-                            sglang: Any = None, snapshot: str = "borrow") -> bool:
+                            sglang: Any = None, snapshot: str = "borrow", placement: str = "separate") -> bool:
         """Builds this rank's `WeightSync` (groups on `base_port + stage`); True on the stage senders.
+
+        placement: `RolloutConfig.placement`; "colocated" copies the buckets into the engines'
+        shared staging copies (`weight_sync.colocated.ColocatedTransport`) instead of broadcasting them.
 
         snapshot: `WeightSyncConfig.snapshot`; with "borrow", `train` makes its optimizer step
         (and `load` the checkpoint) wait until the last push no longer reads the parameters.
@@ -168,6 +171,7 @@ class LearnerWorker:
         `bucket_bytes`, `dtype` and `engine_ranks` are not used)."""
         from entr_megatron.weight_sync import (
             BucketTransport,
+            ColocatedTransport,
             SGLangTransport,
             WeightSync,
             WeightSyncConfig,
@@ -195,7 +199,8 @@ class LearnerWorker:
                                       snapshot=snapshot)
         else:
             wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks)
-            transport = BucketTransport(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
+            kind = ColocatedTransport if placement == "colocated" else BucketTransport
+            transport = kind(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
             config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype, snapshot=snapshot)
         self.sync = WeightSync.for_learner(self.chunks, self.model_spec, self.groups, transport, config)
         return sender
@@ -223,8 +228,12 @@ class LearnerWorker:
             if self._sglang is None:
                 raise
             return {"engine_error": f"{type(e).__name__}: {e}"}
+        from entr_megatron.weight_sync import ColocatedTransport
+
+        handoff = self.sync.transport if isinstance(self.sync.transport, ColocatedTransport) else None
         return {"blocked_s": report.blocked_s, "transfer_s": report.transfer_s, "bytes": float(report.num_bytes),
-                "gbytes_per_s": report.gbytes_per_s, "sender": float(report.sender)}
+                "gbytes_per_s": report.gbytes_per_s, "sender": float(report.sender),
+                "colocated_copies": float(handoff.last_copies if handoff is not None else 0)}
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, root: str, step: int, extra_state: Any = None, keep_last: int | None = None) -> str:

@@ -103,6 +103,8 @@ class RemotePush:
             "weight_sync/gbytes_per_s": min((r["gbytes_per_s"] for r in senders), default=0.0),
             "weight_sync/engine_blocked_s": max((r.swap_s for r in engine), default=0.0),
             "weight_sync/wait_s": time.perf_counter() - t0,
+            # rollout.placement colocated: this push's bucket copies into engine memory (0: broadcast)
+            "weight_sync/colocated_copies": sum(r.get("colocated_copies", 0.0) for r in senders),
         }
         self.pusher.last_push_report = self.report
         if self.pusher.on_delivered is not None:

@@ -88,16 +88,19 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
                      engines: list[RolloutEngine]) -> None:
     """The learner ranks' weight sync and the pusher's receivers: broadcast groups between the
     learner's stage senders and `engines`, stage p on base_port + p."""
-    from entr_megatron.weight_sync import receiver_for, stage_groups
+    from entr_megatron.weight_sync import ColocatedReceiver, receiver_for, stage_groups
 
     wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
     wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype
     timeout = cfg.rollout.push_timeout_s  # also gloo's: a stopped member cannot hold the senders longer
     pusher.group.call(LearnerWorker.connect_weight_sync, address, base_port, (1,) * len(engines),
                       cfg.rollout.weight_bucket_bytes, wire_dtype, timeout_s=timeout,
-                      snapshot=cfg.rollout.weight_snapshot)
+                      snapshot=cfg.rollout.weight_snapshot, placement=cfg.rollout.placement)
     pusher.engines = list(engines)
-    pusher.receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
+    receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
+    if cfg.rollout.placement == "colocated":  # the same groups and ranks; the bytes land in shared memory
+        receivers = [ColocatedReceiver(r.groups, r.rank, r.timeout_s) for r in receivers]
+    pusher.receivers = receivers
 
 
 class EngineRecovery(Recovery):

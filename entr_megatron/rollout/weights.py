@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +132,9 @@ class WeightStage:
             self._slot[name] = key
             self._names[key].append(name)
         self._staged: list[torch.Tensor] | None = None  # allocated by the first begin()
+        self.flat_allocator: Callable[[int], torch.Tensor] | None = None
+        """Allocates the flat buffers of `bucket_buffer` (uint8 [nbytes]); None: torch.empty on the
+        CPU. A colocated transport sets it to shared memory that the learner writes into."""
         self._lock = threading.Lock()  # bookkeeping: several receiving threads may fill the stage (one per group)
         self._written = [False] * len(self._targets)
         self.version: int | None = None
@@ -143,6 +146,11 @@ class WeightStage:
     @property
     def num_tensors(self) -> int:
         return len(self._targets)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights (and so the staged copy) live."""
+        return self._targets[0].device if self._targets else torch.device("cpu")
 
     def begin(self, version: int) -> None:
         """Start receiving `version` (the previous one must have been swapped in or discarded)."""
@@ -220,7 +228,8 @@ class WeightStage:
                 return None
             flat = self._flat_of(slots, entries, nbytes)
             if flat is None:  # lay them out afresh (their old staged storage is dropped)
-                flat = torch.empty(nbytes, dtype=torch.uint8)
+                flat = (self.flat_allocator(nbytes) if self.flat_allocator is not None
+                        else torch.empty(nbytes, dtype=torch.uint8))
                 for slot, e in zip(slots, entries):
                     self._staged[slot] = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
             return flat

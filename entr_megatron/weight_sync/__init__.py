@@ -16,10 +16,12 @@ the learner's default group), `buckets.py` our bucket headers over the shared fl
 layout (`utils.buckets`, SGLang's flattened_bucket), `protocol.py` the messages of one
 version, `snapshot.py` the learner's bounded snapshot buffers, `sync.py` `WeightSync`
 (learner side), `transports.py` our protocol and the SGLang adapter (with SGLang's
-weight-update handshake, `SGLangWeightUpdate`), `receiver.py` the engine side.
+weight-update handshake, `SGLangWeightUpdate`), `receiver.py` the engine side, `colocated.py`
+the same protocol with each bucket copied into a colocated engine's shared staging copy.
 """
 
 from entr_megatron.weight_sync.buckets import BucketLayout, plan_buckets
+from entr_megatron.weight_sync.colocated import ColocatedReceiver, ColocatedTransport
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend, stage_groups
 from entr_megatron.weight_sync.receiver import BroadcastReceiver, leave_all_groups, receiver_for
 from entr_megatron.weight_sync.sync import PushHandle, PushReport, WeightSync, WeightSyncConfig, is_weight_sender
@@ -36,6 +38,8 @@ __all__ = [
     "BroadcastReceiver",
     "BucketLayout",
     "BucketTransport",
+    "ColocatedReceiver",
+    "ColocatedTransport",
     "PushHandle",
     "PushReport",
     "SGLangTransport",

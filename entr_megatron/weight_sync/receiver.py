@@ -34,7 +34,7 @@ from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
 from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, recv_control
 from entr_megatron.weight_sync.snapshot import BufferPool
 
-__all__ = ["BroadcastReceiver", "joined_group", "leave_all_groups", "receiver_for"]
+__all__ = ["BroadcastReceiver", "VersionAborted", "joined_group", "leave_all_groups", "leave_group", "receiver_for"]
 
 _RECEIVE_BUFFERS = 2
 """Per group: one on the wire while the loader copies the other into the stage."""
@@ -69,7 +69,8 @@ def joined_group(spec: WeightGroup, rank: int, *, timeout_s: float = 600.0) -> B
     return _member(spec, rank, timeout_s).group
 
 
-def _leave(spec: WeightGroup, rank: int) -> None:
+def leave_group(spec: WeightGroup, rank: int) -> None:
+    """Close this process's member of `spec` as `rank` (a later update joins afresh)."""
     with _JOINED_LOCK:
         member = _JOINED.pop((spec.master_address, spec.master_port, spec.group_name, rank), None)
     if member is not None:
@@ -158,14 +159,14 @@ class BroadcastReceiver(WeightReceiver):
     def _run_group(self, index: int, spec: WeightGroup, version: int, loader: _Loader, errors: list) -> None:
         try:
             _receive_version(_member(spec, self.rank, self.timeout_s), version, loader)
-        except (ValueError, _Aborted) as e:
+        except (ValueError, VersionAborted) as e:
             errors[index] = e
         except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
-            _leave(spec, self.rank)
+            leave_group(spec, self.rank)
             errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
 
 
-class _Aborted(ValueError):
+class VersionAborted(ValueError):
     """The learner aborted the version (its message says why)."""
 
 
@@ -176,7 +177,7 @@ def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
     while True:
         control, header = recv_control(group)
         if control.kind == ABORT:
-            raise _Aborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
+            raise VersionAborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
         if control.kind == END:
             loader.q.join()  # every bucket of this version is in the stage (or failed)
             problem = problem or loader.error

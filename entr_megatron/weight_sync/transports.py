@@ -150,9 +150,7 @@ class BucketTransport:
                     try:
                         send_control(group, BUCKET, version, bucket.layout.to_bytes(), bucket.layout.nbytes,
                                      self.chunk_bytes)
-                        # A piece the learner abandoned goes out as it is: the stream then fails
-                        # and the version is aborted below (the wire stays aligned).
-                        group.broadcast_pieces(bucket.pieces(self.chunk_bytes))
+                        self._send_data(group, bucket)
                     finally:
                         bucket.release()
                     num_buckets += 1
@@ -161,6 +159,7 @@ class BucketTransport:
                 raise
             send_control(group, END, version, b"", num_buckets)
             refused = group.all_reduce_sum(0)
+            self._version_done()
         except SnapshotFailed:
             raise
         except BaseException:
@@ -171,6 +170,15 @@ class BucketTransport:
                 f"{refused} engine rank(s) of {self.spec.group_name!r} refused weight version {version} "
                 "(the engines' update_weights says why)"
             )
+
+    def _send_data(self, group: BroadcastGroup, bucket) -> None:
+        """The bytes of one bucket, after its control message (colocated.py copies them instead)."""
+        # A piece the learner abandoned goes out as it is: the stream then fails and the version is
+        # aborted (the wire stays aligned).
+        group.broadcast_pieces(bucket.pieces(self.chunk_bytes))
+
+    def _version_done(self) -> None:
+        """Every engine acknowledged the version's end."""
 
     def close(self) -> None:
         if self.group is not None:

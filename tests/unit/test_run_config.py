@@ -141,6 +141,7 @@ def test_unknown_file_key_names_the_key_and_suggests(tmp_path):
         ("controller.stale_policy=keep", "controller.stale_policy", "drop, regenerate"),
         ("rollout.engine=vllm", "rollout.engine='vllm'", "embedded, sglang"),
         ("rollout.weight_snapshot=steal", "rollout.weight_snapshot='steal'", "borrow, copy"),
+        ("rollout.placement=shared", "rollout.placement='shared'", "separate, colocated"),
         ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p=1.5", "(0, 1]"),
         ("rollout.sampling.n=1", "rollout.sampling.n=1", ">= 2"),
         ("controller.max_policy_lag=-1", "controller.max_policy_lag=-1", "integer in [0, 1024]"),
@@ -177,6 +178,7 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
         (["rollout.engine=sglang", "rollout.dtype=bfloat16"], "rollout.engine"),  # needs cuda
         (["rollout.dtype=auto"], "rollout.dtype"),  # embedded has no 'auto'
+        (["rollout.engine=sglang", "rollout.dtype=auto", "rollout.placement=colocated"], "rollout.placement"),
         (["rollout.sampling.max_new_tokens=2000"], "model.max_seq_len"),
         (["model.path=/m", "model.architecture={model_type: llama}"], "model.architecture"),
         (["task.name=math"], "task.math.train_files"),

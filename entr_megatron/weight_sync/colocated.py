@@ -1,0 +1,275 @@
+"""Colocated weight handoff: the learner writes each bucket straight into the engine's staging copy.
+
+With ``rollout.placement: colocated`` an engine runs beside the learner stage that feeds it (the
+same host; on CUDA, the same GPU). The version still follows the bucket protocol of protocol.py on
+the stage's group (control messages, the closing all-reduce, ABORT), but no bucket byte crosses
+the group: each engine answers a bucket's header with a handle to the memory the bucket must land
+in, and the learner copies the bucket there itself.
+
+    per bucket:  control (BUCKET, version, header bytes, data bytes, chunk bytes) + header   learner -> all
+                 for each engine rank r in turn:  int64[1] = n, uint8[n] = its handle (JSON) r -> all
+                 the learner copies the bucket's bytes into every handle's memory
+    the next message (BUCKET, END or ABORT) tells the engines the bytes are there: they commit them.
+    at the end:  control (END, ...) and the all-reduce of refusals, as on the broadcast path.
+
+The memory is the engine's `WeightStage` itself (`WeightStage.bucket_buffer`, allocated shared here):
+the one copy of a version is learner parameter -> engine stage (with ``weight_snapshot: borrow``,
+the default; 'copy' adds the learner's snapshot copy), against parameter -> wire -> stage on the
+broadcast path. A bucket that cannot land in place (a cast on receipt, tied names) lands in a
+shared scratch buffer that the engine then loads into its stage.
+
+Handles (``share_handle`` / ``open_handle``): on CPU a POSIX shared-memory file that torch made for
+the storage (``share_memory_()``, its file-descriptor strategy), opened by the learner through
+``/proc/<engine pid>/fd/<fd>`` and checked by inode: nothing is named in /dev/shm, so nothing
+outlives the two processes; both must run as one user on one host (one PID namespace). On CUDA a
+CUDA IPC handle (torch.multiprocessing's own `reduce_tensor`); not run yet (no GPU here).
+The learner keeps its mappings between versions and drops those a version did not use.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import threading
+from typing import Any
+
+import torch
+
+from entr_megatron.rollout.weights import BucketEntry, WeightBucket, WeightStage
+from entr_megatron.weight_sync.buckets import BucketLayout
+from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
+from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, recv_control
+from entr_megatron.weight_sync.receiver import BroadcastReceiver, VersionAborted, joined_group, leave_group
+from entr_megatron.weight_sync.snapshot import SnapshotBucket, SnapshotFailed
+from entr_megatron.weight_sync.transports import BucketTransport
+
+__all__ = ["ColocatedReceiver", "ColocatedTransport", "open_handle", "share_handle", "shared_bytes"]
+
+
+def shared_bytes(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A uint8 tensor of `nbytes` that another process can map (`share_handle`): shared memory on
+    CPU, ordinary device memory on CUDA (CUDA IPC shares any allocation)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)), 0, (nbytes,))
+
+
+def share_handle(flat: torch.Tensor) -> dict[str, Any]:
+    """A JSON-able handle to the bytes of `flat` (contiguous uint8) for `open_handle` in another
+    process: its storage's shared file on CPU, a CUDA IPC handle on CUDA."""
+    assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.is_contiguous()
+    storage = flat.untyped_storage()
+    offset = flat.data_ptr() - storage.data_ptr()
+    if flat.device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(flat)
+        return {"kind": "cuda_ipc", "nbytes": flat.numel(),
+                "reduced": base64.b64encode(pickle.dumps((rebuild, args))).decode()}
+    if not storage.is_shared():
+        raise ValueError("share_handle: the tensor is not in shared memory (allocate it with shared_bytes)")
+    fd, size = storage._share_fd_cpu_()[:2]  # the file torch.multiprocessing passes for this storage
+    return {"kind": "fd", "pid": os.getpid(), "fd": int(fd), "inode": os.fstat(fd).st_ino,
+            "size": int(size), "offset": offset, "nbytes": flat.numel()}
+
+
+def open_handle(handle: dict[str, Any]) -> torch.Tensor:
+    """The uint8 tensor a `share_handle` describes, mapped into this process (writes are seen by
+    the owner). Raises a ValueError naming the problem when it cannot be opened."""
+    kind = handle.get("kind")
+    if kind == "cuda_ipc":
+        rebuild, args = pickle.loads(base64.b64decode(handle["reduced"]))
+        return rebuild(*args)[: handle["nbytes"]]
+    if kind != "fd":
+        raise ValueError(f"unknown shared-memory handle kind {kind!r} (expected 'fd' or 'cuda_ipc')")
+    path = f"/proc/{handle['pid']}/fd/{handle['fd']}"
+    try:
+        inode = os.stat(path).st_ino
+    except OSError as e:
+        raise ValueError(f"cannot open the engine's shared weights at {path} ({e.strerror}): colocated "
+                         "placement needs the engine on this host, as this user, in this PID namespace") from e
+    if inode != handle["inode"]:
+        raise ValueError(f"{path} is no longer the engine's shared weight buffer (inode {inode}, "
+                         f"expected {handle['inode']})")
+    whole = torch.from_file(path, shared=True, size=handle["size"], dtype=torch.uint8)
+    return whole[handle["offset"]:handle["offset"] + handle["nbytes"]]
+
+
+def exchange_handles(group: BroadcastGroup, handle: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """Every engine rank (1 .. world-1, in order) broadcasts its handle for the current bucket
+    (None: it takes no bytes of it); every member gets them all, the learner (rank 0) gives None."""
+    out: list[dict[str, Any] | None] = []
+    for src in range(1, group.world_size):
+        mine = json.dumps(handle).encode() if src == group.rank else b""
+        n = torch.tensor([len(mine)], dtype=torch.int64)
+        group.broadcast(n, src)
+        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.empty(int(n), dtype=torch.uint8)
+        if int(n):
+            group.broadcast(buf, src)
+        out.append(json.loads(buf.numpy().tobytes()) if int(n) else None)
+    return out
+
+
+def _key(handle: dict[str, Any]) -> tuple:
+    if handle["kind"] == "fd":
+        return "fd", handle["pid"], handle["fd"], handle["inode"], handle["size"]
+    return "cuda_ipc", handle["reduced"]
+
+
+class ColocatedTransport(BucketTransport):
+    """The learner stage's side (rank 0): `BucketTransport`'s messages, each bucket copied into the
+    engines' memory instead of broadcast. Sends the same versions, aborts and refusals."""
+
+    def __init__(self, group: WeightGroup, **kwargs):
+        super().__init__(group, **kwargs)
+        self._mapped: dict[tuple, torch.Tensor] = {}  # handle key -> the engine's whole mapped storage view
+        self._used: set[tuple] = set()
+        self.copies = 0
+        """Bucket copies made so far (one per bucket and engine that took it)."""
+        self.last_copies = 0
+        """Those of the last `send` (the learner's `weight_sync/colocated_copies` metric)."""
+
+    def send(self, version: int, stream) -> list:
+        before = self.copies
+        try:
+            return super().send(version, stream)
+        finally:
+            self.last_copies = self.copies - before
+
+    def can_borrow(self, tensor) -> bool:
+        return True  # the learner copies every tensor itself, from wherever it is
+
+    def _send_data(self, group: BroadcastGroup, bucket: SnapshotBucket) -> None:
+        targets = []
+        for handle in exchange_handles(group, None):
+            if handle is None:
+                continue
+            key = _key(handle)
+            if key not in self._mapped:
+                try:
+                    self._mapped[key] = open_handle(handle)
+                except ValueError as e:  # the wire is fine: the version is aborted, the engines told why
+                    raise SnapshotFailed(f"colocated weight handoff: {e}") from e
+            self._used.add(key)
+            targets.append(self._mapped[key])
+        ranges = bucket.layout.ranges(self.chunk_bytes)
+        for (a, b), piece in zip(ranges, bucket.pieces(self.chunk_bytes)):
+            for target in targets:
+                target[a:b].copy_(piece, non_blocking=target.device.type == "cuda")
+        if any(t.device.type == "cuda" for t in targets):
+            torch.cuda.synchronize()
+        self.copies += len(targets)
+
+    def _version_done(self) -> None:
+        for key in set(self._mapped) - self._used:  # buffers the engines no longer hand out
+            del self._mapped[key]
+        self._used = set()
+
+    def close(self) -> None:
+        self._mapped.clear()
+        super().close()
+
+
+class _SharedScratch:
+    """The engine's receive buffer for buckets that cannot land in its stage (grown as needed)."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes or self.buf.device != device:
+            self.buf = shared_bytes(nbytes, device)
+        return self.buf[:nbytes]
+
+
+_SCRATCH: dict[tuple, _SharedScratch] = {}
+_SCRATCH_LOCK = threading.Lock()
+
+
+class ColocatedReceiver(BroadcastReceiver):
+    """The engine's side: answers each bucket with a handle to its stage's memory (see the module
+    docstring). Pickles to the engine process like `BroadcastReceiver`, and joins the same groups."""
+
+    def receive(self, stage: WeightStage) -> None:
+        device = stage.device
+        stage.flat_allocator = lambda nbytes: shared_bytes(nbytes, device)
+        errors: list[BaseException | None] = [None] * len(self.groups)
+        threads = [
+            threading.Thread(target=self._run_colocated, args=(i, spec, stage, device, errors),
+                             name=f"weight-recv-{spec.group_name}", daemon=True)
+            for i, spec in enumerate(self.groups)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+
+    def _run_colocated(self, index: int, spec: WeightGroup, stage: WeightStage, device: torch.device,
+                       errors: list) -> None:
+        try:
+            with _SCRATCH_LOCK:
+                scratch = _SCRATCH.setdefault((spec.group_name, self.rank), _SharedScratch())
+            _receive_colocated(joined_group(spec, self.rank, timeout_s=self.timeout_s), stage, scratch, device)
+        except (ValueError, VersionAborted) as e:
+            errors[index] = e
+        except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
+            leave_group(spec, self.rank)
+            errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
+
+
+def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _SharedScratch,
+                       device: torch.device) -> None:
+    """One version's messages on one group, to the end, whatever goes wrong meanwhile."""
+    name, version = group.spec.group_name, stage.version
+    problem: str | None = None
+    pending: tuple[tuple[BucketEntry, ...], torch.Tensor | None] | None = None  # written by the learner
+
+    def commit() -> str | None:
+        entries, scratch_bytes = pending
+        try:
+            if scratch_bytes is None:
+                stage.commit_bucket(entries)
+            else:
+                stage.load_bucket(WeightBucket(entries, scratch_bytes))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    while True:
+        control, header = recv_control(group)
+        if pending is not None:  # any next message means the learner finished the last bucket's copy
+            problem = problem or commit()
+            pending = None
+        if control.kind == ABORT:
+            raise VersionAborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
+        if control.kind == END:
+            group.all_reduce_sum(1 if problem else 0)
+            if problem:
+                raise ValueError(problem)
+            return
+        assert control.kind == BUCKET
+        layout = BucketLayout.from_bytes(header)
+        if layout.nbytes != control.data_len:
+            raise RuntimeError(f"{name!r}: bucket header describes {layout.nbytes} bytes, the control says {control.data_len}")
+        if problem is None and control.version != version:
+            problem = f"the learner sent weight version {control.version} on {name!r}, the engine expects {version}"
+        handle = None
+        if problem is None:
+            entries = layout.entries()
+            target = stage.bucket_buffer(entries, layout.nbytes)
+            if target is None:  # lands beside the stage; loaded (and checked) once written
+                target = scratch.take(layout.nbytes, device)
+                pending = (entries, target)
+            else:
+                pending = (entries, None)
+                storage = target.untyped_storage()
+                if target.device.type == "cpu" and not storage.is_shared():
+                    storage.share_memory_()  # a staged tensor already in place, e.g. alone in its bucket: moved once
+            handle = share_handle(target)
+        exchange_handles(group, handle)
