@@ -178,7 +178,7 @@ def _learner(rank, world, args, model_dir, port):
             config = WeightSyncConfig(bucket_bytes=bucket_mb << 20, max_buckets_in_flight=buffers or None,
                                       snapshot=snapshot, borrow_min_bytes=args.borrow_min_mb << 20)
             sync = WeightSync.for_learner(chunks, spec, groups, pushing, config)
-            copies_before = colocated.copies
+            copies_before = colocated.copies  # bucket copies into the engine's memory
             reports, paired, piecewise = [], [], []
             for rep in range(args.reps + 1):
                 version += 1
@@ -196,8 +196,8 @@ def _learner(rank, world, args, model_dir, port):
                     bares.append(wire)
                     loads.append(load)
             sync.pool.clear()
-            copies = (colocated.copies - copies_before) / (args.reps + 1) if placement == "colocated" else None
-            rows.append((placement, snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise, copies))
+            handoff = (colocated.copies - copies_before) / (args.reps + 1) if placement == "colocated" else None
+            rows.append((placement, snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise, handoff))
             med = statistics.median
             print(f"  {placement}: snapshot {snapshot}, chunk {chunk_mb} MiB, bucket {bucket_mb} MiB, buffers {buffers or 'all'}: "
                   f"sync {med(r.transfer_s for r in reports):.3f} s, bare {med(paired):.3f} s", flush=True)
@@ -227,13 +227,13 @@ def _table(rows, total, bares, loads, copies, args, streams):
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| bare gloo broadcast, one flat buffer | - | - | - | - | 1 | - | - | - | {bare_s:.3f} | {total / bare_s / GB:.2f} "
           "| 1.00 | - | - |")
-    for placement, snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise, copies in rows:
+    for placement, snapshot, chunk_mb, bucket_mb, buffers, reports, paired, piecewise, handoff in rows:
         t = med(r.transfer_s for r in reports)
         ratio = med(b / r.transfer_s for r, b in zip(reports, paired))  # each with the bare run next to it
         what = "weight sync (broadcast)" if placement == "separate" else "colocated handoff (shared memory)"
         print(f"| {what} | {snapshot} | {bucket_mb} MiB | {chunk_mb} MiB | {buffers or 'all'} | {reports[0].num_buckets} "
               f"| {reports[0].borrowed_bytes / total:.0%} | {reports[0].peak_snapshot_bytes / GB:.3f} GB "
-              f"| {'-' if copies is None else f'{copies:.0f} buckets'} | {t:.3f} "
+              f"| {'-' if handoff is None else f'{handoff:.0f} buckets'} | {t:.3f} "
               f"| {total / t / GB:.2f} | {ratio:.2f} | {med(r.blocked_s for r in reports):.3f} | "
               f"{med(r.engine_blocked_s for r in reports):.4f} |")
     by_chunk: dict[int, list[tuple[float, float]]] = {}

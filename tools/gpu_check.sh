@@ -5,11 +5,12 @@
 #   1. a venv under /tmp over the machine's Python (its torch reused), megatron-core and this
 #      package installed offline from tools/gpu_wheels/ (filled beforehand by tools/gpu_wheels.sh)
 #   2. pytest tests/gpu -q
-#   3. tools/bench_fused_output.py on CUDA in bf16 at 4096 x h 2048 x V 65536 and 16384 x h 4096 x V 151936
+#   3. `train` of the CPU demo's config on the GPU, its engine colocated (rollout.placement colocated)
+#   4. tools/bench_fused_output.py on CUDA in bf16 at 4096 x h 2048 x V 65536 and 16384 x h 4096 x V 151936
 #      (TP=1: one GPU; TP=2 would put two gloo ranks on it and time host copies, not the op)
 #   tools/bench_vocab_parallel.py has no CUDA path (CPU gloo ranks only), so it is not run.
 #
-# Each step has its own timeout inside a total budget (GPU_CHECK_BUDGET_S, 480 s); a failed
+# Each step has its own timeout inside a total budget (GPU_CHECK_BUDGET_S, 570 s); a failed
 # step is recorded and the next one runs; the exit status is non-zero if any step failed.
 # Writes $OUT/gpu_summary.md (./gpu_summary.md without $OUT) and the full log beside it.
 # Reads the GPU's name and nothing else from nvidia-smi: it never resets or reconfigures it.
@@ -22,7 +23,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 2
 REPO="$PWD"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-570}"
 SYS_PY="${GPU_CHECK_PYTHON:-python3}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/tools/gpu_wheels}"
 VENV="/tmp/entr_gpu_check_venv"
@@ -202,6 +203,12 @@ run_step "pip install the benchmark's baselines (Liger, CCE)" 60 bash -c install
 run_step "import the installed package" 60 bash -c check_import
 run_step "pytest tests/gpu -q" 150 env PYTHONSAFEPATH=1 "$VENV_PY" -m pytest tests/gpu -q -p no:cacheprovider
 skip_step "tools/bench_vocab_parallel.py" "no CUDA path: it runs CPU gloo ranks only"
+# The main job on one GPU: the CPU demo's config, the learner on the GPU, the embedded engine beside
+# it (rollout.placement colocated: weights device-to-host into its shared staging copy, no NCCL group).
+run_step "train: the CPU demo's config on one GPU, colocated engine" 200 \
+    env PYTHONSAFEPATH=1 "$VENV_PY" -m entr_megatron.cli.main train --config examples/cpu_demo.yaml --max-steps 20 \
+    launcher.device=cuda launcher.gpus_per_node=1 rollout.placement=colocated sft.steps=100 \
+    logging.run_dir=/tmp/entr_gpu_check_colocated
 for size in "${BENCH_SIZES[@]}"; do
     read -r tokens hidden vocab <<<"$size"
     run_step "bench_fused_output $tokens x h $hidden x V $vocab" 150 \

@@ -300,11 +300,11 @@ class RolloutConfig:
     memory and CPU time), and the learner never waits for the wire."""
 
     placement: Placement = "separate"
-    """Where the engines run against the learner (one of PLACEMENTS). 'separate': on devices of their
-    own, weights broadcast over a gloo/NCCL group. 'colocated': beside the learner on its host (on
-    CUDA its GPU): each learner stage copies its buckets straight into the engine's staging copy
-    (shared memory on CPU, CUDA IPC on GPU; weight_sync/colocated.py), bucketed and versioned as
-    on the broadcast path. Embedded engines only; the engines must run on the learner's host."""
+    """Where the engines run against the learner (one of PLACEMENTS). 'separate': weights broadcast over
+    a gloo/NCCL group. 'colocated': each learner stage copies its buckets straight into the engine's
+    staging copy in host shared memory (weight_sync/colocated.py; from a GPU learner device-to-host,
+    no NCCL group, so a run fits on one GPU), bucketed and versioned as on the broadcast path.
+    Embedded engines only, on the learner's host, as the same user."""
 
     max_engine_restarts: int = 3
     """Engines that died or stopped answering and were replaced during one `train` job: embedded

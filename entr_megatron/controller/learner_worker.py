@@ -198,8 +198,10 @@ class LearnerWorker:
             config = WeightSyncConfig(bucket_bytes=sglang.weight_bucket_bytes, dtype=sglang.weight_dtype,
                                       snapshot=snapshot)
         else:
-            wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks)
-            kind = ColocatedTransport if placement == "colocated" else BucketTransport
+            colocated = placement == "colocated"  # its group carries control messages only: gloo, even on GPU
+            wgroups = stage_groups(master_address, base_port, pp_size=self.groups.pp_size, engine_ranks=engine_ranks,
+                                   backend="gloo" if colocated else None)
+            kind = ColocatedTransport if colocated else BucketTransport
             transport = kind(wgroups[self.groups.pp_rank], timeout_s=timeout_s) if sender else None
             config = WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype, snapshot=snapshot)
         self.sync = WeightSync.for_learner(self.chunks, self.model_spec, self.groups, transport, config)

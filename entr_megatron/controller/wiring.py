@@ -90,7 +90,9 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
     learner's stage senders and `engines`, stage p on base_port + p."""
     from entr_megatron.weight_sync import ColocatedReceiver, receiver_for, stage_groups
 
-    wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines))
+    colocated = cfg.rollout.placement == "colocated"  # control messages only: gloo, even beside a GPU learner
+    wgroups = stage_groups(address, base_port, pp_size=cfg.parallel.pp, engine_ranks=(1,) * len(engines),
+                           backend="gloo" if colocated else None)
     wire_dtype = None if cfg.rollout.dtype == cfg.model.dtype else cfg.rollout.dtype
     timeout = cfg.rollout.push_timeout_s  # also gloo's: a stopped member cannot hold the senders longer
     pusher.group.call(LearnerWorker.connect_weight_sync, address, base_port, (1,) * len(engines),
@@ -98,7 +100,7 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
                       snapshot=cfg.rollout.weight_snapshot, placement=cfg.rollout.placement)
     pusher.engines = list(engines)
     receivers = [receiver_for(wgroups, i, timeout_s=timeout) for i in range(len(engines))]
-    if cfg.rollout.placement == "colocated":  # the same groups and ranks; the bytes land in shared memory
+    if colocated:  # the same groups and ranks; the bytes land in the engines' shared staging copies
         receivers = [ColocatedReceiver(r.groups, r.rank, r.timeout_s) for r in receivers]
     pusher.receivers = receivers
 

@@ -1,7 +1,7 @@
 """Colocated weight handoff: the learner writes each bucket straight into the engine's staging copy.
 
-With ``rollout.placement: colocated`` an engine runs beside the learner stage that feeds it (the
-same host; on CUDA, the same GPU). The version still follows the bucket protocol of protocol.py on
+With ``rollout.placement: colocated`` an engine runs beside the learner stage that feeds it, on
+the same host. The version still follows the bucket protocol of protocol.py on
 the stage's group (control messages, the closing all-reduce, ABORT), but no bucket byte crosses
 the group: each engine answers a bucket's header with a handle to the memory the bucket must land
 in, and the learner copies the bucket there itself.
@@ -18,20 +18,25 @@ the default; 'copy' adds the learner's snapshot copy), against parameter -> wire
 broadcast path. A bucket that cannot land in place (a cast on receipt, tied names) lands in a
 shared scratch buffer that the engine then loads into its stage.
 
-Handles (``share_handle`` / ``open_handle``): on CPU a POSIX shared-memory file that torch made for
-the storage (``share_memory_()``, its file-descriptor strategy), opened by the learner through
-``/proc/<engine pid>/fd/<fd>`` and checked by inode: nothing is named in /dev/shm, so nothing
-outlives the two processes; both must run as one user on one host (one PID namespace). On CUDA a
-CUDA IPC handle (torch.multiprocessing's own `reduce_tensor`); not run yet (no GPU here).
-The learner keeps its mappings between versions and drops those a version did not use.
+Handles (``share_handle`` / ``open_handle``): the POSIX shared-memory file that torch made for the
+storage (``share_memory_()``, torch.multiprocessing's file-descriptor strategy), opened by the
+learner through ``/proc/<engine pid>/fd/<fd>`` and checked by inode: nothing is named in /dev/shm,
+so nothing outlives the two processes; both must run as one user on one host (one PID namespace).
+The learner keeps its mappings between versions (an engine alternates between two buffers per
+bucket, its stage's and its model's, swapped each version: a fresh mapping would fault in every
+page again) and drops those that the last two versions did not use.
+
+The embedded engine runs on the CPU, so its staging copy is host memory: a learner on a GPU copies
+each bucket device-to-host straight into it (no NCCL group: the control messages go over gloo),
+which is how a run fits on one GPU. An engine on the GPU itself would hand out CUDA IPC handles
+(torch.multiprocessing's ``reduce_tensor``) and release its KV cache while the learner trains
+(verl's and slime's sleep/wake); the embedded engine has neither, SGLang keeps its own path.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 import threading
 from typing import Any
 
@@ -48,28 +53,18 @@ from entr_megatron.weight_sync.transports import BucketTransport
 __all__ = ["ColocatedReceiver", "ColocatedTransport", "open_handle", "share_handle", "shared_bytes"]
 
 
-def shared_bytes(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A uint8 tensor of `nbytes` that another process can map (`share_handle`): shared memory on
-    CPU, ordinary device memory on CUDA (CUDA IPC shares any allocation)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+def shared_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` in shared memory, which another process can map (`share_handle`)."""
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)), 0, (nbytes,))
 
 
 def share_handle(flat: torch.Tensor) -> dict[str, Any]:
-    """A JSON-able handle to the bytes of `flat` (contiguous uint8) for `open_handle` in another
-    process: its storage's shared file on CPU, a CUDA IPC handle on CUDA."""
+    """A JSON-able handle to the bytes of `flat` (contiguous uint8 in host shared memory) for
+    `open_handle` in another process of this host: its storage's shared file."""
     assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.is_contiguous()
     storage = flat.untyped_storage()
     offset = flat.data_ptr() - storage.data_ptr()
-    if flat.device.type == "cuda":
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        rebuild, args = reduce_tensor(flat)
-        return {"kind": "cuda_ipc", "nbytes": flat.numel(),
-                "reduced": base64.b64encode(pickle.dumps((rebuild, args))).decode()}
-    if not storage.is_shared():
+    if flat.device.type != "cpu" or not storage.is_shared():
         raise ValueError("share_handle: the tensor is not in shared memory (allocate it with shared_bytes)")
     fd, size = storage._share_fd_cpu_()[:2]  # the file torch.multiprocessing passes for this storage
     return {"kind": "fd", "pid": os.getpid(), "fd": int(fd), "inode": os.fstat(fd).st_ino,
@@ -80,11 +75,8 @@ def open_handle(handle: dict[str, Any]) -> torch.Tensor:
     """The uint8 tensor a `share_handle` describes, mapped into this process (writes are seen by
     the owner). Raises a ValueError naming the problem when it cannot be opened."""
     kind = handle.get("kind")
-    if kind == "cuda_ipc":
-        rebuild, args = pickle.loads(base64.b64decode(handle["reduced"]))
-        return rebuild(*args)[: handle["nbytes"]]
     if kind != "fd":
-        raise ValueError(f"unknown shared-memory handle kind {kind!r} (expected 'fd' or 'cuda_ipc')")
+        raise ValueError(f"unknown shared-memory handle kind {kind!r} (expected 'fd')")
     path = f"/proc/{handle['pid']}/fd/{handle['fd']}"
     try:
         inode = os.stat(path).st_ino
@@ -114,9 +106,7 @@ def exchange_handles(group: BroadcastGroup, handle: dict[str, Any] | None) -> li
 
 
 def _key(handle: dict[str, Any]) -> tuple:
-    if handle["kind"] == "fd":
-        return "fd", handle["pid"], handle["fd"], handle["inode"], handle["size"]
-    return "cuda_ipc", handle["reduced"]
+    return handle["pid"], handle["fd"], handle["inode"], handle["size"]
 
 
 class ColocatedTransport(BucketTransport):
@@ -125,8 +115,9 @@ class ColocatedTransport(BucketTransport):
 
     def __init__(self, group: WeightGroup, **kwargs):
         super().__init__(group, **kwargs)
-        self._mapped: dict[tuple, torch.Tensor] = {}  # handle key -> the engine's whole mapped storage view
-        self._used: set[tuple] = set()
+        self._mapped: dict[tuple, torch.Tensor] = {}  # handle key -> the engine's bytes, mapped here
+        self._last_used: dict[tuple, int] = {}  # handle key -> the last version (counted here) that used it
+        self._versions = 0
         self.copies = 0
         """Bucket copies made so far (one per bucket and engine that took it)."""
         self.last_copies = 0
@@ -153,23 +144,23 @@ class ColocatedTransport(BucketTransport):
                     self._mapped[key] = open_handle(handle)
                 except ValueError as e:  # the wire is fine: the version is aborted, the engines told why
                     raise SnapshotFailed(f"colocated weight handoff: {e}") from e
-            self._used.add(key)
+            self._last_used[key] = self._versions
             targets.append(self._mapped[key])
         ranges = bucket.layout.ranges(self.chunk_bytes)
         for (a, b), piece in zip(ranges, bucket.pieces(self.chunk_bytes)):
             for target in targets:
-                target[a:b].copy_(piece, non_blocking=target.device.type == "cuda")
-        if any(t.device.type == "cuda" for t in targets):
-            torch.cuda.synchronize()
+                target[a:b].copy_(piece)  # from a GPU learner: device-to-host, synchronous
         self.copies += len(targets)
 
     def _version_done(self) -> None:
-        for key in set(self._mapped) - self._used:  # buffers the engines no longer hand out
-            del self._mapped[key]
-        self._used = set()
+        for key, last in list(self._last_used.items()):  # buffers the engines no longer hand out
+            if last < self._versions - 1:
+                del self._mapped[key], self._last_used[key]
+        self._versions += 1
 
     def close(self) -> None:
         self._mapped.clear()
+        self._last_used.clear()
         super().close()
 
 
@@ -179,9 +170,9 @@ class _SharedScratch:
     def __init__(self):
         self.buf: torch.Tensor | None = None
 
-    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < nbytes or self.buf.device != device:
-            self.buf = shared_bytes(nbytes, device)
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = shared_bytes(nbytes)
         return self.buf[:nbytes]
 
 
@@ -194,11 +185,13 @@ class ColocatedReceiver(BroadcastReceiver):
     docstring). Pickles to the engine process like `BroadcastReceiver`, and joins the same groups."""
 
     def receive(self, stage: WeightStage) -> None:
-        device = stage.device
-        stage.flat_allocator = lambda nbytes: shared_bytes(nbytes, device)
+        if stage.device.type != "cpu":
+            raise ValueError(f"a colocated engine keeps its weights in host memory; this one holds them on "
+                             f"{stage.device} (rollout.placement: separate)")
+        stage.flat_allocator = shared_bytes
         errors: list[BaseException | None] = [None] * len(self.groups)
         threads = [
-            threading.Thread(target=self._run_colocated, args=(i, spec, stage, device, errors),
+            threading.Thread(target=self._run_colocated, args=(i, spec, stage, errors),
                              name=f"weight-recv-{spec.group_name}", daemon=True)
             for i, spec in enumerate(self.groups)
         ]
@@ -210,12 +203,11 @@ class ColocatedReceiver(BroadcastReceiver):
         if failed:
             raise failed[0]
 
-    def _run_colocated(self, index: int, spec: WeightGroup, stage: WeightStage, device: torch.device,
-                       errors: list) -> None:
+    def _run_colocated(self, index: int, spec: WeightGroup, stage: WeightStage, errors: list) -> None:
         try:
             with _SCRATCH_LOCK:
                 scratch = _SCRATCH.setdefault((spec.group_name, self.rank), _SharedScratch())
-            _receive_colocated(joined_group(spec, self.rank, timeout_s=self.timeout_s), stage, scratch, device)
+            _receive_colocated(joined_group(spec, self.rank, timeout_s=self.timeout_s), stage, scratch)
         except (ValueError, VersionAborted) as e:
             errors[index] = e
         except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
@@ -223,8 +215,7 @@ class ColocatedReceiver(BroadcastReceiver):
             errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
 
 
-def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _SharedScratch,
-                       device: torch.device) -> None:
+def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _SharedScratch) -> None:
     """One version's messages on one group, to the end, whatever goes wrong meanwhile."""
     name, version = group.spec.group_name, stage.version
     problem: str | None = None
@@ -264,12 +255,12 @@ def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _Shar
             entries = layout.entries()
             target = stage.bucket_buffer(entries, layout.nbytes)
             if target is None:  # lands beside the stage; loaded (and checked) once written
-                target = scratch.take(layout.nbytes, device)
+                target = scratch.take(layout.nbytes)
                 pending = (entries, target)
             else:
                 pending = (entries, None)
                 storage = target.untyped_storage()
-                if target.device.type == "cpu" and not storage.is_shared():
+                if not storage.is_shared():
                     storage.share_memory_()  # a staged tensor already in place, e.g. alone in its bucket: moved once
             handle = share_handle(target)
         exchange_handles(group, handle)

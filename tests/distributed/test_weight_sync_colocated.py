@@ -79,14 +79,14 @@ def test_a_handle_opens_the_same_bytes_in_another_process():
     with pytest.raises(ValueError, match="cannot open the engine's shared weights"):
         open_handle({**handle, "pid": 2**22 + 17})
     with pytest.raises(ValueError, match="unknown shared-memory handle kind"):
-        open_handle({"kind": "ipc"})
+        open_handle({"kind": "cuda_ipc"})
 
 
 @pytest.mark.parametrize("bucket_bytes, dtype", [(100, None), (512 << 20, None), (300, "float64")])
 def test_versions_land_in_the_engines_stages(bucket_bytes, dtype):
     """Two engines, three versions: each holds exactly what was pushed (tied names kept tied); from
-    the third version on the learner writes into the same two shared buffers per bucket (the stage's
-    and the model's, swapped each version) and maps nothing new. float64: a cast on receipt, so the
+    the second version on the learner writes into the same two shared buffers per bucket and engine
+    (the stage's and the model's, swapped each version) and maps nothing new. float64: a cast on receipt, so the
     bytes land in the engines' scratch buffers and are loaded from there."""
     groups = stage_groups("127.0.0.1", free_port(), pp_size=1, engine_ranks=(1, 1), backend="gloo")
     engines = Engines(groups, 2)
@@ -117,8 +117,8 @@ def test_versions_land_in_the_engines_stages(bucket_bytes, dtype):
         assert transport.copies == 2 * report.num_buckets * version
         mapped.append(len(transport._mapped))
     buckets = report.num_buckets
-    if dtype is None:  # one buffer per bucket and engine each version; the same two alternate from v3 on
-        assert mapped[2:] == [2 * buckets, 2 * buckets], mapped
+    if dtype is None:  # per bucket and engine, the stage's buffer and the model's alternate: two, mapped once each
+        assert mapped == [2 * buckets] + [4 * buckets] * 3, mapped
     else:  # one scratch buffer per engine, reused
         assert mapped[-1] == 2, mapped
     sync.close()
