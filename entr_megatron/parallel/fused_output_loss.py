@@ -28,8 +28,9 @@ gradient is complete for this rank's shard (zero on padding rows). Padded vocabu
 ranks holding only padding work as in fused_output.py.
 
 Memory: the two input gradients (fp32 accumulators, cast at the end), kept from forward to
-backward, and three ``[chunk, V/tp]`` buffers (one in the input dtype for the logits tile,
-two fp32): the default chunk holds 2**21 elements (8 MiB fp32 each). PyTorch only: the Triton
+backward, one ``[chunk, V/tp]`` tile in the input dtype (the logits, then in place their
+gradient) and two 1 MiB fp32 work buffers: the default chunk holds 2**23 elements (32 MiB
+in fp32, 256 tokens at V/tp = 32768). PyTorch only: the Triton
 kernels of fused_output_triton.py are not extended (the learner logs the fallback).
 """
 
@@ -48,7 +49,11 @@ __all__ = ["TokenLossFn", "vocab_parallel_linear_fused_loss", "GEMMS_PER_PASS"]
 # Output-layer GEMMs of forward + backward (the unfused path: 3; fused_output.py's op: 4).
 GEMMS_PER_PASS = 3
 
-_DEFAULT_TILE_ELEMENTS = 1 << 21
+_DEFAULT_TILE_ELEMENTS = 1 << 23
+"""Elements of the logits tile: 256 tokens at V/tp = 32768. Fewer tokens per GEMM lose BLAS
+throughput (64 tokens: GEMM 1 takes ~1.5x the time per token of a whole-batch GEMM on CPU)."""
+_ROW_BUFFER_ELEMENTS = 1 << 18
+"""Elements of each fp32 work buffer (blocks of rows of the tile: 1 MiB)."""
 
 TokenLossFn = Callable[[int, int, Tensor, Tensor], Tensor]
 """``(start, end, logprob_n, entropy_n) -> loss_n``: the per-token loss terms (already times each
@@ -82,6 +87,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         n_tokens, dev, low = x_NH.shape[0], hidden.device, hidden.dtype != torch.float32
         inv_temp = 1.0 / temperature
         ct = max(1, min(chunk_tokens or _DEFAULT_TILE_ELEMENTS // max(width, 1), max(n_tokens, 1)))
+        rows = max(1, min(ct, _ROW_BUFFER_ELEMENTS // max(width, 1)))  # the fp32 work buffers' rows
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc_h = torch.zeros(x_NH.shape, dtype=torch.float32, device=dev) if want_h else None
         acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if want_w else None
@@ -90,8 +96,8 @@ class _FusedLinearLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         w = weight[:width]
         if width > 0 and n_tokens > 0:
-            raw = torch.empty(ct * width, dtype=hidden.dtype, device=dev)
-            buf_y, buf_e = (torch.empty(ct * width, dtype=torch.float32, device=dev) for _ in range(2))
+            raw = torch.empty(ct * width, dtype=hidden.dtype, device=dev)  # the logits tile, then its gradient
+            buf_y, buf_e = (torch.empty(rows, width, dtype=torch.float32, device=dev) for _ in range(2))
         zero_h = torch.zeros(ct, dtype=torch.float32, device=dev)
         # Every rank walks the same chunks: each chunk's all-gather pairs up across the group.
         for s in range(0, n_tokens, ct):
@@ -100,8 +106,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             if width > 0:
                 z = _tile(raw, n, width)
                 torch.mm(x_t, w.t(), out=z)  # GEMM 1
-                stats = _Ops.local_stats(z, t_t, vocab_start, inv_temp, n, _tile(buf_y, n, width),
-                                         _tile(buf_e, n, width), 4)
+                stats = _Ops.local_stats(z, t_t, vocab_start, inv_temp, rows, buf_y, buf_e, 4)
             else:
                 stats = _Ops.padding_stats(n, 4, dev)
             lp, h, log_z = _Ops.merge_stats(_Ops.gather_stats(stats, group, world))
@@ -110,10 +115,10 @@ class _FusedLinearLoss(torch.autograd.Function):
             loss += total
             if width == 0 or not (want_h or want_w):
                 continue
-            d = _tile(buf_e, n, width)
-            _Ops.logits_grad(z, t_t, log_z, h, g_lp, zero_h[:n], vocab_start, inv_temp, n, _tile(buf_y, n, width), d)
-            if low:  # the logits tile is spent: it holds the gradient rounded to the input dtype
-                d = z.copy_(d)
+            # In place: each block of rows reads its logits before writing their gradient (rounded
+            # to the input dtype when it is not fp32), so the tile is the only [chunk, V/tp] buffer.
+            _Ops.logits_grad(z, t_t, log_z, h, g_lp, zero_h[:n], vocab_start, inv_temp, rows, buf_y, z)
+            d = z
             if acc_h is not None:  # GEMM 2
                 if low:
                     acc_h[s:e_] += d @ w

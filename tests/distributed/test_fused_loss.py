@@ -206,10 +206,17 @@ def test_the_fused_loss_runs_only_for_token_local_losses(monkeypatch):
         close(got[3], want[3], f"grad hidden {algo.correction} {algo.policy_loss}")
 
 
-def test_op_gradient_is_the_loss_gradient_times_the_incoming_scale():
+@pytest.mark.parametrize("row_block", [None, 3])
+def test_op_gradient_is_the_loss_gradient_times_the_incoming_scale(monkeypatch, row_block):
     """The op alone against float64 autograd of the same token-local loss; backward scales by the
-    incoming gradient (Megatron multiplies by 1 / count later, or a caller may scale the loss)."""
+    incoming gradient (Megatron multiplies by 1 / count later, or a caller may scale the loss).
+    row_block 3: the work buffers hold 3 rows, so each 4-token chunk's tile is done in blocks of
+    3 and 1 rows (the gradient written in place over the logits block by block)."""
+    from entr_megatron.parallel import fused_output_loss
     from entr_megatron.parallel.fused_output_loss import GEMMS_PER_PASS, vocab_parallel_linear_fused_loss
+
+    if row_block is not None:
+        monkeypatch.setattr(fused_output_loss, "_ROW_BUFFER_ELEMENTS", row_block * 80)
 
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(2, 9, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g)
@@ -259,10 +266,15 @@ def test_replace_keeps_the_config_valid():
         assert not dataclasses.replace(AlgorithmConfig(**overrides), mask_diagnostics=False).mask_diagnostics
 
 
-def test_op_in_bf16_is_close_to_float64():
+@pytest.mark.parametrize("row_block", [None, 4])
+def test_op_in_bf16_is_close_to_float64(monkeypatch, row_block):
     """bf16 inputs: the logits tile and its gradient rounded to bf16 for the GEMMs (as the unfused
-    output layer's are), the gradients summed in fp32 and returned in bf16."""
+    output layer's are), the gradients summed in fp32 and returned in bf16 (row_block: as above)."""
+    from entr_megatron.parallel import fused_output_loss
     from entr_megatron.parallel.fused_output_loss import vocab_parallel_linear_fused_loss
+
+    if row_block is not None:
+        monkeypatch.setattr(fused_output_loss, "_ROW_BUFFER_ELEMENTS", row_block * VOCAB)
 
     g = torch.Generator().manual_seed(4)
     hidden, weight = torch.randn(20, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g) / 2
