@@ -50,7 +50,7 @@ from entr_megatron.weight_sync.receiver import BroadcastReceiver, VersionAborted
 from entr_megatron.weight_sync.snapshot import SnapshotBucket, SnapshotFailed
 from entr_megatron.weight_sync.transports import BucketTransport
 
-__all__ = ["ColocatedReceiver", "ColocatedTransport", "open_handle", "share_handle", "shared_bytes"]
+__all__ = ["ColocatedReceiver", "ColocatedTransport", "map_storage", "open_handle", "share_handle", "shared_bytes"]
 
 
 def shared_bytes(nbytes: int) -> torch.Tensor:
@@ -74,6 +74,12 @@ def share_handle(flat: torch.Tensor) -> dict[str, Any]:
 def open_handle(handle: dict[str, Any]) -> torch.Tensor:
     """The uint8 tensor a `share_handle` describes, mapped into this process (writes are seen by
     the owner). Raises a ValueError naming the problem when it cannot be opened."""
+    return map_storage(handle)[handle["offset"]:handle["offset"] + handle["nbytes"]]
+
+
+def map_storage(handle: dict[str, Any]) -> torch.Tensor:
+    """The whole shared storage a `share_handle` points into, mapped here as uint8 (one mapping
+    serves every handle into that storage: slice it at the handle's offset)."""
     kind = handle.get("kind")
     if kind != "fd":
         raise ValueError(f"unknown shared-memory handle kind {kind!r} (expected 'fd')")
@@ -86,8 +92,7 @@ def open_handle(handle: dict[str, Any]) -> torch.Tensor:
     if inode != handle["inode"]:
         raise ValueError(f"{path} is no longer the engine's shared weight buffer (inode {inode}, "
                          f"expected {handle['inode']})")
-    whole = torch.from_file(path, shared=True, size=handle["size"], dtype=torch.uint8)
-    return whole[handle["offset"]:handle["offset"] + handle["nbytes"]]
+    return torch.from_file(path, shared=True, size=handle["size"], dtype=torch.uint8)
 
 
 def exchange_handles(group: BroadcastGroup, handle: dict[str, Any] | None) -> list[dict[str, Any] | None]:
@@ -106,6 +111,7 @@ def exchange_handles(group: BroadcastGroup, handle: dict[str, Any] | None) -> li
 
 
 def _key(handle: dict[str, Any]) -> tuple:
+    """One engine storage (several handles may point into it, at different offsets)."""
     return handle["pid"], handle["fd"], handle["inode"], handle["size"]
 
 
@@ -115,7 +121,7 @@ class ColocatedTransport(BucketTransport):
 
     def __init__(self, group: WeightGroup, **kwargs):
         super().__init__(group, **kwargs)
-        self._mapped: dict[tuple, torch.Tensor] = {}  # handle key -> the engine's bytes, mapped here
+        self._mapped: dict[tuple, torch.Tensor] = {}  # storage key -> the engine's whole storage, mapped here
         self._last_used: dict[tuple, int] = {}  # handle key -> the last version (counted here) that used it
         self._versions = 0
         self.copies = 0
@@ -141,11 +147,11 @@ class ColocatedTransport(BucketTransport):
             key = _key(handle)
             if key not in self._mapped:
                 try:
-                    self._mapped[key] = open_handle(handle)
+                    self._mapped[key] = map_storage(handle)
                 except ValueError as e:  # the wire is fine: the version is aborted, the engines told why
                     raise SnapshotFailed(f"colocated weight handoff: {e}") from e
             self._last_used[key] = self._versions
-            targets.append(self._mapped[key])
+            targets.append(self._mapped[key][handle["offset"]:handle["offset"] + handle["nbytes"]])
         ranges = bucket.layout.ranges(self.chunk_bytes)
         for (a, b), piece in zip(ranges, bucket.pieces(self.chunk_bytes)):
             for target in targets:

@@ -168,14 +168,14 @@ def test_a_handle_the_learner_cannot_open_aborts_the_version_naming_why(monkeypa
     source = Model(seed=1)
     sync = WeightSync(lambda: named(source), ColocatedTransport(groups[0], timeout_s=30),
                       WeightSyncConfig(bucket_bytes=100))
-    real = colocated.open_handle
-    monkeypatch.setattr(colocated, "open_handle", lambda h: real({**h, "pid": 2**22 + 17}))
+    real = colocated.map_storage
+    monkeypatch.setattr(colocated, "map_storage", lambda h: real({**h, "pid": 2**22 + 17}))
     engines.receive(1)
     with pytest.raises(Exception, match="cannot open the engine's shared weights"):
         sync.push(1).wait(timeout=60)
     engines.join()
     assert "cannot open the engine's shared weights" in str(engines.errors[0])
-    monkeypatch.setattr(colocated, "open_handle", real)
+    monkeypatch.setattr(colocated, "map_storage", real)
     engines.receive(2)
     sync.push(2).wait(timeout=60)
     engines.join()
