@@ -133,14 +133,18 @@ def test_colocated_engines_take_the_weights_through_shared_memory(tmp_path, sft_
     """rollout.placement colocated: every version reaches the engine by the shared-memory handoff
     (weight_sync/colocated.py). sync: the engine holds exactly the learner's weights at every step
     (on-policy, ENTR masks nothing); fully_async: an engine killed at version 2 is replaced, its
-    successor takes the weights the same way, every step trains within the lag bound."""
+    successor takes the weights the same way; then learner rank 0 killed at version 3 restarts
+    from the step-2 checkpoint and hands its weights to the engine kept; every step trains
+    within the lag bound."""
     bound = {"sync": 0, "one_step_off": 1, "fully_async": 2}[mode]
-    config, run_dir = rl_config(tmp_path, sft_model, mode, controller={"mode": mode, "max_policy_lag": max(bound, 1)},
-                                rollout={"placement": "colocated"})
-    env = dict(os.environ)
+    controller = {"mode": mode, "max_policy_lag": max(bound, 1)}
+    env, launcher = dict(os.environ), {"cpu_threads_per_rank": 1}
     if mode == "fully_async":
         (tmp_path / "faults").mkdir()
-        env.update({FAULT_DIR_ENV: str(tmp_path / "faults"), FAULT_ENV: "engine@2:generate:kill"})
+        env.update({FAULT_DIR_ENV: str(tmp_path / "faults"), FAULT_ENV: "engine@2:generate:kill;rank0@3:train:kill"})
+        controller["checkpoint_interval"], launcher["max_restarts"] = 2, 1
+    config, run_dir = rl_config(tmp_path, sft_model, mode, controller=controller, launcher=launcher,
+                                rollout={"placement": "colocated"})
     proc = subprocess.run([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config),
                            "--max-steps", "4"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -155,6 +159,7 @@ def test_colocated_engines_take_the_weights_through_shared_memory(tmp_path, sft_
             [(r["mismatch/k3"], r["entr/mask_fraction"]) for r in rows]
     if mode == "fully_async":
         assert "embedded engine 0 failed" in proc.stderr and rows[-1]["engines/restarts"] == 1, proc.stderr[-4000:]
+        assert "a learner rank failed" in proc.stderr and rows[-1]["learner/restarts"] == 1, proc.stderr[-4000:]
 
 
 DETERMINISTIC = ("reward/mean", "loss", "optim/grad_norm", "mismatch/k3", "entr/mask_fraction",
