@@ -43,10 +43,8 @@ from typing import Any
 import torch
 
 from entr_megatron.rollout.weights import BucketEntry, WeightBucket, WeightStage
-from entr_megatron.weight_sync.buckets import BucketLayout
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
-from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, recv_control
-from entr_megatron.weight_sync.receiver import BroadcastReceiver, VersionAborted, joined_group, leave_group
+from entr_megatron.weight_sync.receiver import BroadcastReceiver, acknowledge, joined_group, next_message
 from entr_megatron.weight_sync.snapshot import SnapshotBucket, SnapshotFailed
 from entr_megatron.weight_sync.transports import BucketTransport
 
@@ -195,30 +193,13 @@ class ColocatedReceiver(BroadcastReceiver):
             raise ValueError(f"a colocated engine keeps its weights in host memory; this one holds them on "
                              f"{stage.device} (rollout.placement: separate)")
         stage.flat_allocator = shared_bytes
-        errors: list[BaseException | None] = [None] * len(self.groups)
-        threads = [
-            threading.Thread(target=self._run_colocated, args=(i, spec, stage, errors),
-                             name=f"weight-recv-{spec.group_name}", daemon=True)
-            for i, spec in enumerate(self.groups)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise failed[0]
 
-    def _run_colocated(self, index: int, spec: WeightGroup, stage: WeightStage, errors: list) -> None:
-        try:
+        def receive_one(spec: WeightGroup) -> None:
             with _SCRATCH_LOCK:
                 scratch = _SCRATCH.setdefault((spec.group_name, self.rank), _SharedScratch())
             _receive_colocated(joined_group(spec, self.rank, timeout_s=self.timeout_s), stage, scratch)
-        except (ValueError, VersionAborted) as e:
-            errors[index] = e
-        except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
-            leave_group(spec, self.rank)
-            errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
+
+        self.on_every_group(receive_one)
 
 
 def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _SharedScratch) -> None:
@@ -239,21 +220,13 @@ def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _Shar
         return None
 
     while True:
-        control, header = recv_control(group)
+        control, layout = next_message(group)
         if pending is not None:  # any next message means the learner finished the last bucket's copy
             problem = problem or commit()
             pending = None
-        if control.kind == ABORT:
-            raise VersionAborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
-        if control.kind == END:
-            group.all_reduce_sum(1 if problem else 0)
-            if problem:
-                raise ValueError(problem)
+        if layout is None:  # the end of the version
+            acknowledge(group, problem)
             return
-        assert control.kind == BUCKET
-        layout = BucketLayout.from_bytes(header)
-        if layout.nbytes != control.data_len:
-            raise RuntimeError(f"{name!r}: bucket header describes {layout.nbytes} bytes, the control says {control.data_len}")
         if problem is None and control.version != version:
             problem = f"the learner sent weight version {control.version} on {name!r}, the engine expects {version}"
         handle = None

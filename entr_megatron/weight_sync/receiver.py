@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from entr_megatron.rollout.engine import WeightReceiver
 from entr_megatron.rollout.weights import WeightBucket, WeightStage
 from entr_megatron.weight_sync.buckets import BucketLayout
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
-from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, recv_control
+from entr_megatron.weight_sync.protocol import ABORT, END, Control, recv_control
 from entr_megatron.weight_sync.snapshot import BufferPool
 
-__all__ = ["BroadcastReceiver", "VersionAborted", "joined_group", "leave_all_groups", "leave_group", "receiver_for"]
+__all__ = ["BroadcastReceiver", "VersionAborted", "acknowledge", "joined_group", "leave_all_groups", "leave_group",
+           "next_message", "receiver_for"]
 
 _RECEIVE_BUFFERS = 2
 """Per group: one on the wire while the loader copies the other into the stage."""
@@ -140,30 +141,36 @@ class BroadcastReceiver(WeightReceiver):
         an engine refused a tensor (the engine then discards the partial stage)."""
         loader = _Loader(stage)
         loader.start()
+        try:
+            self.on_every_group(lambda spec: _receive_version(_member(spec, self.rank, self.timeout_s),
+                                                              stage.version, loader))
+        finally:
+            loader.q.put(None)
+            loader.join()
+
+    def on_every_group(self, receive_one: Callable[[WeightGroup], None]) -> None:
+        """`receive_one(spec)` for every group at once, one thread each; then raises the first
+        error. A group whose transport broke is left (the next update joins it afresh)."""
         errors: list[BaseException | None] = [None] * len(self.groups)
-        threads = [
-            threading.Thread(target=self._run_group, args=(i, spec, stage.version, loader, errors),
-                             name=f"weight-recv-{spec.group_name}", daemon=True)
-            for i, spec in enumerate(self.groups)
-        ]
+
+        def run(index: int, spec: WeightGroup) -> None:
+            try:
+                receive_one(spec)
+            except (ValueError, VersionAborted) as e:
+                errors[index] = e
+            except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
+                leave_group(spec, self.rank)
+                errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
+
+        threads = [threading.Thread(target=run, args=(i, spec), name=f"weight-recv-{spec.group_name}", daemon=True)
+                   for i, spec in enumerate(self.groups)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        loader.q.put(None)
-        loader.join()
         failed = [e for e in errors if e is not None]
         if failed:
             raise failed[0]
-
-    def _run_group(self, index: int, spec: WeightGroup, version: int, loader: _Loader, errors: list) -> None:
-        try:
-            _receive_version(_member(spec, self.rank, self.timeout_s), version, loader)
-        except (ValueError, VersionAborted) as e:
-            errors[index] = e
-        except BaseException as e:  # noqa: BLE001 - the transport broke: leave the group
-            leave_group(spec, self.rank)
-            errors[index] = RuntimeError(f"weight group {spec.group_name!r} (rank {self.rank}) failed: {e!r}")
 
 
 class VersionAborted(ValueError):
@@ -175,20 +182,11 @@ def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
     group, name = member.group, member.group.spec.group_name
     problem: str | None = None
     while True:
-        control, header = recv_control(group)
-        if control.kind == ABORT:
-            raise VersionAborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
-        if control.kind == END:
+        control, layout = next_message(group)
+        if layout is None:  # the end of the version
             loader.q.join()  # every bucket of this version is in the stage (or failed)
-            problem = problem or loader.error
-            group.all_reduce_sum(1 if problem else 0)
-            if problem:
-                raise ValueError(problem)
+            acknowledge(group, problem or loader.error)
             return
-        assert control.kind == BUCKET
-        layout = BucketLayout.from_bytes(header)
-        if layout.nbytes != control.data_len:
-            raise RuntimeError(f"{name!r}: bucket header describes {layout.nbytes} bytes, the control says {control.data_len}")
         if problem is None and loader.error is None and control.version == version:
             entries = layout.entries()
             target = loader.stage.bucket_buffer(entries, layout.nbytes)
@@ -208,6 +206,29 @@ def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
             loader.q.put((layout, buf, member.buffers))
         else:
             member.buffers.release(buf)  # keep reading to the end: the wire stays aligned
+
+
+def next_message(group: BroadcastGroup) -> tuple[Control, BucketLayout | None]:
+    """An engine rank: the next message of a version, (control, the bucket's checked layout) or
+    (control, None) at its end; an ABORT raises `VersionAborted` with the learner's reason."""
+    name = group.spec.group_name
+    control, header = recv_control(group)
+    if control.kind == ABORT:
+        raise VersionAborted(f"the learner aborted version {control.version} on {name!r}: {header.decode(errors='replace')}")
+    if control.kind == END:
+        return control, None
+    layout = BucketLayout.from_bytes(header)
+    if layout.nbytes != control.data_len:
+        raise RuntimeError(f"{name!r}: bucket header describes {layout.nbytes} bytes, the control says {control.data_len}")
+    return control, layout
+
+
+def acknowledge(group: BroadcastGroup, problem: str | None) -> None:
+    """An engine rank at a version's end: the closing all-reduce (1 if it cannot take the
+    version), then `problem` raised as a ValueError."""
+    group.all_reduce_sum(1 if problem else 0)
+    if problem:
+        raise ValueError(problem)
 
 
 def receiver_for(groups: Sequence[WeightGroup], engine_index: int, **kwargs) -> BroadcastReceiver:

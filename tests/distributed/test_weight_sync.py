@@ -30,6 +30,8 @@ from entr_megatron.weight_sync import (
     BroadcastGroup,
     BucketLayout,
     BucketTransport,
+    ColocatedReceiver,
+    ColocatedTransport,
     SGLangTransport,
     WeightSync,
     WeightSyncConfig,
@@ -294,20 +296,23 @@ def named(model):
 
 
 class Engines:
-    """n in-process stand-ins for engines: a WeightStage each, receiving on its own thread."""
+    """n in-process stand-ins for engines: a WeightStage each, receiving on its own thread
+    (colocated: through `ColocatedReceiver`, the shared-memory handoff)."""
 
-    def __init__(self, groups, n, expect=None):
+    def __init__(self, groups, n, expect=None, colocated=False):
         self.groups, self.models = groups, [Model() for _ in range(n)]
         self.stages = [WeightStage(m) for m in self.models]
         self.errors: list = [None] * n
         self.expect = expect  # version the engines expect (default: what they are told)
+        self.colocated = colocated
 
     def receive(self, version):
         def run(i):
             stage = self.stages[i]
             stage.begin(self.expect or version)
             try:
-                receiver_for(self.groups, i, timeout_s=30).receive(stage)
+                r = receiver_for(self.groups, i, timeout_s=30)
+                (ColocatedReceiver(r.groups, r.rank, r.timeout_s) if self.colocated else r).receive(stage)
                 stage.finish()
                 stage.swap_into()
                 self.errors[i] = None
@@ -428,9 +433,11 @@ def test_borrowed_parameters_go_out_where_they_are_until_released():
     cast.close()
 
 
-def test_refused_and_aborted_versions_keep_the_wire_aligned():
+@pytest.mark.parametrize("colocated", [False, True])
+def test_refused_and_aborted_versions_keep_the_wire_aligned(colocated):
+    """colocated: the same messages, each bucket copied into the engine's shared stage."""
     groups = stage_groups("127.0.0.1", free_port(), pp_size=1, backend="gloo")
-    engines = Engines(groups, 1)
+    engines = Engines(groups, 1, colocated=colocated)
     state = {"fail": False}
     source = Model(seed=1)
 
@@ -440,7 +447,8 @@ def test_refused_and_aborted_versions_keep_the_wire_aligned():
                 raise RuntimeError("learner bug (test)")
             yield item
 
-    sync = WeightSync(weights, BucketTransport(groups[0], timeout_s=30), WeightSyncConfig(bucket_bytes=100))
+    transport = (ColocatedTransport if colocated else BucketTransport)(groups[0], timeout_s=30)
+    sync = WeightSync(weights, transport, WeightSyncConfig(bucket_bytes=100))
     before = {n: t.clone() for n, t in engines.models[0].state_dict().items()}
     engines.expect = 5  # the engine was told another version than the learner sends
     engines.receive(1)

@@ -2,7 +2,8 @@
 engine's shared staging copy; the versions, refusals and aborts of the broadcast path hold.
 
 The protocol tests run sender and receivers as threads of this process (the shared memory is
-opened through /proc/<pid>/fd as from another process); the end-to-end test pushes from two gloo
+opened through /proc/<pid>/fd as from another process; refusals and aborts are tested beside the
+broadcast's, in test_weight_sync.py); the end-to-end test pushes from two gloo
 learner ranks (TP = 2) into an `EmbeddedEngine` process and compares the engine's log-probs with
 the learner's, as tests/distributed/test_weight_sync.py does for the broadcast."""
 
@@ -11,15 +12,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
-from test_weight_sync import ATOL, Model, assert_holds, engine_minus_learner, model_dir, named, start_learner  # noqa: F401
+from test_weight_sync import (  # noqa: F401 - model_dir: the module fixture
+    ATOL,
+    Engines,
+    Model,
+    assert_holds,
+    engine_minus_learner,
+    model_dir,
+    named,
+    start_learner,
+)
 
-from entr_megatron.rollout.weights import WeightStage
 from entr_megatron.utils.spawn import free_port, run_gloo
-from entr_megatron.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError, receiver_for, stage_groups
+from entr_megatron.weight_sync import WeightSync, WeightSyncConfig, receiver_for, stage_groups
 from entr_megatron.weight_sync.colocated import (
     ColocatedReceiver,
     ColocatedTransport,
@@ -27,39 +35,6 @@ from entr_megatron.weight_sync.colocated import (
     share_handle,
     shared_bytes,
 )
-
-
-class Engines:
-    """n in-process stand-ins for colocated engines: a WeightStage each, receiving on its own thread."""
-
-    def __init__(self, groups, n, expect=None):
-        self.groups, self.models = groups, [Model() for _ in range(n)]
-        self.stages = [WeightStage(m) for m in self.models]
-        self.errors: list = [None] * n
-        self.expect = expect
-
-    def receive(self, version):
-        def run(i):
-            stage = self.stages[i]
-            stage.begin(self.expect or version)
-            try:
-                r = receiver_for(self.groups, i, timeout_s=30)
-                ColocatedReceiver(r.groups, r.rank, r.timeout_s).receive(stage)
-                stage.finish()
-                stage.swap_into()
-                self.errors[i] = None
-            except Exception as e:  # noqa: BLE001
-                stage.discard()
-                self.errors[i] = e
-
-        self.threads = [threading.Thread(target=run, args=(i,)) for i in range(len(self.stages))]
-        for t in self.threads:
-            t.start()
-
-    def join(self):
-        for t in self.threads:
-            t.join(timeout=60)
-            assert not t.is_alive()
 
 
 def test_a_handle_opens_the_same_bytes_in_another_process():
@@ -89,7 +64,7 @@ def test_versions_land_in_the_engines_stages(bucket_bytes, dtype):
     (the stage's and the model's, swapped each version) and maps nothing new. float64: a cast on receipt, so the
     bytes land in the engines' scratch buffers and are loaded from there."""
     groups = stage_groups("127.0.0.1", free_port(), pp_size=1, engine_ranks=(1, 1), backend="gloo")
-    engines = Engines(groups, 2)
+    engines = Engines(groups, 2, colocated=True)
     transport = ColocatedTransport(groups[0], timeout_s=30)
     sources = {}
     sync = WeightSync(lambda: named(sources["now"]), transport,
@@ -124,47 +99,11 @@ def test_versions_land_in_the_engines_stages(bucket_bytes, dtype):
     sync.close()
 
 
-def test_refused_and_aborted_versions_keep_the_group_aligned():
-    groups = stage_groups("127.0.0.1", free_port(), pp_size=1, backend="gloo")
-    engines = Engines(groups, 1)
-    state = {"fail": False}
-    source = Model(seed=1)
-
-    def weights():
-        for i, item in enumerate(named(source)):
-            if state["fail"] and i == 2:
-                raise RuntimeError("learner bug (test)")
-            yield item
-
-    sync = WeightSync(weights, ColocatedTransport(groups[0], timeout_s=30), WeightSyncConfig(bucket_bytes=100))
-    before = {n: t.clone() for n, t in engines.models[0].state_dict().items()}
-    engines.expect = 5
-    engines.receive(1)
-    with pytest.raises(WeightSyncError, match="1 engine rank"):
-        sync.push(1).wait(timeout=60)
-    engines.join()
-    assert "the learner sent weight version 1" in str(engines.errors[0])
-    torch.testing.assert_close(engines.models[0].state_dict(), before, atol=0, rtol=0)
-    engines.expect, state["fail"] = None, True
-    engines.receive(2)
-    with pytest.raises(RuntimeError, match="learner bug"):
-        sync.push(2)
-    engines.join()
-    assert "aborted version 2" in str(engines.errors[0])
-    state["fail"] = False
-    engines.receive(3)
-    sync.push(3).wait(timeout=60)
-    engines.join()
-    assert engines.errors == [None]
-    assert_holds(engines.models[0], source)
-    sync.close()
-
-
 def test_a_handle_the_learner_cannot_open_aborts_the_version_naming_why(monkeypatch):
     from entr_megatron.weight_sync import colocated
 
     groups = stage_groups("127.0.0.1", free_port(), pp_size=1, backend="gloo")
-    engines = Engines(groups, 1)
+    engines = Engines(groups, 1, colocated=True)
     source = Model(seed=1)
     sync = WeightSync(lambda: named(source), ColocatedTransport(groups[0], timeout_s=30),
                       WeightSyncConfig(bucket_bytes=100))
