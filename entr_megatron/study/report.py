@@ -374,7 +374,9 @@ def write_report(study_dir: str | os.PathLike, out_dir: str | os.PathLike | None
             f"Held-out sampled accuracy after RL minus that of the reference cell {info.reference} with the same "
             "seed and other axes (study/paired.py).",
             markdown_table(paired.round(4)) if not paired.empty else "_No pair has both accuracies yet._")
-    add("Collapses", markdown_table(cells[["cell", *info.axes, "collapsed", "collapse_reason"]]))
+    done = cells[cells["state"] == "done"]  # a cell not run has no verdict (the summary counts them)
+    add("Collapses", markdown_table(done[["cell", *info.axes, "collapsed", "collapse_reason"]]) if not done.empty
+        else "_No cell has finished yet._")
     if speed is None:
         add("Speedup at matched reward", f"_Skipped: {speed_why}_")
         notes.append(f"speedup: {speed_why}")

@@ -259,6 +259,7 @@ def test_write_report_writes_tables_figures_and_markdown(study, tmp_path):
     _write_cell(bare, "a", {METHOD: "none", LAG: 0, SEED: 0}, state="pending")
     text = write_report(bare, tmp_path / "bare_out").read_text()
     assert "1 pending" in text and "Not drawn" in text and not _png_links(text)
+    assert "_No cell has finished yet._" in text.split("## Collapses")[1]  # no verdict for a cell never run
 
 
 def test_speedup_ratio_matches_a_hand_computation(tmp_path):
