@@ -132,7 +132,8 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     def reward(prompts, completions, completion_ids, reference, **_):
         out = []
-        for prompt, ids, ref in zip(prompts, completion_ids, reference):
+        for prompt, ids, index in zip(prompts, completion_ids, reference):
+            ref = references[index]  # the dataset holds indices: a task's references need not be Arrow types
             prompt_ids = tokenizer(prompt)["input_ids"]
             counted["tokens"] += len(prompt_ids) + len(ids)
             sample = Sample(prompt_ids, list(ids), [0.0] * len(ids), [0] * len(ids),
@@ -155,7 +156,7 @@ def trl_worker(args: argparse.Namespace) -> None:
         dataloader_pin_memory=False, disable_dropout=True,
     )
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": prompts, "reference": references}))
+                          train_dataset=Dataset.from_dict({"prompt": prompts, "reference": list(range(len(prompts)))}))
     t0 = time.perf_counter()
     trainer.train()
     rl_s = time.perf_counter() - t0
