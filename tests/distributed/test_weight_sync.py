@@ -14,6 +14,7 @@ boundaries, bounded snapshots, refusals, aborts, the SGLang adapter against
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -229,8 +230,10 @@ def pp2_push(engine, model_dir, port):
         sync.close()
 
 
-def _learner_ranks(rank, world, model_dir, ports):
-    """One launch for both layouts (spawning ranks and the engine dominates the time)."""
+@contextlib.contextmanager
+def engine_on_rank0(rank, model_dir):
+    """A gloo learner rank's set-up: CPU compatibility, and on rank 0 an `EmbeddedEngine` process
+    holding the model's original weights (None on the other ranks), shut down at the end."""
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
@@ -239,11 +242,17 @@ def _learner_ranks(rank, world, model_dir, ports):
     if rank == 0:
         engine = EmbeddedEngine(EmbeddedEngineConfig(model_dir=model_dir, num_threads=1, update_timeout_s=120))
     try:
-        tp2_pushes(engine, model_dir, ports[0])
-        pp2_push(engine, model_dir, ports[1])
+        yield engine
     finally:
         if engine is not None:
             engine.shutdown()
+
+
+def _learner_ranks(rank, world, model_dir, ports):
+    """One launch for both layouts (spawning ranks and the engine dominates the time)."""
+    with engine_on_rank0(rank, model_dir) as engine:
+        tp2_pushes(engine, model_dir, ports[0])
+        pp2_push(engine, model_dir, ports[1])
 
 
 def sent_names(spec):

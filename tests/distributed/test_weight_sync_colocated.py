@@ -21,6 +21,7 @@ from test_weight_sync import (  # noqa: F401 - model_dir: the module fixture
     Model,
     assert_holds,
     engine_minus_learner,
+    engine_on_rank0,
     model_dir,
     named,
     start_learner,
@@ -126,14 +127,7 @@ def test_a_handle_the_learner_cannot_open_aborts_the_version_naming_why(monkeypa
 def _tp2_colocated(rank, world, model_dir, port):
     import torch.distributed as dist
 
-    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
-    from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
-    enable_cpu_compat()
-    engine = None
-    if rank == 0:
-        engine = EmbeddedEngine(EmbeddedEngineConfig(model_dir=model_dir, num_threads=1, update_timeout_s=120))
-    try:
+    with engine_on_rank0(rank, model_dir) as engine:
         chunks, spec, groups = start_learner(model_dir, tp=2, pp=1, seed=1)
         wgroups = stage_groups("127.0.0.1", port, pp_size=1, backend="gloo")
         transport = None
@@ -154,9 +148,6 @@ def _tp2_colocated(rank, world, model_dir, port):
         finally:
             sync.close()
         dist.barrier()
-    finally:
-        if engine is not None:
-            engine.shutdown()
 
 
 def test_tp2_learner_hands_weights_to_an_embedded_engine_process(model_dir):
