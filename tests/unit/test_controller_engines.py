@@ -5,89 +5,9 @@ import time
 import pytest
 
 from entr_megatron.controller.engines import EngineSet
-from entr_megatron.rollout.engine import (
-    EngineHealth,
-    GenerateRequest,
-    GenerateResult,
-    RolloutEngine,
-    SamplingParams,
-    WeightUpdateReport,
-)
+from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, WeightUpdateReport
 
-
-class FakeEngine:
-    """Numbers its requests r0, r1, ... (ignoring the caller's ids, as an engine may), so two
-    engines hand out the same ids. Samples finish when the test says so (`finish`, or
-    `finish_at` a monotonic time)."""
-
-    def __init__(self, version=0, alive=True, paused=False, running=0, update=None):
-        self.version, self.alive, self.paused, self.running, self.update = version, alive, paused, running, update
-        self.next_id, self.live, self.ready, self.scheduled = 0, {}, [], []
-        self.poll_timeouts, self.aborted, self.shutdowns = [], [], 0
-
-    @property
-    def weight_version(self):
-        return self.version
-
-    def submit(self, requests):
-        ids = []
-        for req in requests:
-            rid = f"r{self.next_id}"
-            self.next_id += 1
-            self.live[rid] = req
-            ids.append(rid)
-        return ids
-
-    def _results(self, rid, reason):
-        req = self.live.pop(rid)
-        return [
-            GenerateResult(rid, i, list(req.prompt_ids), [7], [-0.5], [self.version], reason, group_id=req.group_id)
-            for i in range(req.params.n)
-        ]
-
-    def finish(self, rid=None):
-        for r in [rid] if rid is not None else list(self.live):
-            self.ready += self._results(r, "stop")
-
-    def finish_at(self, when):
-        self.scheduled.append(when)
-
-    def poll(self, timeout=0.0):
-        self.poll_timeouts.append(timeout)
-        due = [t for t in self.scheduled if t <= time.monotonic() + timeout]
-        if not self.ready and due:
-            time.sleep(max(0.0, min(due) - time.monotonic()))
-            self.scheduled.remove(min(due))
-            self.finish()
-        elif not self.ready and timeout:
-            time.sleep(timeout)
-        out, self.ready = self.ready, []
-        return out
-
-    def abort(self, request_ids):
-        ids = list(request_ids)
-        self.aborted.append(ids)
-        for rid in ids:
-            if rid in self.live:
-                self.ready += self._results(rid, "abort")
-
-    def pause(self):
-        self.paused = True
-
-    def resume(self):
-        self.paused = False
-
-    def health(self):
-        return EngineHealth(
-            alive=self.alive, weight_version=self.version, paused=self.paused, num_running=self.running,
-            steps=10, generated_tokens=100, last_update=self.update, error=None if self.alive else "died",
-        )
-
-    def update_weights(self, weights, version):
-        raise AssertionError("EngineSet must not forward update_weights")
-
-    def shutdown(self):
-        self.shutdowns += 1
+from controller_fakes import ManualEngine
 
 
 def _req(n, group_id=0, request_id=None):
@@ -95,13 +15,13 @@ def _req(n, group_id=0, request_id=None):
 
 
 def test_is_a_rollout_engine_and_needs_engines():
-    assert isinstance(EngineSet([FakeEngine()]), RolloutEngine)
+    assert isinstance(EngineSet([ManualEngine()]), RolloutEngine)
     with pytest.raises(ValueError, match="at least one engine"):
         EngineSet([])
 
 
 def test_requests_go_to_the_engine_with_fewest_live_samples():
-    fakes = [FakeEngine(), FakeEngine(), FakeEngine()]
+    fakes = [ManualEngine(), ManualEngine(), ManualEngine()]
     engines = EngineSet(fakes)
     # Live samples before each placement (ties to the lowest index):
     # A n=4: [0,0,0] -> e0 | B n=1: [4,0,0] -> e1 | C n=1: [4,1,0] -> e2
@@ -119,7 +39,7 @@ def test_requests_go_to_the_engine_with_fewest_live_samples():
 
 
 def test_request_ids_are_unique_across_engines_and_translated_back():
-    fakes = [FakeEngine(), FakeEngine()]
+    fakes = [ManualEngine(), ManualEngine()]
     engines = EngineSet(fakes)
     ids = engines.submit([_req(1, 0), _req(2, 1), _req(1, 2, request_id="mine")])
     assert ids[2] == "mine" and len(set(ids)) == 3
@@ -139,7 +59,7 @@ def test_request_ids_are_unique_across_engines_and_translated_back():
 
 
 def test_a_request_stays_live_until_all_its_samples_returned():
-    fake = FakeEngine()
+    fake = ManualEngine()
     engines = EngineSet([fake])
     (rid,) = engines.submit([_req(3)])
     fake.ready = fake._results("r0", "stop")
@@ -153,7 +73,7 @@ def test_a_request_stays_live_until_all_its_samples_returned():
 
 
 def test_abort_is_routed_to_the_owning_engine():
-    fakes = [FakeEngine(), FakeEngine()]
+    fakes = [ManualEngine(), ManualEngine()]
     engines = EngineSet(fakes)
     a, b, c = engines.submit([_req(2), _req(1), _req(1)])  # a -> e0 (r0), b -> e1 (r0), c -> e1 (r1)
     engines.abort([c, "unknown", a])
@@ -167,7 +87,7 @@ def test_abort_is_routed_to_the_owning_engine():
 
 
 def test_poll_returns_every_engines_ready_results_together():
-    fakes = [FakeEngine(), FakeEngine(), FakeEngine()]
+    fakes = [ManualEngine(), ManualEngine(), ManualEngine()]
     engines = EngineSet(fakes)
     ids = engines.submit([_req(1), _req(1), _req(1)])
     fakes[1].finish()
@@ -177,7 +97,7 @@ def test_poll_returns_every_engines_ready_results_together():
 
 
 def test_poll_waits_in_short_turns_and_wakes_for_any_engine():
-    fakes = [FakeEngine(), FakeEngine(), FakeEngine()]
+    fakes = [ManualEngine(), ManualEngine(), ManualEngine()]
     engines = EngineSet(fakes, poll_slice_s=0.02)
     ids = engines.submit([_req(1), _req(1), _req(1)])
     start = time.monotonic()
@@ -192,7 +112,7 @@ def test_poll_waits_in_short_turns_and_wakes_for_any_engine():
 
 
 def test_poll_timeout_is_the_total_wait_not_per_engine():
-    fakes = [FakeEngine() for _ in range(8)]
+    fakes = [ManualEngine() for _ in range(8)]
     engines = EngineSet(fakes, poll_slice_s=0.05)
     start = time.monotonic()
     assert engines.poll(timeout=0.2) == []
@@ -202,7 +122,7 @@ def test_poll_timeout_is_the_total_wait_not_per_engine():
 
 
 def test_the_first_engine_to_wait_rotates():
-    fakes = [FakeEngine(), FakeEngine()]
+    fakes = [ManualEngine(), ManualEngine()]
     engines = EngineSet(fakes, poll_slice_s=0.01)
     firsts = []
     for _ in range(4):
@@ -215,7 +135,7 @@ def test_the_first_engine_to_wait_rotates():
 
 
 def test_weight_version_is_the_minimum_and_update_weights_is_refused():
-    fakes = [FakeEngine(version=5), FakeEngine(version=3), FakeEngine(version=4)]
+    fakes = [ManualEngine(version=5), ManualEngine(version=3), ManualEngine(version=4)]
     engines = EngineSet(fakes)
     assert engines.weight_version == 3
     fakes[1].version = 6
@@ -226,7 +146,7 @@ def test_weight_version_is_the_minimum_and_update_weights_is_refused():
 
 def test_health_merges_the_engines():
     report = WeightUpdateReport(3, 1, 8, 0.1, 0.01, 0.0, 0.2, 1, 0)
-    fakes = [FakeEngine(version=4, running=2), FakeEngine(version=3, running=1, update=report, paused=True)]
+    fakes = [ManualEngine(version=4, running=2), ManualEngine(version=3, running=1, update=report, paused=True)]
     engines = EngineSet(fakes)
     h = engines.health()
     assert (h.alive, h.weight_version, h.paused) == (True, 3, False)
@@ -241,12 +161,12 @@ def test_health_merges_the_engines():
 
 
 def test_shutdown_reaches_every_engine_once():
-    class Failing(FakeEngine):
+    class Failing(ManualEngine):
         def shutdown(self):
             super().shutdown()
             raise RuntimeError("boom")
 
-    fakes = [Failing(), FakeEngine()]
+    fakes = [Failing(), ManualEngine()]
     engines = EngineSet(fakes)
     with pytest.raises(RuntimeError, match="boom"):
         engines.shutdown()
@@ -257,13 +177,13 @@ def test_shutdown_reaches_every_engine_once():
 def test_generate_health_checks_a_silent_engine_and_fails_a_dead_one():
     from entr_megatron.rollout.engine import EngineError, generate
 
-    slow = FakeEngine()
+    slow = ManualEngine()
     checks = []
     slow.health = lambda real=slow.health: checks.append(1) or real()
     slow.finish_at(time.monotonic() + 0.35)  # silent past the idle timeout, but alive: it is waited for
     results = generate(slow, [_req(2)], timeout_s=10, idle_timeout_s=0.1)
     assert [r.sample_index for r in results] == [0, 1] and checks
-    dead = FakeEngine()
+    dead = ManualEngine()
     dead.finish_at(time.monotonic() + 0.3)  # would finish, but it no longer answers a health check
     dead.alive = False
     t0 = time.monotonic()

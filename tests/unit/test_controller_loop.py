@@ -15,74 +15,10 @@ import torch
 from entr_megatron.algorithm.advantages import grpo_advantages
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.controller.loop import Controller, ControllerHooks
-from entr_megatron.rollout.engine import GenerateResult, WeightUpdateReport
+
+from controller_fakes import ClockedEngine, FakeClock
 
 P, N = 3, 4
-
-
-class FakeClock:
-    def __init__(self):
-        self.tick, self.listeners = 0, []
-
-    def advance(self, ticks=1):
-        for _ in range(ticks):
-            self.tick += 1
-            for listener in self.listeners:
-                listener.on_tick()
-
-
-class FakeEngine:
-    """Response length of sample i of a request: base_len + (seed + 3 i) % jitter tokens."""
-
-    def __init__(self, clock, base_len=4, jitter=4):
-        self.clock, self.base_len, self.jitter = clock, base_len, jitter
-        self.version, self.next_id, self.running, self.finished = 0, 0, [], []
-        clock.listeners.append(self)
-
-    @property
-    def weight_version(self):
-        return self.version
-
-    def submit(self, requests):
-        ids = []
-        for req in requests:
-            rid = f"r{self.next_id}"
-            self.next_id += 1
-            ids.append(rid)
-            for i in range(req.params.n):
-                length = self.base_len + (req.params.seed + 3 * i) % self.jitter
-                self.running.append(dict(rid=rid, i=i, req=req, length=length, out=[], versions=[]))
-        return ids
-
-    def on_tick(self):
-        still = []
-        for seq in self.running:
-            seed, pos = seq["req"].params.seed, len(seq["out"])
-            seq["out"].append(1 + (seed * 7 + seq["i"] * 31 + pos * 5 + self.version * 13) % 50)
-            seq["versions"].append(self.version)
-            (self.finished if len(seq["out"]) == seq["length"] else still).append(seq)
-        self.running = still
-
-    def _result(self, seq, reason):
-        req = seq["req"]
-        return GenerateResult(seq["rid"], seq["i"], list(req.prompt_ids), seq["out"], [-1.0] * len(seq["out"]),
-                              seq["versions"], reason, group_id=req.group_id, metadata=dict(req.metadata))
-
-    def poll(self, timeout=0.0):
-        if not self.finished:
-            self.clock.advance(1)
-        out = [self._result(s, "length") for s in self.finished]
-        self.finished = []
-        return out
-
-    def abort(self, request_ids):
-        ids = set(request_ids)
-        self.finished += [s for s in self.running if s["rid"] in ids]
-        self.running = [s for s in self.running if s["rid"] not in ids]
-
-    def update_weights(self, weights, version):
-        self.version = version
-        return WeightUpdateReport(version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0, len(self.running))
 
 
 class FakePusher:
@@ -137,7 +73,7 @@ class FakeTask:
 
 def make(mode, lag, stale="regenerate", base_len=4, jitter=4, train_ticks=3, push_ticks=0, hooks=None, **kw):
     clock = FakeClock()
-    engine = FakeEngine(clock, base_len, jitter)
+    engine = ClockedEngine(clock, base_len, jitter)
     pusher = FakePusher(clock, engine, push_ticks)
     learner = FakeLearner(clock, train_ticks)
     rollout = RolloutConfig(prompts_per_step=P, sampling=SamplingConfig(n=N, max_new_tokens=64),

@@ -382,7 +382,7 @@ def test_ray_engine_calls_fail_like_a_local_engines_and_a_slow_poll_loses_nothin
     actor.engine.error = "the engine process exited (exit code -9)"  # inside the actor: an EngineError
     with pytest.raises(EngineError, match="exit code -9"):
         engine.poll(timeout=0.5)
-    assert engine.update_weights(None, 3) is None and engine.weight_version == 3
+    assert engine.update_weights(None, 3).version == 3 and engine.weight_version == 3
     fake.kill_process(actor)  # the actor's process killed
     with pytest.raises(EngineError, match=r"actor \(pid 4242 on 10.0.0.7\) died \(poll: ActorDiedError\)"):
         engine.poll(timeout=0.5)

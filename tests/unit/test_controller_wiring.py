@@ -11,7 +11,8 @@ from entr_megatron.config.loader import load_config
 from entr_megatron.controller.learner_worker import LearnerWorker
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_setup import PushedVersionView
-from entr_megatron.rollout.engine import EngineHealth, GenerateResult, WeightUpdateReport
+
+from controller_fakes import OneTokenEngine
 
 
 class FakeGroup:
@@ -30,39 +31,6 @@ class FakeGroup:
 
     def raise_if_dead(self, what, grace_s=1.0):
         pass  # its ranks never die
-
-
-class FakeEngine:
-    """Generates one token per request at a fixed weight version; counts its updates."""
-
-    def __init__(self, version=0):
-        self.version, self.updates, self.requests, self._done = version, [], [], []
-
-    @property
-    def weight_version(self):
-        return self.version
-
-    def health(self):
-        return EngineHealth(alive=True, weight_version=self.version)
-
-    def submit(self, requests):
-        ids = []
-        for r in requests:
-            rid = r.request_id or f"r{len(self.requests)}"
-            self.requests.append(r)
-            ids.append(rid)
-            self._done += [GenerateResult(rid, i, list(r.prompt_ids), [7], [0.0], [self.version], "stop")
-                           for i in range(r.params.n)]
-        return ids
-
-    def poll(self, timeout=0.0):
-        out, self._done = self._done, []
-        return out
-
-    def update_weights(self, receiver, version):
-        self.updates.append((receiver, version))
-        return WeightUpdateReport(version=version, num_tensors=1, num_bytes=4, transfer_s=0.1, swap_s=0.01,
-                                  wait_s=0.0, total_s=0.1, decode_steps_during_transfer=0, running_at_swap=0)
 
 
 def test_task_registry_is_exactly_the_configs_task_names(tok):
@@ -98,7 +66,7 @@ def test_learner_role_is_rank_zeros_answer():
 
 
 def test_pusher_role_feeds_each_engine_its_receiver_and_reports():
-    group, engines = FakeGroup(), [FakeEngine(), FakeEngine()]
+    group, engines = FakeGroup(), [OneTokenEngine(), OneTokenEngine()]
     pusher = RemotePusher(group, engines, ["recv0", "recv1"])
     handle = pusher.push(4)
     report = handle.wait()
@@ -112,7 +80,7 @@ def test_pusher_role_feeds_each_engine_its_receiver_and_reports():
 
 
 def test_sglang_view_takes_its_version_from_delivered_pushes():
-    engine = FakeEngine(version=5)  # the controller's client: never updates the servers itself
+    engine = OneTokenEngine(version=5)  # the controller's client: never updates the servers itself
     view = PushedVersionView(engine)
     pusher = RemotePusher(FakeGroup(), on_delivered=view.confirm_version)
     assert view.weight_version == 5  # before any push: what the servers said
@@ -135,14 +103,14 @@ def test_evaluation_and_sft_seeds_are_mixed_from_the_run_seed(tok):
 
     cfg = load_config(None, ["controller.seed=3", "task.arithmetic.digits=1"])
     task = build_task(cfg, tok)
-    engine = FakeEngine()
+    engine = OneTokenEngine()
     metrics = evaluate(engine, task, 5, cfg.rollout.sampling, seed=3)
     assert metrics["eval/num_problems"] == 5.0
     seeds = [r.params.seed for r in engine.requests]
     assert seeds == [3 * 1_000_003 + i for i in range(5)] * 2  # greedy, then sampled
     prompts = [r.prompt_ids for r in engine.requests[:5]]
     assert prompts == [ids for ids, _ in task.prompts("test", 5, seed=3)]
-    engine = FakeEngine()
+    engine = OneTokenEngine()
     evaluate(engine, task, 5, cfg.rollout.sampling, seed=3, split="train")  # `eval --split train`
     assert [r.prompt_ids for r in engine.requests[:5]] == [ids for ids, _ in task.prompts("train", 5, seed=3)]
 

@@ -10,47 +10,10 @@ import pytest
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.config.loader import load_config
 from entr_megatron.controller.loop import Controller
-from entr_megatron.rollout.engine import GenerateResult, WeightUpdateReport
+
+from controller_fakes import InstantEngine
 
 P, N = 2, 3
-
-
-class SyncEngine:
-    """Decodes a whole request at once. Token t of a sequence depends on (seed, sample, position,
-    weight version); a sequence stops after `natural_len(first prompt token)` response tokens
-    counted from the original 3-token prompt (so a continuation stops where the whole would)."""
-
-    def __init__(self, natural_len=lambda first: 10_000):
-        self.version, self.next_id, self.done, self.natural_len = 0, 0, [], natural_len
-        self.requests = []
-
-    @property
-    def weight_version(self):
-        return self.version
-
-    def submit(self, requests):
-        ids = []
-        for req in requests:
-            rid, self.next_id = f"r{self.next_id}", self.next_id + 1
-            self.requests.append(req)
-            ids.append(rid)
-            for i in range(req.params.n):
-                so_far = len(req.prompt_ids) - 3
-                room = self.natural_len(req.prompt_ids[0]) - so_far
-                k = min(req.params.max_new_tokens, room)
-                out = [1 + (req.params.seed * 7 + i * 31 + (so_far + p) * 5 + self.version * 13) % 50 for p in range(k)]
-                reason = "stop" if k == room else "length"
-                self.done.append(GenerateResult(rid, i, list(req.prompt_ids), out, [-0.5] * k, [self.version] * k,
-                                                reason, group_id=req.group_id, metadata=dict(req.metadata)))
-        return ids
-
-    def poll(self, timeout=0.0):
-        out, self.done = self.done, []
-        return out
-
-    def update_weights(self, weights, version):
-        self.version = version
-        return WeightUpdateReport(version, 0, 0, 0.0, 0.0, 0.0, 0.0, 0, 0)
 
 
 class Pusher:
@@ -87,7 +50,7 @@ class Task:
 
 
 def make(mode="fixed_lag", K=0, J=0, stride=None, max_new=12, engine=None, lag=4, hold_mean=False):
-    engine = engine or SyncEngine()
+    engine = engine or InstantEngine()
     learner = Learner()
     controller = ControllerConfig(mode=mode, max_policy_lag=lag, **(
         dict(inter_lag=K, intra_lag=J, intra_lag_stride=stride, intra_lag_hold_mean=hold_mean)
@@ -160,7 +123,7 @@ def test_hold_mean_needs_inter_lag_for_half_the_switches():
 
 def test_a_response_that_stops_early_carries_fewer_versions():
     # response lengths 5 (even first prompt token) or 12: with J=2 and stride 4, 2 or 3 segments
-    engine = SyncEngine(natural_len=lambda first: 5 if first % 2 == 0 else 12)
+    engine = InstantEngine(natural_len=lambda first: 5 if first % 2 == 0 else 12)
     ctrl, learner, _ = make(K=2, J=2, stride=4, engine=engine)
     ctrl.run(6)
     saw_short = False

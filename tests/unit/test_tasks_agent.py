@@ -1,17 +1,17 @@
 """Calculator tool and the multi-turn agent loop, driven by a scripted fake RolloutEngine."""
 
-import itertools
-
 import pytest
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from entr_megatron.rollout.engine import EngineHealth, GenerateResult, RolloutEngine, SamplingParams  # noqa: E402
+from entr_megatron.rollout.engine import RolloutEngine, SamplingParams  # noqa: E402
 from entr_megatron.rollout.episode_batch import Episode, run_episodes  # noqa: E402
 from entr_megatron.rollout.tasks import (  # noqa: E402
     OBSERVATION_LOGPROB, CalculatorError, CalculatorTask, Environment, safe_eval,
 )
+
+from controller_fakes import ScriptedEngine  # noqa: E402
 
 
 @pytest.mark.parametrize("expr, value", [
@@ -33,53 +33,6 @@ def test_safe_eval_values(expr, value):
 def test_safe_eval_refuses(expr, why):
     with pytest.raises(CalculatorError, match=why):
         safe_eval(expr)
-
-
-class ScriptedEngine:
-    """A RolloutEngine that answers each request with the next scripted turn of its episode.
-
-    Episodes are recognised by their first prompt; each turn's tokens are cut after the first
-    stop token (like a real engine); log-probs are distinct numbers and the weight version
-    goes up by one after every submit (as if weights were updated in flight)."""
-
-    def __init__(self, scripts, eos_id):
-        """scripts: [(first prompt ids, [turn ids, ...]), ...]."""
-        self.scripts = {tuple(k): list(v) for k, v in scripts}
-        self.eos_id, self.version, self.queue, self.requests = eos_id, 0, [], []
-        self._ids, self._lp = itertools.count(), itertools.count(1)
-
-    def submit(self, requests):
-        ids = []
-        for req in requests:
-            rid = f"r{next(self._ids)}"
-            self.requests.append(req)
-            key = next(k for k in self.scripts if tuple(req.prompt_ids[: len(k)]) == k)
-            out = self.scripts[key].pop(0)[: req.params.max_new_tokens]
-            stops = set(req.params.stop_token_ids) | {self.eos_id}
-            cut = next((i + 1 for i, t in enumerate(out) if t in stops), None)
-            reason = "stop" if cut is not None else "length"
-            out = out[:cut] if cut is not None else out
-            self.queue.append(GenerateResult(
-                request_id=rid, sample_index=0, prompt_ids=req.prompt_ids, output_ids=out,
-                logprobs=[-0.01 * next(self._lp) for _ in out], versions=[self.version] * len(out),
-                finish_reason=reason, entropy=[0.5] * len(out), group_id=req.group_id,
-            ))
-            self.version += 1
-            ids.append(rid)
-        return ids
-
-    def poll(self, timeout=0.0):
-        out, self.queue = self.queue[::-1], []  # out of order on purpose
-        return out
-
-    def abort(self, request_ids): ...
-    def pause(self): ...
-    def resume(self): ...
-    def health(self): return EngineHealth(alive=True, weight_version=self.version)
-    @property
-    def weight_version(self): return self.version
-    def update_weights(self, weights, version): raise NotImplementedError
-    def shutdown(self): ...
 
 
 def enc(tok, text):
