@@ -22,8 +22,8 @@ only the instance's ``forward`` is replaced.
 When the policy loss is token-local (`algorithm.token_local`), `fused_policy_loss` goes one step
 further: the loss and its gradients are computed in the forward pass
 (`parallel.vocab_parallel_linear_fused_loss`, 3 output-layer GEMMs instead of 4), each token run
-through `policy_loss_terms` as its own one-token row. PyTorch path only (the Triton kernels are
-not extended: backend 'triton' falls back, logged once).
+through `policy_loss_terms` as its own one-token row; on CUDA its tile passes are Triton kernels
+(`learner.fused_output_backend`, as for the log-prob op).
 """
 
 from __future__ import annotations
@@ -106,18 +106,14 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def fused_loss_applies(algo_cfg: AlgorithmConfig, backend: str = "auto") -> bool:
+def fused_loss_applies(algo_cfg: AlgorithmConfig) -> bool:
     """Whether the fused output layer also fuses the policy loss (its gradient in the forward
     pass); logs the path chosen, once per reason."""
     reason = token_local_reason(algo_cfg)
     if reason is not None:
         _log_once(f"fused output: the loss is computed after the op (4 output-layer GEMMs): {reason}")
         return False
-    if backend == "triton":
-        _log_once("fused output: the token-local loss is fused into the output layer on the PyTorch path "
-                  "(no Triton kernel for it yet): fused_output_backend 'triton' is not used for the policy loss")
-    else:
-        _log_once("fused output: token-local loss, gradients computed in the forward pass (3 output-layer GEMMs)")
+    _log_once("fused output: token-local loss, gradients computed in the forward pass (3 output-layer GEMMs)")
     return True
 
 
@@ -143,7 +139,7 @@ def _token_scales(mb, algo_cfg: AlgorithmConfig, like: Tensor) -> Tensor:
 def fused_policy_loss(hidden_bsh: Tensor, weight: Tensor, mb, tp_group, algo_cfg: AlgorithmConfig, *,
                       behaviour_BT: Tensor, rollout_entropy_BT: Tensor | None, old_BT: Tensor | None,
                       versions_BT: Tensor | None, vocab_size: int | None, temperature: float,
-                      chunk_tokens: int | None) -> tuple[Tensor, Tensor, Tensor]:
+                      chunk_tokens: int | None, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """The micro-batch's numerator (learner/loss.py) of a token-local policy loss with its gradient
     computed in the forward pass, and the detached packed ``[T]`` log-probs and entropy.
 
@@ -178,5 +174,6 @@ def fused_policy_loss(hidden_bsh: Tensor, weight: Tensor, mb, tp_group, algo_cfg
         return zero_padding(terms.loss_BT, terms.denominator_BT)[:, 0] * scale_T[s:e]
 
     numerator, logprob_T, entropy_T = vocab_parallel_linear_fused_loss(
-        hidden, weight, mb.targets[0].to(device), token_loss, tp_group, temperature, vocab_size, chunk_tokens)
+        hidden, weight, mb.targets[0].to(device), token_loss, tp_group, temperature, vocab_size, chunk_tokens,
+        backend=backend)
     return numerator, logprob_T, entropy_T

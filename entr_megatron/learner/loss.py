@@ -156,7 +156,7 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
                          "constant divisor (a run sets it to rollout.sampling.max_new_tokens)")
     wants_collision = algo_cfg.correction == "entr_calibrated"
     # Token-local losses on the fused output layer: gradients in the forward pass (learner/fused_output.py).
-    fuse_loss = learner_cfg.fused_output and fused_loss_applies(algo_cfg, learner_cfg.fused_output_backend)
+    fuse_loss = learner_cfg.fused_output and fused_loss_applies(algo_cfg)
 
     def loss_func(output_bsx: Tensor, output_weight: Tensor | None = None) -> tuple[Tensor, Tensor, dict]:
         device = output_bsx.device
@@ -175,7 +175,8 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
             numerator, *out = fused_policy_loss(
                 output_bsx, output_weight, mb, tp_group, algo_cfg, behaviour_BT=blp_BT,
                 rollout_entropy_BT=mb.rollout_entropy_BT, old_BT=old_BT, versions_BT=versions_BT,
-                vocab_size=vocab_size, temperature=temperature, chunk_tokens=learner_cfg.logprob_chunk_size)
+                vocab_size=vocab_size, temperature=temperature, chunk_tokens=learner_cfg.logprob_chunk_size,
+                backend=learner_cfg.fused_output_backend)
         else:
             out = packed_logprobs_entropy(output_bsx, mb, tp_group, learner_cfg, vocab_size, collision=wants_collision,
                                           temperature=temperature, output_weight=output_weight)

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from entr_megatron.parallel.triton_env import triton_available, triton_interpreting
+from entr_megatron.parallel.triton_env import triton_available, triton_interpreting, uses_triton
 from entr_megatron.parallel.vocab_parallel import (
     VocabParallelLogProbEntropy,
     group_rank_size,
@@ -64,7 +64,6 @@ from entr_megatron.parallel.vocab_parallel import (
 
 __all__ = ["vocab_parallel_linear_logprobs_entropy", "default_tile_shape", "triton_available", "triton_interpreting"]
 
-_BACKENDS = ("auto", "torch", "triton")
 
 # Default tile: 4096 columns x 512 tokens, an 8 MiB fp32 buffer (the tokens follow
 # from the budget when only the columns are given, and vice versa). GEMMs of that
@@ -305,35 +304,8 @@ def vocab_parallel_linear_logprobs_entropy(
             f"{tuple(hidden.shape[:-1])}"
         )
     check_vocab_and_targets(targets, weight.shape[0], group, vocab_size)
-    use_triton = _use_triton(backend, hidden)
+    use_triton = uses_triton(backend, hidden)
     return _FusedLinearLogProbEntropy.apply(
         hidden, weight, targets.long(), group, float(temperature), vocab_size, chunk_tokens, chunk_vocab,
         bool(return_collision), use_triton,
     )
-
-
-def _use_triton(backend: str, hidden) -> bool:
-    """Resolves ``backend`` for ``hidden``; raises ValueError naming what the choice needs."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return False
-    interpret = triton_interpreting()
-    if backend == "auto":
-        return hidden.is_cuda and not interpret and triton_available()
-    if not triton_available():
-        raise ValueError("backend='triton' needs the triton package (pip install triton); use 'auto' or 'torch'")
-    if not (hidden.is_cuda or (interpret and hidden.device.type == "cpu")):
-        raise ValueError(
-            f"backend='triton' runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got a tensor on "
-            f"{hidden.device}; use 'auto' or 'torch'"
-        )
-    if interpret:
-        from entr_megatron.parallel.fused_output_triton import interpreter_ready
-
-        if not interpreter_ready():
-            raise ValueError(
-                "backend='triton' under TRITON_INTERPRET=1 needs the variable set before triton is first "
-                "imported (triton builds its own library functions then); set it at the start of the process"
-            )
-    return True

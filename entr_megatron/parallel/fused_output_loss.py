@@ -30,8 +30,13 @@ ranks holding only padding work as in fused_output.py.
 Memory: the two input gradients (fp32 accumulators, cast at the end), kept from forward to
 backward, one ``[chunk, V/tp]`` tile in the input dtype (the logits, then in place their
 gradient) and two 1 MiB fp32 work buffers: the default chunk holds 2**23 elements (32 MiB
-in fp32, 256 tokens at V/tp = 32768). PyTorch only: the Triton
-kernels of fused_output_triton.py are not extended (the learner logs the fallback).
+in fp32, 256 tokens at V/tp = 32768).
+
+On CUDA (``backend`` "auto" or "triton") the tile's two passes are Triton kernels of
+fused_output_triton.py: GEMM 1 with the statistics in its epilogue (``local_stats`` with
+``logits_out``: the logits tile is written once and never re-read for the statistics), and
+the logits gradient written over the tile in one read and one write
+(``logits_grad_in_place``); GEMMs 2 and 3 stay cuBLAS matmuls. Three GEMMs either way.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from entr_megatron.parallel.triton_env import uses_triton
 from entr_megatron.parallel.vocab_parallel import VocabParallelLogProbEntropy as _Ops
 from entr_megatron.parallel.vocab_parallel import check_vocab_and_targets, group_rank_size
 
@@ -78,7 +84,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         return total.detach().float(), torch.zeros_like(logprob) if g_lp is None else g_lp.float()
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, token_loss, group, temperature, vocab_size, chunk_tokens):
+    def forward(ctx, hidden, weight, targets, token_loss, group, temperature, vocab_size, chunk_tokens, use_triton):
         rank, world = group_rank_size(group)
         vocab_start = rank * weight.shape[0]
         width = _Ops.valid_columns(weight.t(), rank, vocab_size)
@@ -97,16 +103,23 @@ class _FusedLinearLoss(torch.autograd.Function):
         w = weight[:width]
         if width > 0 and n_tokens > 0:
             raw = torch.empty(ct * width, dtype=hidden.dtype, device=dev)  # the logits tile, then its gradient
-            buf_y, buf_e = (torch.empty(rows, width, dtype=torch.float32, device=dev) for _ in range(2))
+            if not use_triton:
+                buf_y, buf_e = (torch.empty(rows, width, dtype=torch.float32, device=dev) for _ in range(2))
         zero_h = torch.zeros(ct, dtype=torch.float32, device=dev)
+        if use_triton:
+            from entr_megatron.parallel import fused_output_triton as kernels
         # Every rank walks the same chunks: each chunk's all-gather pairs up across the group.
         for s in range(0, n_tokens, ct):
             e_ = min(s + ct, n_tokens)
             n, x_t, t_t = e_ - s, x_NH[s:e_], targets_N[s:e_]
             if width > 0:
                 z = _tile(raw, n, width)
-                torch.mm(x_t, w.t(), out=z)  # GEMM 1
-                stats = _Ops.local_stats(z, t_t, vocab_start, inv_temp, rows, buf_y, buf_e, 4)
+                if use_triton:  # GEMM 1, its statistics in the kernel's epilogue
+                    stats = kernels.local_stats(x_t, w, t_t, vocab_start, inv_temp, with_q=False,
+                                                logits_out=z)[:, :4].contiguous()
+                else:
+                    torch.mm(x_t, w.t(), out=z)  # GEMM 1
+                    stats = _Ops.local_stats(z, t_t, vocab_start, inv_temp, rows, buf_y, buf_e, 4)
             else:
                 stats = _Ops.padding_stats(n, 4, dev)
             lp, h, log_z = _Ops.merge_stats(_Ops.gather_stats(stats, group, world))
@@ -117,7 +130,11 @@ class _FusedLinearLoss(torch.autograd.Function):
                 continue
             # In place: each block of rows reads its logits before writing their gradient (rounded
             # to the input dtype when it is not fp32), so the tile is the only [chunk, V/tp] buffer.
-            _Ops.logits_grad(z, t_t, log_z, h, g_lp, zero_h[:n], vocab_start, inv_temp, rows, buf_y, z)
+            if use_triton:  # d = p (a log p + c) + tg 1[target] with g_H = 0: a = 0, c = -g_lp / T, tg = g_lp / T
+                kernels.logits_grad_in_place(z, t_t, log_z, zero_h[:n], -g_lp * inv_temp, g_lp * inv_temp,
+                                             vocab_start, inv_temp)
+            else:
+                _Ops.logits_grad(z, t_t, log_z, h, g_lp, zero_h[:n], vocab_start, inv_temp, rows, buf_y, z)
             d = z
             if acc_h is not None:  # GEMM 2
                 if low:
@@ -147,12 +164,13 @@ class _FusedLinearLoss(torch.autograd.Function):
         for grad in (grad_h, grad_w):
             if grad is not None:
                 grad.mul_(grad_loss.to(grad.dtype))
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def vocab_parallel_linear_fused_loss(hidden: Tensor, weight: Tensor, targets: Tensor, token_loss: TokenLossFn,
                                      group=None, temperature: float = 1.0, vocab_size: int | None = None,
-                                     chunk_tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                     chunk_tokens: int | None = None, backend: str = "auto"
+                                     ) -> tuple[Tensor, Tensor, Tensor]:
     """Sum of a token-local loss over ``softmax(hidden @ W^T / temperature)``, W vocab-sharded, with its
     gradients computed in the forward pass (3 output-layer GEMMs; see the module docstring).
 
@@ -166,7 +184,10 @@ def vocab_parallel_linear_fused_loss(hidden: Tensor, weight: Tensor, targets: Te
             be token-local (each term's gradient depends on its own log-prob only), give the
             same values on every rank of ``group``, and may read the entropy (no gradient).
         group, temperature, vocab_size: as `vocab_parallel_linear_logprobs_entropy`.
-        chunk_tokens: tokens per chunk (default: 2**21 elements / this rank's columns).
+        chunk_tokens: tokens per chunk (default: 2**23 elements / this rank's columns).
+        backend: ``"auto"`` (Triton kernels on CUDA when triton is installed, else PyTorch),
+            ``"torch"`` or ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), as
+            `vocab_parallel_linear_logprobs_entropy`'s.
 
     Returns:
         ``(loss, logprobs, entropy)``: ``loss`` the fp32 scalar ``sum_t token_loss_t``, carrying
@@ -191,4 +212,4 @@ def vocab_parallel_linear_fused_loss(hidden: Tensor, weight: Tensor, targets: Te
         raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
     check_vocab_and_targets(targets, weight.shape[0], group, vocab_size)
     return _FusedLinearLoss.apply(hidden, weight, targets.long(), token_loss, group, float(temperature), vocab_size,
-                                  chunk_tokens)
+                                  chunk_tokens, uses_triton(backend, hidden))

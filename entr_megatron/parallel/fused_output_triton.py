@@ -1,6 +1,7 @@
-"""Triton kernels for the fused output op (``fused_output.py``): the GEMM with its epilogue, in one kernel.
+"""Triton kernels for the fused output ops (``fused_output.py``, ``fused_output_loss.py``): the GEMM
+with its epilogue, in one kernel.
 
-Two kernels, each a tiled GEMM ``z = x @ W^T`` (bf16/fp16 operands with fp32
+Two GEMM kernels, each a tiled GEMM ``z = x @ W^T`` (bf16/fp16 operands with fp32
 accumulation; fp32 operands in full fp32, never TF32) whose ``[BLOCK_M, BLOCK_N]``
 accumulator is consumed in registers instead of being written out:
 
@@ -19,6 +20,11 @@ accumulator is consumed in registers instead of being written out:
     in the input dtype; the two gradient GEMMs on that tile (``grad_x += dz @ W_c``,
     ``grad_W_c += dz^T @ x_t``) are cuBLAS matmuls, issued by ``fused_output.py``.
 
+For the fused policy loss (``fused_output_loss.py``: 3 GEMMs, the tile kept in memory between
+its two passes) ``stats`` also writes the raw logits tile (``STORE_Z``: ``local_stats(...,
+logits_out=z)``), and ``logits_grad_in_place``, an elementwise kernel, overwrites the tile with
+``logits_grad``'s dz (the same epilogue, ``_grad_epilogue``, reading z instead of recomputing it).
+
 With bf16/fp16 inputs the raw logits are rounded to the input dtype before the
 epilogue, as the unfused output layer's bf16 GEMM output is, so both paths see the
 same logits. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, how the tests
@@ -30,8 +36,8 @@ by hand to nearest even, because the interpreter's cast truncates.
 
 The interpreter must be on (``TRITON_INTERPRET=1``) before triton is first imported,
 which builds triton's own library functions, and before this module is, whose device
-functions (``_logits_tile``, ...) are built the same way (``interpreter_ready`` checks
-it); the two kernels are built on first use (``kernels``).
+functions (``_logits_tile``, ...) are built the same way (``triton_env.interpreter_ready``
+checks it); the two kernels are built on first use (``kernels``).
 
 On CUDA each kernel is autotuned over a few tile shapes per (hidden size, dtype). They
 were chosen without a GPU to time them on: the tests compile every one for sm_90
@@ -53,21 +59,13 @@ from entr_megatron.parallel.triton_env import triton_interpreting
 from entr_megatron.parallel.vocab_parallel import VocabParallelLogProbEntropy as _Ops
 
 __all__ = [
-    "default_splits", "interpreter_ready", "kernels", "local_stats", "logits_grad_tile",
+    "default_splits", "kernels", "local_stats", "logits_grad_in_place", "logits_grad_tile",
 ]
 
 # Statistics columns, the same order as vocab_parallel's _MAX, _SUM_EXP, _SUM_EXP_Y,
 # _TARGET_LOGIT, _SUM_EXP2.
 _N_STATS = 5
 _LOWEST = tl.constexpr(-3.4028234663852886e38)  # float32's lowest finite: exp(_LOWEST - m) = 0 and (_LOWEST - m) * 0 = 0
-
-
-def interpreter_ready() -> bool:
-    """Whether triton was imported with its interpreter on: its library functions (``tl.cdiv``,
-    ``tl.sum``, ...) are then interpreted too; built for the GPU they cannot run on CPU."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
 @triton.jit
@@ -123,12 +121,29 @@ def _logits_tile(
     return acc
 
 
+@triton.jit
+def _grad_epilogue(acc, rows, cols, row_ok, t_ptr, log_z_ptr, a_ptr, c_ptr, tg_ptr, vocab_start, inv_temp,
+                   RN_BF16: tl.constexpr):
+    """d(sum g_lp*logprob + g_h*H)/dz of the raw logits ``acc`` (fp32) of a block (module docstring)."""
+    log_z = tl.load(log_z_ptr + rows, mask=row_ok, other=0.0)
+    coef_a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    coef_c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
+    t_grad = tl.load(tg_ptr + rows, mask=row_ok, other=0.0)
+    local_t = tl.load(t_ptr + rows, mask=row_ok, other=0) - vocab_start
+    log_p = acc * inv_temp - log_z[:, None]
+    d = tl.exp(log_p) * (coef_a[:, None] * log_p + coef_c[:, None])
+    d += tl.where(cols[None, :] == local_t[:, None], t_grad[:, None], 0.0)
+    if RN_BF16:  # the store then truncates an exact bf16 value
+        d = _round_bf16(d)
+    return d
+
+
 def _stats_fn(
-    x_ptr, w_ptr, t_ptr, out_ptr,
+    x_ptr, w_ptr, t_ptr, out_ptr, z_ptr,
     n_tokens, width, hdim, vocab_start, inv_temp,
-    stride_xn, stride_xh, stride_wv, stride_wh,
+    stride_xn, stride_xh, stride_wv, stride_wh, stride_zn, stride_zv,
     n_splits,
-    HAS_Q: tl.constexpr,
+    HAS_Q: tl.constexpr, STORE_Z: tl.constexpr,
     ROUND_Z: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, RN_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -153,6 +168,12 @@ def _stats_fn(
             x_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, stride_xn, stride_xh, stride_wv, stride_wh,
             ROUND_Z, UPCAST, IEEE, RN_BF16, BLOCK_M, BLOCK_N, BLOCK_K,
         )
+        if STORE_Z:  # the raw logits, in the input dtype (exact: ROUND_Z already rounded them)
+            tl.store(
+                z_ptr + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :] * stride_zv,
+                acc.to(z_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
         z = acc * inv_temp
         # Online log-sum-exp straight onto the new running max: this block's sums are taken
         # about m_new, the running ones re-centred from m to m_new (the merge of
@@ -192,21 +213,31 @@ def _grad_fn(
         x_ptr, w_ptr, rows, cols, row_ok, col_ok, hdim, stride_xn, stride_xh, stride_wv, stride_wh,
         ROUND_Z, UPCAST, IEEE, RN_BF16, BLOCK_M, BLOCK_N, BLOCK_K,
     )
-    log_z = tl.load(log_z_ptr + rows, mask=row_ok, other=0.0)
-    coef_a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
-    coef_c = tl.load(c_ptr + rows, mask=row_ok, other=0.0)
-    t_grad = tl.load(tg_ptr + rows, mask=row_ok, other=0.0)
-    local_t = tl.load(t_ptr + rows, mask=row_ok, other=0) - vocab_start
-    log_p = acc * inv_temp - log_z[:, None]
-    d = tl.exp(log_p) * (coef_a[:, None] * log_p + coef_c[:, None])
-    d += tl.where(cols[None, :] == local_t[:, None], t_grad[:, None], 0.0)
-    if RN_BF16:  # the store below then truncates an exact bf16 value
-        d = _round_bf16(d)
+    d = _grad_epilogue(acc, rows, cols, row_ok, t_ptr, log_z_ptr, a_ptr, c_ptr, tg_ptr, vocab_start, inv_temp,
+                       RN_BF16)
     tl.store(
         d_ptr + rows.to(tl.int64)[:, None] * stride_dn + cols[None, :] * stride_dv,
         d.to(d_ptr.dtype.element_ty),
         mask=row_ok[:, None] & col_ok[None, :],
     )
+
+
+def _grad_from_z_fn(
+    z_ptr, t_ptr, log_z_ptr, a_ptr, c_ptr, tg_ptr,
+    n_tokens, width, vocab_start, inv_temp, stride_zn, stride_zv,
+    RN_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The logits gradient of a stored tile of raw logits, written over it: each program reads its
+    ``[BLOCK_M, BLOCK_N]`` block before writing the block's gradient, so in place is exact."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_tokens
+    ok = row_ok[:, None] & (cols < width)[None, :]
+    at = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :] * stride_zv
+    acc = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    d = _grad_epilogue(acc, rows, cols, row_ok, t_ptr, log_z_ptr, a_ptr, c_ptr, tg_ptr, vocab_start, inv_temp,
+                       RN_BF16)
+    tl.store(at, d.to(z_ptr.dtype.element_ty), mask=ok)
 
 
 # Tile shapes tried by the autotuner on CUDA (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the
@@ -217,6 +248,8 @@ def _grad_fn(
 _CUDA_STATS_16 = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), (64, 128, 64, 4, 3)]
 _CUDA_GRAD_16 = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4)]
 _CUDA_CONFIGS_32 = [(64, 64, 16, 4, 4), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]
+# The in-place gradient kernel is elementwise (memory bound): row x column blocks and warps.
+_CUDA_ELEMENTWISE = [(8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8)]
 # The interpreter runs each program in numpy: tl.dot's smallest shape (16) keeps tests fast.
 _INTERPRET_BLOCKS = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=2)
 
@@ -232,16 +265,20 @@ def _configs(shapes):
 def _build(interpret: bool):
     stats = triton.jit(_stats_fn)
     grad = triton.jit(_grad_fn)
+    grad_from_z = triton.jit(_grad_from_z_fn)
     if interpret:
-        return stats, grad
+        return stats, grad, grad_from_z
     key = ["hdim", "ROUND_Z", "IEEE"]  # the dtypes of the tensor arguments are part of it too
-    # The autotuner times each config with the kernel's real arguments: both kernels only
-    # write their outputs (never read them), so rerunning them is harmless.
+    # The autotuner times each config with the kernel's real arguments: the two GEMM kernels only
+    # write their outputs (never read them), so rerunning them is harmless; the in-place one
+    # gets its tile restored after each timed run.
     return (
-        triton.autotune(_configs(_CUDA_STATS_16 + _CUDA_CONFIGS_32), key=key + ["HAS_Q"],
+        triton.autotune(_configs(_CUDA_STATS_16 + _CUDA_CONFIGS_32), key=key + ["HAS_Q", "STORE_Z"],
                         prune_configs_by={"early_config_prune": _prune(_CUDA_STATS_16)})(stats),
         triton.autotune(_configs(_CUDA_GRAD_16 + _CUDA_CONFIGS_32), key=key,
                         prune_configs_by={"early_config_prune": _prune(_CUDA_GRAD_16)})(grad),
+        triton.autotune([triton.Config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w) for m, n, w in _CUDA_ELEMENTWISE],
+                        key=["width"], restore_value=["z_ptr"])(grad_from_z),
     )
 
 
@@ -262,7 +299,8 @@ def _prune(shapes_16):
 
 
 def kernels():
-    """``(stats, logits_grad)`` kernels: interpreted under ``TRITON_INTERPRET=1``, autotuned JIT otherwise."""
+    """``(stats, logits_grad, logits_grad_in_place)`` kernels: interpreted under ``TRITON_INTERPRET=1``,
+    autotuned JIT otherwise."""
     return _build(triton_interpreting())
 
 
@@ -292,23 +330,31 @@ def default_splits(n_tokens: int, width: int, device) -> int:
 
 
 def local_stats(hidden_NH, weight_VH, targets_N, vocab_start: int, inv_temp: float,
-                n_splits: int | None = None, with_q: bool = True) -> torch.Tensor:
+                n_splits: int | None = None, with_q: bool = True, logits_out=None) -> torch.Tensor:
     """This rank's per-token ``[N, 5]`` statistics (m, s, sy, zt, q) over ``weight_VH``'s rows
     (q = 0 unless ``with_q``: the collision term's sum, left out of the kernel when unused).
 
     ``n_splits``: contiguous runs of vocabulary blocks handled by separate programs
     (default ``default_splits``); more splits than blocks leave some empty, which is exact.
+    ``logits_out``: an ``[N, V/tp]`` tensor of the input dtype that also receives the raw logits
+    ``hidden @ W^T`` (the fused loss keeps its tile to take the gradient from).
     """
     n_tokens, hdim = hidden_NH.shape
     width = weight_VH.shape[0]
-    stats_kernel, _ = kernels()
+    stats_kernel = kernels()[0]
     n_splits = n_splits or default_splits(n_tokens, width, hidden_NH.device)
     out = torch.empty(n_splits, n_tokens, _N_STATS, dtype=torch.float32, device=hidden_NH.device)
+    store = logits_out is not None
+    if store and (logits_out.shape != (n_tokens, width) or logits_out.dtype != hidden_NH.dtype):
+        raise ValueError(f"logits_out must be a [{n_tokens}, {width}] {hidden_NH.dtype} tensor, "
+                         f"got {tuple(logits_out.shape)} {logits_out.dtype}")
+    z = logits_out if store else out
     extra = _INTERPRET_BLOCKS if triton_interpreting() else {}
     stats_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * n_splits,)](
-        hidden_NH, weight_VH, targets_N, out,
+        hidden_NH, weight_VH, targets_N, out, z,
         n_tokens, width, hdim, vocab_start, inv_temp,
-        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1), n_splits, with_q,
+        hidden_NH.stride(0), hidden_NH.stride(1), weight_VH.stride(0), weight_VH.stride(1),
+        z.stride(0) if store else 0, z.stride(1) if store else 0, n_splits, with_q, store,
         **_flags(hidden_NH), **extra,
     )
     return _Ops.fold_stats(out)
@@ -319,7 +365,7 @@ def logits_grad_tile(x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_gr
     """Writes the ``[rows(x_t), rows(w_c)]`` tile of d loss / d z into ``out`` (recomputing z)."""
     n_tokens, hdim = x_t.shape
     width = w_c.shape[0]
-    _, grad_kernel = kernels()
+    grad_kernel = kernels()[1]
     extra = _INTERPRET_BLOCKS if triton_interpreting() else {}
     grad_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)](
         x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, out,
@@ -328,3 +374,19 @@ def logits_grad_tile(x_t, w_c, targets_t, log_z_t, coef_a_t, coef_c_t, target_gr
         **_flags(x_t), **extra,
     )
     return out
+
+
+def logits_grad_in_place(z, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t, vocab_start: int,
+                         inv_temp: float):
+    """Overwrites ``z``, a ``[tokens, V/tp]`` tile of raw logits (``local_stats(logits_out=z)``), with
+    d loss / d z: the epilogue of ``logits_grad_tile`` without its GEMM."""
+    n_tokens, width = z.shape
+    grad_kernel = kernels()[2]
+    extra = dict(BLOCK_M=_INTERPRET_BLOCKS["BLOCK_M"], BLOCK_N=_INTERPRET_BLOCKS["BLOCK_N"]) \
+        if triton_interpreting() else {}
+    grad_kernel[lambda meta: (triton.cdiv(n_tokens, meta["BLOCK_M"]), triton.cdiv(width, meta["BLOCK_N"]))](
+        z, targets_t, log_z_t, coef_a_t, coef_c_t, target_grad_t,
+        n_tokens, width, vocab_start, inv_temp, z.stride(0), z.stride(1),
+        RN_BF16=_flags(z)["RN_BF16"], **extra,
+    )
+    return z

@@ -2,7 +2,8 @@
 the learner's micro-batch loss (numerator, count, metrics, LossReport) and both gradients (hidden and
 output weight) equal the unfused path's (the output matmul, then the vocab-parallel op and the loss on
 its log-probs) at TP 1, 2 and 4, with sequence parallelism, a tied embedding and a padded vocabulary,
-for ENTR, PPO-vs-mu (correction none), TIS, IcePop and DPPO-TV, in fp32 within 1e-5."""
+for ENTR, PPO-vs-mu (correction none), TIS, IcePop and DPPO-TV, in fp32 within 1e-5; and the op's
+Triton kernels (run on CPU by Triton's interpreter) equal its PyTorch path."""
 
 import dataclasses
 import math
@@ -10,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from common import close
+from common import INTERPRETER, close
 
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
@@ -77,7 +78,7 @@ def _to_tp_region(x_local, group, sp):
     return _CopyToTP.apply(x_local, group)
 
 
-def run_path(mb, algo, fused, rank, world, group, *, sp, tied, real_vocab, seed, temperature=0.8):
+def run_path(mb, algo, fused, rank, world, group, *, sp, tied, real_vocab, seed, temperature=0.8, backend="auto"):
     """One micro-batch's (numerator, count, report, grad of the layer input, grad of the weight shard)."""
     from entr_megatron.learner.loss import make_policy_loss_func
 
@@ -101,7 +102,7 @@ def run_path(mb, algo, fused, rank, world, group, *, sp, tied, real_vocab, seed,
     lo, hi = (rank * n_tokens // world, (rank + 1) * n_tokens // world) if sp else (0, n_tokens)
     x_local = base[lo:hi]
     x = _to_tp_region(x_local, group, sp)
-    learner = LearnerConfig(fused_output=True)
+    learner = LearnerConfig(fused_output=True, fused_output_backend=backend)
     loss_func = make_policy_loss_func(mb, group, algo, learner, vocab_size=real_vocab, temperature=temperature)
     if fused:
         numerator, count, report = loss_func(x[None], output_weight=w)
@@ -133,7 +134,7 @@ def compare_reports(got, want, where):
             close(a[key], b[key], f"mismatch {name} {key} {where}", floor=1.0)
 
 
-def check_fused_equals_unfused(rank, world, group, names=tuple(ALGORITHMS), layouts=None):
+def check_fused_equals_unfused(rank, world, group, names=tuple(ALGORITHMS), layouts=None, backend="auto"):
     from entr_megatron.learner.batching import pack_microbatches
 
     layouts = layouts or [dict(sp=False, tied=False, real_vocab=None), dict(sp=world > 1, tied=False, real_vocab=83),
@@ -146,8 +147,8 @@ def check_fused_equals_unfused(rank, world, group, names=tuple(ALGORITHMS), layo
             algo = AlgorithmConfig(**ALGORITHMS[name])
             for i, mb in enumerate(mbs):
                 where = f"{name} rank {rank}/{world} {layout} micro-batch {i}"
-                got = run_path(mb, algo, True, rank, world, group, seed=10 * li + i, **layout)
-                want = run_path(mb, algo, False, rank, world, group, seed=10 * li + i, **layout)
+                got = run_path(mb, algo, True, rank, world, group, seed=10 * li + i, backend=backend, **layout)
+                want = run_path(mb, algo, False, rank, world, group, seed=10 * li + i, backend="torch", **layout)
                 close(got[0], want[0], f"numerator {where}")
                 assert torch.equal(got[1], want[1]) and got[1].dtype == torch.int, f"count {where}"
                 compare_reports(got[2], want[2], where)
@@ -158,13 +159,21 @@ def check_fused_equals_unfused(rank, world, group, names=tuple(ALGORITHMS), layo
                     assert float(want[0]) != 0.0 and (rank > 0 or want[4].abs().sum() > 0), f"degenerate: {where}"
 
 
-def _ranks_main(rank, world):
+def _ranks_main(rank, world, backend="auto"):
     from entr_megatron.parallel.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     torch.set_num_threads(1)
-    names = tuple(ALGORITHMS) if world == 2 else ("entr", "dppo_tv")
-    check_fused_equals_unfused(rank, world, dist.group.WORLD, names)
+    names = tuple(ALGORITHMS) if world == 2 and backend == "auto" else ("entr", "dppo_tv")
+    check_fused_equals_unfused(rank, world, dist.group.WORLD, names, backend=backend)
+
+
+# The op's Triton kernels, run on CPU by Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+# without CUDA, before anything imports triton; spawned ranks inherit it).
+needs_triton = pytest.mark.skipif(
+    not INTERPRETER,
+    reason="needs triton >= 3.9 (the dev extra installs it) and TRITON_INTERPRET=1 from the start (set without CUDA)",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -182,6 +191,53 @@ def test_single_rank_fused_loss_equals_unfused():
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_fused_loss_equals_unfused(world):
     run_gloo(_ranks_main, world, timeout_s=300)
+
+
+@needs_triton
+def test_triton_fused_loss_in_the_learner_equals_unfused_at_tp2():
+    """The learner's fused loss on the Triton kernels (SP, tied weights, a padded vocabulary, ENTR
+    and DPPO) against the unfused PyTorch path, in fp32 within 1e-5."""
+    run_gloo(_ranks_main, 2, "triton", timeout_s=300)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_op_triton_kernels_equal_the_torch_path(monkeypatch, dtype):
+    """GEMM 1 with the statistics in its epilogue and the in-place gradient kernel against the
+    PyTorch path: the same logits (16-bit: rounded alike), so the loss, log-probs and entropy agree
+    to fp32 summation order, the gradients (the same cuBLAS/BLAS GEMMs on equal tiles) to 1e-5
+    (fp32) or an ulp of the tile gradient's 16-bit rounding. 23 tokens in chunks of 8 (a partial
+    chunk), 80 of 96 vocabulary rows real, temperature 0.7."""
+    from entr_megatron.parallel import fused_output_triton
+    from entr_megatron.parallel.fused_output_loss import vocab_parallel_linear_fused_loss
+
+    calls = []
+    for name in ("local_stats", "logits_grad_in_place"):
+        real = getattr(fused_output_triton, name)
+        monkeypatch.setattr(fused_output_triton, name, lambda *a, _f=real, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(23, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g) / 2
+    targets = torch.randint(0, 80, (23,), generator=g)
+    adv = torch.randn(23, generator=g)
+
+    def token_loss(s, e, lp, ent):
+        ratio = torch.exp(lp - (lp.detach() - 0.1))
+        return -torch.minimum(ratio * adv[s:e], ratio.clamp(0.9, 1.05) * adv[s:e]) * ent
+
+    results = {}
+    for backend in ("torch", "triton"):
+        x, w = hidden.to(dtype).clone().requires_grad_(), weight.to(dtype).clone().requires_grad_()
+        loss, lp, ent = vocab_parallel_linear_fused_loss(x, w, targets, token_loss, temperature=0.7, vocab_size=80,
+                                                         chunk_tokens=8, backend=backend)
+        (loss * 2.0).backward()
+        results[backend] = (loss, lp, ent, x.grad, w.grad)
+    assert calls == ["local_stats", "logits_grad_in_place"] * 3, calls  # 3 chunks, each on the kernels
+    for name, got, want in zip(("loss", "logprob", "entropy"), results["triton"][:3], results["torch"][:3]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{dtype} {name}")
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    close(results["triton"][3], results["torch"][3], f"{dtype} grad hidden", tol=tol)
+    close(results["triton"][4], results["torch"][4], f"{dtype} grad weight", tol=tol)
+    assert results["triton"][4].dtype == dtype and not results["triton"][4][80:].any()
 
 
 def test_the_fused_loss_runs_only_for_token_local_losses(monkeypatch):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from common import INTERPRETER, close
 
 from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy, vocab_parallel_logprobs_entropy
-from entr_megatron.parallel.fused_output import triton_available
+from entr_megatron.parallel.triton_env import triton_available, uses_triton
 from entr_megatron.utils.spawn import run_gloo
 
 VOCAB = 96  # divisible by 1, 2, 4
@@ -383,21 +383,19 @@ def test_backend_choice(monkeypatch):
         with pytest.raises(ValueError, match="backend='triton' needs the triton package"):
             _call(backend="triton")
     # "auto" on CPU tensors is the PyTorch path, with or without triton installed.
-    from entr_megatron.parallel import fused_output
-
-    assert not fused_output._use_triton("auto", torch.zeros(1))
+    assert not uses_triton("auto", torch.zeros(1))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not fused_output._use_triton("auto", torch.zeros(1)), "auto never picks the interpreter"
+    assert not uses_triton("auto", torch.zeros(1)), "auto never picks the interpreter"
     if INTERPRETER:
-        assert fused_output._use_triton("triton", torch.zeros(1))
+        assert uses_triton("triton", torch.zeros(1))
 
 
 # What the JIT specializes on a real call with contiguous, 16-byte aligned tensors (pointers,
 # leading strides and h divisible by 16; unit strides become constants), so that the
 # ahead-of-time compile below builds the kernels a GPU run would build.
-_ALIGNED = {"x_ptr", "w_ptr", "t_ptr", "out_ptr", "log_z_ptr", "a_ptr", "c_ptr", "tg_ptr", "d_ptr",
-            "hdim", "stride_xn", "stride_wv", "stride_dn"}
-_UNIT = {"stride_xh": 1, "stride_wh": 1, "stride_dv": 1}
+_ALIGNED = {"x_ptr", "w_ptr", "t_ptr", "out_ptr", "z_ptr", "log_z_ptr", "a_ptr", "c_ptr", "tg_ptr", "d_ptr",
+            "hdim", "stride_xn", "stride_wv", "stride_dn", "stride_zn"}
+_UNIT = {"stride_xh": 1, "stride_wh": 1, "stride_dv": 1, "stride_zv": 1}
 
 
 def _compile_for_sm90(jit_fn, config, dtype, flags):
@@ -409,8 +407,8 @@ def _compile_for_sm90(jit_fn, config, dtype, flags):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = {**config.kwargs, **flags, **{k: v for k, v in _UNIT.items() if k in jit_fn.arg_names}}
-    pointers = {"x_ptr": dtype, "w_ptr": dtype, "d_ptr": dtype, "t_ptr": "i64"}
+    constexprs = {k: v for k, v in {**config.kwargs, **flags, **_UNIT}.items() if k in jit_fn.arg_names}
+    pointers = {"x_ptr": dtype, "w_ptr": dtype, "d_ptr": dtype, "z_ptr": dtype, "t_ptr": "i64"}
     signature = {
         name: "constexpr" if name in constexprs
         else f"*{pointers.get(name, 'fp32')}" if name.endswith("_ptr")
@@ -445,7 +443,7 @@ def test_kernels_compile_for_sm90_pipelined_without_spills():
     done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("ok ") == 2 * (4 + 3), done.stdout
+    assert done.stdout.count("ok ") == 3 * (4 + 3) + 2 * 4, done.stdout  # + the 4 elementwise shapes in 2 dtypes
 
 
 def check_sm90_kernels():
@@ -453,14 +451,18 @@ def check_sm90_kernels():
 
     from entr_megatron.parallel import fused_output_triton as ft
 
-    stats, grad = ft._build(False)
+    stats, grad, grad_from_z = ft._build(False)
     flags_of = {"bf16": dict(ROUND_Z=True, UPCAST=False, IEEE=False, RN_BF16=False),
                 "fp32": dict(ROUND_Z=False, UPCAST=False, IEEE=True, RN_BF16=False)}
-    for name, tuner, want_16 in (("stats", stats, ft._CUDA_STATS_16), ("grad", grad, ft._CUDA_GRAD_16)):
+    # The forward kernel with its largest epilogues: q (the log-prob op's collision term), and the
+    # logits tile stored (the fused loss's GEMM 1).
+    variants = [("stats", stats, ft._CUDA_STATS_16, dict(HAS_Q=True, STORE_Z=False)),
+                ("stats+store", stats, ft._CUDA_STATS_16, dict(HAS_Q=False, STORE_Z=True)),
+                ("grad", grad, ft._CUDA_GRAD_16, {})]
+    for name, tuner, want_16, extra in variants:
         for dtype, flags in flags_of.items():
             tried = tuner.early_config_prune(tuner.configs, {}, **flags)
             assert [ft._shape(c) for c in tried] == (want_16 if dtype == "bf16" else ft._CUDA_CONFIGS_32)
-            extra = {"HAS_Q": True} if name == "stats" else {}  # q: the forward kernel's largest epilogue
             for config in tried:
                 where = f"{name} {dtype} {ft._shape(config)}"
                 ttgir, usage = _compile_for_sm90(tuner.fn, config, dtype, {**flags, **extra})
@@ -470,3 +472,11 @@ def check_sm90_kernels():
                 if dtype == "bf16":
                     assert "warp_group_dot" in ttgir, f"{where}: no wgmma"
                 print(f"ok {where}: {usage.strip().splitlines()[-1].strip()}", flush=True)
+    # The fused loss's in-place gradient kernel: elementwise, so only its register use is checked.
+    for dtype in ("bf16", "fp32"):
+        for config in grad_from_z.configs:
+            where = f"grad_from_z {dtype} {config.kwargs} warps {config.num_warps}"
+            _, usage = _compile_for_sm90(grad_from_z.fn, config, dtype, dict(RN_BF16=False))
+            stack = re.search(r"STACK:(\d+)", usage)
+            assert stack and int(stack.group(1)) == 0, f"{where}: spills registers: {usage.strip()}"
+            print(f"ok {where}: {usage.strip().splitlines()[-1].strip()}", flush=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from entr_megatron.parallel import vocab_parallel_linear_logprobs_entropy
-from entr_megatron.parallel.fused_output import _use_triton, triton_available
+from entr_megatron.parallel.triton_env import triton_available, uses_triton
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,7 +55,7 @@ def assert_relative(got, want, tol, what):
 
 @needs_triton
 def test_auto_picks_triton_on_cuda():
-    assert _use_triton("auto", torch.zeros(1, device="cuda"))
+    assert uses_triton("auto", torch.zeros(1, device="cuda"))
 
 
 @needs_triton
@@ -88,3 +88,47 @@ def test_triton_16bit_matches_the_torch_path(dtype):
         torch.testing.assert_close(g, w, atol=2 * ulp * z_max / 0.8, rtol=0, msg=f"{dtype} {name}")
     assert_relative(got[3], want[3], 2e-2, f"{dtype} grad hidden")
     assert_relative(got[4], want[4], 2e-2, f"{dtype} grad weight")
+
+
+def run_fused_loss(backend, hidden, weight, targets, adv, temperature, chunk_tokens=None):
+    """The fused policy loss op (a PPO-clip surrogate against log-probs 0.1 below, times a scale)."""
+    from entr_megatron.parallel.fused_output_loss import vocab_parallel_linear_fused_loss
+
+    x = hidden.cuda().requires_grad_()
+    w = weight.cuda().requires_grad_()
+    a = adv.cuda()
+
+    def token_loss(s, e, lp, ent):
+        ratio = torch.exp(lp - (lp.detach() - 0.1))
+        return -torch.minimum(ratio * a[s:e], ratio.clamp(0.8, 1.2) * a[s:e]) / N
+
+    loss, lp, ent = vocab_parallel_linear_fused_loss(x, w, targets.cuda(), token_loss, temperature=temperature,
+                                                     vocab_size=REAL, chunk_tokens=chunk_tokens, backend=backend)
+    (loss * 1.5).backward()
+    return [t.detach().cpu() for t in (loss, lp, ent, x.grad, w.grad)]
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk_tokens", [None, 128])
+def test_triton_fused_loss_fp32_equals_the_torch_path(chunk_tokens):
+    """The fused loss's Triton kernels (GEMM 1 with the statistics in its epilogue, the gradient
+    written over the tile) against its PyTorch path on the same GPU, fp32: to 1e-5."""
+    hidden, weight, targets, adv, _ = make_case(torch.float32, seed=2)
+    got = run_fused_loss("triton", hidden, weight, targets, adv, 0.9, chunk_tokens)
+    want = run_fused_loss("torch", hidden, weight, targets, adv, 0.9, chunk_tokens)
+    for name, g, w in zip(("loss", "logprob", "entropy"), got[:3], want[:3]):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=name)
+    assert_relative(got[3], want[3], 1e-5, "grad hidden")
+    assert_relative(got[4], want[4], 1e-5, "grad weight")
+    assert not got[4][REAL:].any(), "padding rows get no gradient"
+
+
+@needs_triton
+def test_triton_fused_loss_bf16_is_close_to_the_torch_path():
+    """bf16: both paths round the logits and their gradient to bf16; gradients to 2% of their largest entry."""
+    hidden, weight, targets, adv, _ = make_case(torch.bfloat16, seed=3)
+    got = run_fused_loss("triton", hidden, weight, targets, adv, 1.0)
+    want = run_fused_loss("torch", hidden, weight, targets, adv, 1.0)
+    torch.testing.assert_close(got[0], want[0], atol=2e-2 * max(want[0].abs().item(), 1e-3), rtol=0, msg="loss")
+    assert_relative(got[3], want[3], 2e-2, "grad hidden")
+    assert_relative(got[4], want[4], 2e-2, "grad weight")
