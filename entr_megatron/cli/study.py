@@ -30,6 +30,7 @@ def _fail(msg: str, code: int = 2) -> None:
 def run(args) -> None:
     from entr_megatron.study.runner import StudyLockedError, run_study
     from entr_megatron.study.spec import SpecError, load_spec
+    from entr_megatron.utils.ray_connect import RayConnectError
 
     try:
         spec = load_spec(args.spec)
@@ -57,7 +58,7 @@ def run(args) -> None:
     try:
         result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address,
                            only=args.only)
-    except (SpecError, StudyLockedError) as e:
+    except (SpecError, StudyLockedError, RayConnectError) as e:
         _fail(str(e))
     print(json.dumps({"out": result["out"], "done": len(result["done"]), "skipped": len(result["skipped"]),
                       "failed": result["failed"], "interrupted": result["interrupted"]}))

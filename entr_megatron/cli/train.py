@@ -87,17 +87,19 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _refused(command: str, job, *args, **kwargs):
     """`job(*args, **kwargs)`; a run directory another job holds, that is not writable or has no
-    room for a checkpoint, or whose checkpoints are all unusable, is one message and exit 2
+    room for a checkpoint, or whose checkpoints are all unusable, a Ray address Ray cannot join, is
+    one message and exit 2
     (nothing started); a failed save (e.g. a full disk) or an engine that failed once too often
     one message and exit 1."""
     from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
     from entr_megatron.controller.engines import RestartsExhausted
     from entr_megatron.controller.run_hooks import DiskSpaceError
+    from entr_megatron.utils.ray_connect import RayConnectError
     from entr_megatron.utils.run_lock import RunLockedError
 
     try:
         return job(*args, **kwargs)
-    except (RunLockedError, DiskSpaceError) as e:
+    except (RunLockedError, DiskSpaceError, RayConnectError) as e:
         print(f"entr-megatron {command}: {e}", file=sys.stderr)
         sys.exit(2)
     except (CheckpointSaveError, RestartsExhausted) as e:  # mid-run: the last checkpoint resumes

@@ -43,6 +43,7 @@ from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sg
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions
 from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
+from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.spawn import available_cores, free_port_range
 
 __all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "embedded_engine",
@@ -278,7 +279,7 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
     if r.engine == "sglang":
         return [sglang_engine(cfg, model_dir, stack, log_dir)]
     if cfg.launcher.kind == "ray":
-        _ray_init(cfg)
+        connect_ray(cfg.launcher.ray_address)
     engines = []
     for i in range(r.num_engines):  # they all load at once (local processes and Ray actors)
         engine = embedded_engine(cfg, model_dir, i, wait=False)
@@ -346,9 +347,4 @@ def cpu_threads(cfg: RunConfig, phase: str) -> CpuThreads:
 
 
 def _ray_init(cfg: RunConfig) -> None:
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError("launcher.kind='ray' needs Ray: pip install 'entr-megatron[cluster]'") from e
-    if not ray.is_initialized():
-        ray.init(address=cfg.launcher.ray_address, include_dashboard=False)
+    connect_ray(cfg.launcher.ray_address)

@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.multiprocessing as mp
 
+from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.spawn import (
     die_with_parent,
     enter_rank,
@@ -313,16 +314,12 @@ class RayWorkerGroup:
     def __init__(self, world_size: int, factory: Callable, args: tuple = (), *, threads_per_rank: int | None = None,
                  gpus_per_rank: float = 0.0, ray_address: str | None = None, startup_timeout_s: float = 900.0,
                  name: str = "learner", placement_strategy: str = "PACK", env_from_driver: Sequence[str] = ()):
-        try:
-            import ray
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError as e:
-            raise ImportError("launcher.kind='ray' needs Ray: pip install 'entr-megatron[cluster]'") from e
+        ray = connect_ray(ray_address, log_to_driver=True)
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         self.world_size, self.name = world_size, name
         self._broken = False  # a call failed: shutdown kills without asking
-        if not ray.is_initialized():
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
         cpus = float(threads_per_rank or 1)
         bundle = {"CPU": cpus, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
         self._pg = placement_group([bundle] * world_size, strategy=placement_strategy)

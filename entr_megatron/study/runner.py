@@ -51,6 +51,7 @@ import yaml
 from entr_megatron.study.cell_log import cell_error
 from entr_megatron.study.spec import Cell, SpecError, StudySpec
 from entr_megatron.utils.jsonl import atomic_output
+from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.run_lock import RunLock, RunLockedError
 from entr_megatron.utils.spawn import die_with_parent
 
@@ -381,12 +382,7 @@ def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_addres
 
 def _ray_submitter(spec: StudySpec, ray_address: str | None):
     """A function running one cell attempt as a Ray task with the spec's resources, blocking for it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ImportError("--launcher ray needs Ray: pip install 'entr-megatron[cluster]'") from e
-    if not ray.is_initialized():
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    ray = connect_ray(ray_address, "base.launcher.ray_address", "--launcher ray", log_to_driver=False)
     options = {"num_cpus": spec.resources.get("num_cpus", 1), "num_gpus": spec.resources.get("num_gpus", 0),
                "max_retries": 0}
     remote = ray.remote(**options)(_cell_attempt)

@@ -11,6 +11,7 @@ import json
 import math
 import pathlib
 import types
+import sys
 import typing
 
 import pytest
@@ -470,6 +471,36 @@ def test_a_malformed_ray_address_is_refused_naming_the_field(address, rule):
 def test_the_forms_ray_takes_are_accepted(address):
     cfg = load_config(DEMO, ["launcher.kind=ray", f"launcher.ray_address='{address}'"])  # quoted: YAML reads [..] a list
     assert cfg.launcher.ray_address == address
+
+
+def test_an_address_ray_cannot_join_is_one_error_naming_the_field(tmp_path, capsys, monkeypatch):
+    """Something accepts TCP there, so the probe passes, but it is no Ray head (a proxy, another
+    service): Ray's bare ConnectionError after its retries becomes one message naming the field
+    and the valid forms, exit 2 (train), and names the spec's field in a study's Ray launcher."""
+    import socket
+
+    from entr_megatron.study.runner import _ray_submitter
+    from entr_megatron.utils.ray_connect import RayConnectError
+
+    joined = []
+
+    def init(address=None, **kwargs):
+        joined.append(address)
+        raise ConnectionError(f"Failed to connect to Ray cluster at {address}")
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(is_initialized=lambda: False, init=init))
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        code, err = _cli(capsys, "train", "--config", str(DEMO), "--run-dir", str(tmp_path / "run"),
+                         "launcher.kind=ray", f"launcher.ray_address={address}")
+    assert code == 2 and joined == [address], (code, err)
+    assert (f"launcher.ray_address='{address}': Ray could not join a cluster there (Failed to connect to Ray "
+            f"cluster at {address}). Is a Ray head running (ray start --head)") in err, err
+    assert "Traceback" not in err
+    msg = _message(_ray_submitter, None, "10.0.0.1:6379", error=RayConnectError)
+    assert msg.startswith("base.launcher.ray_address='10.0.0.1:6379': Ray could not join a cluster there"), msg
 
 
 def _closed_port() -> int:
