@@ -39,6 +39,9 @@ class CorrectionOutput(NamedTuple):
     denominator_BT: Tensor
     clip: bool
     metrics: dict[str, Tensor]
+    entr_score_BT: Tensor | None = None
+    """ENTR's score delta^2 / (H + eps) on these tokens when the correction computed it (entr, or
+    any correction with add_entr_mask), for the metrics and diagnostics to reuse."""
 
 
 class CorrectionInputs(NamedTuple):

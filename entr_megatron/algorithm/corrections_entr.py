@@ -35,7 +35,8 @@ def entr_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> Correctio
     score_BT = entr_score(x.delta_BT, x.entropy_BT, cfg.entr_eps)
     keep_BT = score_BT <= cfg.tau  # entr_mask's rule, on the score computed once
     metrics = {"entr/score_mean": masked_mean(score_BT, x.valid_BT)}
-    return finish("entr", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
+    out = finish("entr", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT, metrics)
+    return out._replace(entr_score_BT=score_BT)
 
 
 def entr_calibrated_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
@@ -122,9 +123,10 @@ def with_entr_mask(out: CorrectionOutput, inputs: CorrectionInputs, cfg: Algorit
     unused) this is the paper's claim, ENTR's mask rescuing asynchronous GRPO. Metric
     `entr/mask_fraction`: the tokens ENTR's rule alone drops."""
     x = prepare_inputs(inputs, use_old=False)
-    entr_keep_BT = entr_mask(x.delta_BT, x.entropy_BT, cfg.tau, cfg.entr_eps)
+    score_BT = entr_score(x.delta_BT, x.entropy_BT, cfg.entr_eps)
+    entr_keep_BT = score_BT <= cfg.tau  # entr_mask's rule
     keep_BT = out.keep_mask_BT & entr_keep_BT
     metrics = {**out.metrics, "entr/mask_fraction": masked_fraction(~entr_keep_BT, x.valid_BT)}
     denominator_BT = out.denominator_BT if cfg.counts_rejected else out.denominator_BT & keep_BT
     return out._replace(weight_BT=torch.where(keep_BT, out.weight_BT, torch.zeros_like(out.weight_BT)),
-                        keep_mask_BT=keep_BT, denominator_BT=denominator_BT, metrics=metrics)
+                        keep_mask_BT=keep_BT, denominator_BT=denominator_BT, metrics=metrics, entr_score_BT=score_BT)

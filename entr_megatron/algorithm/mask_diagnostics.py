@@ -55,10 +55,11 @@ def effective_mask_fraction(inputs: CorrectionInputs, advantages_BT: Tensor, cor
     return masked_fraction(dropped_BT & (grad_BT != 0), valid_BT)
 
 
-def counterfactual_mask_metrics(inputs: CorrectionInputs, advantages_BT: Tensor,
-                                cfg: AlgorithmConfig) -> dict[str, Tensor]:
+def counterfactual_mask_metrics(inputs: CorrectionInputs, advantages_BT: Tensor, cfg: AlgorithmConfig,
+                                entr_score_BT: Tensor | None = None) -> dict[str, Tensor]:
     """`counterfactual/<rule>/mask_fraction` for every rule of COUNTERFACTUAL_RULES on these
-    tokens (see the module docstring)."""
+    tokens (see the module docstring). `entr_score_BT`: ENTR's score on these tokens when the run's
+    correction already computed it (the entr rule then reads it instead of computing it again)."""
     valid_BT = inputs.response_mask_BT.bool()
     same_tokens = inputs._replace(old_logprobs_BT=None)
     metrics = {}
@@ -66,6 +67,8 @@ def counterfactual_mask_metrics(inputs: CorrectionInputs, advantages_BT: Tensor,
         if rule == "tis":
             delta_BT = (inputs.logprobs_BT - inputs.behaviour_logprobs_BT).detach()
             dropped_BT = valid_BT & (delta_BT > torch.log(torch.tensor(cfg.tis_cap, dtype=delta_BT.dtype)))
+        elif rule == "entr" and entr_score_BT is not None:
+            dropped_BT = valid_BT & ~(entr_score_BT <= cfg.tau)
         elif rule == "dppo":
             low, high = cfg.clip_range("dppo_tv") if cfg.policy_loss == "dppo_tv" else CLIP_RANGE_DEFAULTS["dppo_tv"]
             dropped_BT = valid_BT & ~dppo_keep_mask(inputs.logprobs_BT, inputs.behaviour_logprobs_BT, advantages_BT,

@@ -64,8 +64,11 @@ def mismatch_metric_stats(
     eps: float = ENTR_DEFAULT_EPS,
     entropy_views: dict[str, Tensor] | None = None,
     token_labels_BT: Tensor | None = None,
+    entr_score_BT: Tensor | None = None,
 ) -> MetricStats:
-    """Local sums/extrema behind `mismatch_metrics` (same arguments); float64, detached."""
+    """Local sums/extrema behind `mismatch_metrics` (same arguments); float64, detached.
+    `entr_score_BT`: ENTR's score of these tokens (delta and entropy as here) when the correction
+    computed it; else it is computed here."""
     if len(entropy_bins) < 2 or any(b <= a for a, b in zip(entropy_bins[:-1], entropy_bins[1:])):
         raise ValueError(f"entropy_bins={entropy_bins!r} must be at least two strictly increasing edges")
     valid_BT = response_mask_BT.bool()
@@ -99,7 +102,8 @@ def mismatch_metric_stats(
         "count": valid,
         "abs_delta": delta_BT.abs(),
         "k3": k3_BT,
-        "score": zero_padding(entr_score(delta_BT, entropy, eps), valid_BT),
+        "score": zero_padding(entr_score(delta_BT, entropy, eps) if entr_score_BT is None else clean(entr_score_BT),
+                              valid_BT),
         "low_prob": zero_padding((behaviour < math.log(LOW_PROB_THRESHOLD)).to(torch.float64), valid_BT),
     }
     if dropped is not None:
@@ -196,6 +200,7 @@ def mismatch_metrics(
     eps: float = ENTR_DEFAULT_EPS,
     entropy_views: dict[str, Tensor] | None = None,
     token_labels_BT: Tensor | None = None,
+    entr_score_BT: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-step metrics over valid tokens, delta = log pi_theta - log mu:
 
@@ -209,7 +214,8 @@ def mismatch_metrics(
       the policy ratio times the correction's weight), not the correction's weight alone.
     - entropy_bin/<lo>-<hi>/{count, mean_abs_delta, k3, mean_score, mask_fraction, low_prob_share}
       per bin edges[i] <= H < edges[i+1] (H below the first edge joins the first bin, above
-      the last the last bin); score S = delta^2 / (H + eps); low_prob_share: mu(y) < 1e-3.
+      the last the last bin); score S = delta^2 / (H + eps) (`entr_score_BT` when the correction
+      computed it); low_prob_share: mu(y) < 1e-3.
     - entropy_bin_<view>/<lo>-<hi>/{count, mean_abs_delta, low_prob_share, mask_fraction}: the
       same bins by another entropy, one per `entropy_views` entry ({"mu": H(mu), "pi": H(pi_theta)}
       in the learner), so |delta| and the mask can be read against either entropy whichever
@@ -231,5 +237,6 @@ def mismatch_metrics(
         eps,
         entropy_views,
         token_labels_BT,
+        entr_score_BT,
     )
     return finalize_mismatch_metrics(stats)

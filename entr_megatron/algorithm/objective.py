@@ -39,6 +39,8 @@ class PolicyTerms(NamedTuple):
     """Importance weight on each kept token's gradient (policy ratio x correction weight)."""
     metrics: dict[str, Tensor]
     """The correction's and the policy loss's own metrics."""
+    entr_score_BT: Tensor | None = None
+    """ENTR's score when the correction computed it (CorrectionOutput.entr_score_BT), detached."""
 
 
 def _check_shapes(response_mask_BT: Tensor, advantages_B: Tensor, **named: Tensor | None) -> None:
@@ -88,8 +90,9 @@ def policy_loss_terms(
     metrics = {**correction.metrics, **loss.metrics}
     if cfg.mask_diagnostics:
         metrics["mask/effective_fraction"] = effective_mask_fraction(inputs, advantages_BT, correction, cfg)
-        metrics.update(counterfactual_mask_metrics(inputs, advantages_BT, cfg))
-    return PolicyTerms(loss.loss_BT, correction.denominator_BT, correction.keep_mask_BT, loss.is_weight_BT, metrics)
+        metrics.update(counterfactual_mask_metrics(inputs, advantages_BT, cfg, correction.entr_score_BT))
+    return PolicyTerms(loss.loss_BT, correction.denominator_BT, correction.keep_mask_BT, loss.is_weight_BT, metrics,
+                       correction.entr_score_BT)
 
 
 def compute_policy_loss(
@@ -124,6 +127,7 @@ def compute_policy_loss(
         **mismatch_metrics(
             logprobs_BT, behaviour_logprobs_BT, entropy_BT, response_mask_BT.bool(),
             keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT, eps=cfg.entr_eps,
+            entr_score_BT=terms.entr_score_BT,
         ),
         "policy_loss/value": loss.detach(),
     }

@@ -200,7 +200,7 @@ def make_policy_loss_func(mb: MicroBatch, tp_group, algo_cfg: AlgorithmConfig, l
         labels_BT = None if mb.token_labels_BT is None else mb.token_labels_BT.to(device)
         stats = mismatch_metric_stats(
             lp_BT, blp_BT, entropy_BT, mask_BT, keep_mask_BT=terms.keep_mask_BT, weight_BT=terms.is_weight_BT,
-            eps=algo_cfg.entr_eps, entropy_views=views, token_labels_BT=labels_BT,
+            eps=algo_cfg.entr_eps, entropy_views=views, token_labels_BT=labels_BT, entr_score_BT=terms.entr_score_BT,
         )
         report = LossReport.of_microbatch(numerator, count, terms, stats, tokens=mask_BT.sum())
         return numerator, count.to(count_dtype), report

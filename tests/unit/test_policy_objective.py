@@ -42,6 +42,27 @@ def test_entr_default_loss_by_hand():
     assert "mismatch/k3" in metrics and "entropy_bin/0.01-0.1/mask_fraction" in metrics
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(correction="naive", add_entr_mask=True)])
+def test_the_entr_score_is_computed_once_per_micro_batch(monkeypatch, overrides):
+    """The correction computes ENTR's score; the per-bin metric (entropy_bin/*/mean_score) and the
+    counterfactual ENTR mask read it, with the values of the hand batch (S = delta^2 / (H + 0.01))."""
+    from entr_megatron.algorithm import corrections_entr, metrics
+
+    calls = []
+    for module in (corrections_entr, metrics):
+        real = module.entr_score
+        monkeypatch.setattr(module, "entr_score", lambda *a, _f=real, **k: calls.append(1) or _f(*a, **k))
+    logprobs, entropy, behaviour, advantages, mask = _hand_batch()
+    _, out = compute_policy_loss(logprobs, entropy, behaviour, advantages, mask, AlgorithmConfig(**overrides))
+    assert len(calls) == 1
+    scores = [0.1**2 / 1.01, 0.9**2 / 0.06, 0.3**2 / 0.51, 0.2**2 / 0.31, 0.4**2 / 2.01]
+    assert out["counterfactual/entr/mask_fraction"].item() == pytest.approx(1 / 5)  # 13.5 > tau = 1
+    # bins 0, 1e-3, 1e-2, 0.1, 1, 10, inf: H 0.05 in 0.01-0.1; 0.5 and 0.3 in 0.1-1; 1.0 and 2.0 in 1-10
+    assert out["entropy_bin/0.01-0.1/mean_score"].item() == pytest.approx(scores[1])
+    assert out["entropy_bin/0.1-1/mean_score"].item() == pytest.approx((scores[2] + scores[3]) / 2)
+    assert out["entropy_bin/1-10/mean_score"].item() == pytest.approx((scores[0] + scores[4]) / 2)
+
+
 def test_ratio_one_corrections_reduce_to_weighted_policy_gradient():
     # tis in bypass mode and entr_soft anchor at the current policy: r = 1 exactly, so PPO-clip's
     # loss is -w A per kept token and its gradient -w A / N.
