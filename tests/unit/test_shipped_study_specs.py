@@ -36,7 +36,8 @@ def _stated_cells(path: Path) -> int:
 def test_every_spec_folder_is_searched():
     names = {str(p.relative_to(STUDIES)) for p in SPECS}
     assert {"staleness.yaml", "countdown/main.yaml", "countdown/pilot.yaml", "countdown/intra_lag.yaml",
-            "countdown/ablations.yaml", "countdown/tau.yaml", "countdown/clip_binds.yaml"} <= names
+            "countdown/ablations.yaml", "countdown/tau.yaml", "countdown/clip_binds.yaml",
+            "countdown/key_seeds.yaml"} <= names
     assert "countdown/base.yaml" not in names and "cluster_qwen3_30b_a3b.yaml" not in names
 
 
@@ -76,7 +77,7 @@ def _method(cell) -> tuple:
     return a.correction, a.policy_loss, a.entropy_source, a.add_entr_mask
 
 
-@pytest.mark.parametrize("name", ["pilot", "main", "intra_lag", "ablations", "tau", "clip_binds"])
+@pytest.mark.parametrize("name", ["pilot", "main", "intra_lag", "ablations", "tau", "clip_binds", "key_seeds"])
 def test_countdown_cells_share_the_fair_test_base(name):
     spec = load_spec(COUNTDOWN / f"{name}.yaml")
     for cell in spec.cells():
@@ -126,6 +127,15 @@ def test_countdown_ablations_and_tau():
     got = sorted((c.config.algorithm.tau, c.config.algorithm.entropy_source, c.config.controller.seed) for c in tau)
     assert got == sorted(itertools.product([0.25, 0.5, 1.0, 2.0, 4.0], ["learner", "rollout"], [0, 1, 2]))
     assert {c.config.algorithm.correction for c in tau} == {"entr"}
+
+
+def test_countdown_key_seeds_are_seeds_3_and_4_of_the_key_contrasts():
+    """Five seeds on the key contrasts with seeds 0-2 of main and ablations: the same methods (the
+    base test checks each method's settings), the same lags."""
+    got = sorted((c.axes["method"], c.config.controller.inter_lag, c.config.controller.seed) for c in _cells("key_seeds"))
+    want = [*itertools.product(["entr", "none", "dppo", "matched_band", "naive_entr"], [32], [3, 4]),
+            *itertools.product(["entr", "none"], [0], [3, 4])]
+    assert got == sorted(want)
 
 
 def test_countdown_clip_binds_splits_each_batch_into_eight_mini_batches():
