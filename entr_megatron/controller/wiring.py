@@ -344,7 +344,3 @@ def cpu_threads(cfg: RunConfig, phase: str) -> CpuThreads:
         auto_engine = share
         auto_learner = max(1, (cores - engines * share) // ranks)
     return CpuThreads(learner or auto_learner, engine or auto_engine)
-
-
-def _ray_init(cfg: RunConfig) -> None:
-    connect_ray(cfg.launcher.ray_address)

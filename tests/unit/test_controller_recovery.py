@@ -343,7 +343,7 @@ def test_ray_engines_load_at_the_same_time(monkeypatch):
 
     fake = FakeRay()
     monkeypatch.setattr(ray_engine, "RayEngine", functools.partial(ray_engine.RayEngine, ray_module=fake))
-    monkeypatch.setattr(wiring, "_ray_init", lambda cfg: None)
+    monkeypatch.setattr(wiring, "connect_ray", lambda address: None)
     fake.on_describe = threading.Barrier(3, timeout=10).wait
     cfg = load_config(None, ["launcher.kind=ray", "rollout.num_engines=3"])
     with ExitStack() as stack:
