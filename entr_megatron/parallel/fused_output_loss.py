@@ -29,8 +29,8 @@ ranks holding only padding work as in fused_output.py.
 
 Memory: the two input gradients (fp32 accumulators, cast at the end), kept from forward to
 backward, one ``[chunk, V/tp]`` tile in the input dtype (the logits, then in place their
-gradient) and two 1 MiB fp32 work buffers: the default chunk holds 2**23 elements (32 MiB
-in fp32, 256 tokens at V/tp = 32768).
+gradient) and, on the PyTorch path, two 1 MiB fp32 work buffers: the default chunk holds 2**23
+elements (32 MiB in fp32, 256 tokens at V/tp = 32768).
 
 On CUDA (``backend`` "auto" or "triton") the tile's two passes are Triton kernels of
 fused_output_triton.py: GEMM 1 with the statistics in its epilogue (``local_stats`` with
@@ -128,8 +128,9 @@ class _FusedLinearLoss(torch.autograd.Function):
             loss += total
             if width == 0 or not (want_h or want_w):
                 continue
-            # In place: each block of rows reads its logits before writing their gradient (rounded
-            # to the input dtype when it is not fp32), so the tile is the only [chunk, V/tp] buffer.
+            # In place: each block of rows (PyTorch) or tile block (Triton) reads its logits before
+            # writing their gradient (rounded to the input dtype when it is not fp32), so the tile
+            # is the only [chunk, V/tp] buffer.
             if use_triton:  # d = p (a log p + c) + tg 1[target] with g_H = 0: a = 0, c = -g_lp / T, tg = g_lp / T
                 kernels.logits_grad_in_place(z, t_t, log_z, zero_h[:n], -g_lp * inv_temp, g_lp * inv_temp,
                                              vocab_start, inv_temp)
