@@ -37,7 +37,7 @@ by hand to nearest even, because the interpreter's cast truncates.
 The interpreter must be on (``TRITON_INTERPRET=1``) before triton is first imported,
 which builds triton's own library functions, and before this module is, whose device
 functions (``_logits_tile``, ...) are built the same way (``triton_env.interpreter_ready``
-checks it); the two kernels are built on first use (``kernels``).
+checks it); the kernels are built on first use (``kernels``).
 
 On CUDA each kernel is autotuned over a few tile shapes per (hidden size, dtype). They
 were chosen without a GPU to time them on: the tests compile every one for sm_90
