@@ -37,7 +37,7 @@ def test_every_spec_folder_is_searched():
     names = {str(p.relative_to(STUDIES)) for p in SPECS}
     assert {"staleness.yaml", "countdown/main.yaml", "countdown/pilot.yaml", "countdown/intra_lag.yaml",
             "countdown/ablations.yaml", "countdown/tau.yaml", "countdown/clip_binds.yaml",
-            "countdown/key_seeds.yaml"} <= names
+            "countdown/key_seeds.yaml", "countdown/modes.yaml"} <= names
     assert "countdown/base.yaml" not in names and "cluster_qwen3_30b_a3b.yaml" not in names
 
 
@@ -136,6 +136,17 @@ def test_countdown_key_seeds_are_seeds_3_and_4_of_the_key_contrasts():
     want = [*itertools.product(["entr", "none", "dppo", "matched_band", "naive_entr"], [32], [3, 4]),
             *itertools.product(["entr", "none"], [0], [3, 4])]
     assert got == sorted(want)
+
+
+def test_countdown_modes_are_the_three_controller_modes_on_the_fair_test_job():
+    cells = _cells("modes")
+    assert sorted((c.config.controller.mode, c.config.controller.seed) for c in cells) == sorted(
+        itertools.product(["sync", "one_step_off", "fully_async"], [0, 1]))
+    for c in cells:  # the fair test's job, only the mode and the threads changed
+        assert (c.config.task.name, c.config.rollout.quantize, c.config.learner.mini_batches) == ("countdown", "fp8", 2)
+        assert (c.config.algorithm.correction, c.config.algorithm.tau, c.config.controller.max_policy_lag) == (
+            "entr", 1.0, 4)
+        assert c.config.rollout.embedded.num_threads is None and c.config.launcher.cpu_threads_per_rank is None
 
 
 def test_countdown_clip_binds_splits_each_batch_into_eight_mini_batches():
