@@ -35,18 +35,24 @@ def measured(cell: Path, skip: int) -> tuple[float, float, int]:
             sum(r["policy_lag/mean"] for r in rows) / len(rows), len(rows))
 
 
+def _label(axis: str, config) -> str:
+    return f"{axis}={config}" if config != "" else "(one configuration)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skip", type=int, default=3, help="leading steps left out (default 3)")
-    parser.add_argument("--axis", default="rollout.prompts_per_step", help="the configuration axis")
+    parser.add_argument("--axis", default="rollout.prompts_per_step",
+                        help="the configuration axis (a study without it has one configuration)")
     args = parser.parse_args()
     cells = {}
     for cell_json in sorted((args.study / "cells").glob("*/cell.json")):
         info = json.loads(cell_json.read_text())
         axes = info["axes"]
-        cells[(axes["controller.mode"], axes[args.axis], axes.get("controller.seed", 0))] = cell_json.parent
+        config = axes.get(args.axis, "")  # "": the study's one configuration
+        cells[(axes["controller.mode"], config, axes.get("controller.seed", 0))] = cell_json.parent
     configs = sorted({c for _, c, _ in cells})
     seeds = sorted({s for _, _, s in cells})
     rows = []  # one per cell: measured and predicted mean step time and lag
@@ -64,7 +70,8 @@ def main() -> int:
                                         num_threads=cfg.rollout.embedded.num_threads,
                                         max_batch_size=cfg.rollout.embedded.max_batch_size, repeats=5)
             costs, _ = costs_from_run(str(sync), engine, skip_steps=args.skip)
-            print(f"[validate] {args.axis}={config} seed {seed}: {json.dumps(dataclasses.asdict(costs))}", file=sys.stderr)
+            print(f"[validate] {_label(args.axis, config)} seed {seed}: {json.dumps(dataclasses.asdict(costs))}",
+                  file=sys.stderr)
             for mode in MODES:
                 cell = cells.get((mode, config, seed))
                 if cell is None:
@@ -91,7 +98,7 @@ def main() -> int:
             m = got.mean(numeric_only=True)
             err = m.predicted_s / m.step_s - 1  # of the means, not the mean of the per-run errors
             worst_time, worst_lag = max(worst_time, abs(err)), max(worst_lag, abs(m.predicted_lag - m.lag))
-            lines.append(f"| {args.axis}={config} | {mode} | {len(got)} | {m.step_s:.3f} | {m.predicted_s:.3f} | {err:+.0%} "
+            lines.append(f"| {_label(args.axis, config)} | {mode} | {len(got)} | {m.step_s:.3f} | {m.predicted_s:.3f} | {err:+.0%} "
                          f"| {got.error.min():+.0%} .. {got.error.max():+.0%} "
                          f"| {m.lag:.2f} | {m.predicted_lag:.2f} | {m.predicted_lag - m.lag:+.2f} |")
     lines.append("")
