@@ -229,8 +229,7 @@ class OneTokenEngine(FakeEngine):
         ids = []
         for r in requests:
             ids.append(rid := self.take(r))
-            self.done += [GenerateResult(rid, i, list(r.prompt_ids), [7], [0.0], [self.version], "stop")
-                          for i in range(r.params.n)]
+            self.done += [self.result(rid, i, r, [7], "stop", logprobs=[0.0]) for i in range(r.params.n)]
         return ids
 
     def poll(self, timeout=0.0):
@@ -261,8 +260,7 @@ class ManualEngine(FakeEngine):
 
     def _results(self, rid, reason):
         req = self.live.pop(rid)
-        return [GenerateResult(rid, i, list(req.prompt_ids), [7], [-0.5], [self.version], reason, group_id=req.group_id)
-                for i in range(req.params.n)]
+        return [self.result(rid, i, req, [7], reason) for i in range(req.params.n)]
 
     def finish(self, rid=None):
         for r in [rid] if rid is not None else list(self.live):
