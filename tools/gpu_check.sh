@@ -5,7 +5,9 @@
 #   1. a venv under /tmp over the machine's Python (its torch reused), megatron-core and this
 #      package installed offline from tools/gpu_wheels/ (filled beforehand by tools/gpu_wheels.sh)
 #   2. pytest tests/gpu -q
-#   3. `train` of the CPU demo's config on the GPU, its engine colocated (rollout.placement colocated)
+#   3. `train` of the CPU demo's config on the GPU, its engine colocated (rollout.placement colocated):
+#      once with the engine on the CPU (weights device-to-host), once with the engine on the same GPU
+#      (rollout.embedded.device cuda: weights device-to-device through CUDA IPC, cache freed when idle)
 #   4. tools/bench_fused_output.py on CUDA in bf16 at 4096 x h 2048 x V 65536 and 16384 x h 4096 x V 151936
 #      (TP=1: one GPU; TP=2 would put two gloo ranks on it and time host copies, not the op)
 #   tools/bench_vocab_parallel.py has no CUDA path (CPU gloo ranks only), so it is not run.
@@ -209,6 +211,11 @@ run_step "train: the CPU demo's config on one GPU, colocated engine" 200 \
     env PYTHONSAFEPATH=1 "$VENV_PY" -m entr_megatron.cli.main train --config examples/cpu_demo.yaml --max-steps 20 \
     launcher.device=cuda launcher.gpus_per_node=1 rollout.placement=colocated sft.steps=100 \
     logging.run_dir=/tmp/entr_gpu_check_colocated
+# The same with the engine on the GPU too: one device holds the learner and the engine.
+run_step "train: the CPU demo's config, learner and engine on one GPU" 150 \
+    env PYTHONSAFEPATH=1 "$VENV_PY" -m entr_megatron.cli.main train --config examples/cpu_demo.yaml --max-steps 20 \
+    launcher.device=cuda launcher.gpus_per_node=1 rollout.placement=colocated rollout.embedded.device=cuda \
+    sft.steps=100 logging.run_dir=/tmp/entr_gpu_check_colocated_gpu_engine
 for size in "${BENCH_SIZES[@]}"; do
     read -r tokens hidden vocab <<<"$size"
     run_step "bench_fused_output $tokens x h $hidden x V $vocab" 150 \

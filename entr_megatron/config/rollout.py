@@ -23,6 +23,8 @@ WeightSnapshot = Literal["borrow", "copy"]
 WEIGHT_SNAPSHOTS: tuple[str, ...] = get_args(WeightSnapshot)
 Placement = Literal["separate", "colocated"]
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
+EmbeddedDevice = Literal["cpu", "cuda"]
+EMBEDDED_DEVICES: tuple[str, ...] = get_args(EmbeddedDevice)
 KvOnUpdate = Literal["keep", "recompute"]
 KV_ON_UPDATE: tuple[str, ...] = get_args(KvOnUpdate)
 Quantize = Literal["none", "fp8"]
@@ -190,6 +192,18 @@ class EmbeddedConfig:
     """torch intra-op threads of each engine process. None, on one CPU machine: the cores where the
     work is (as launcher.cpu_threads_per_rank); elsewhere torch's default. >= 1."""
 
+    device: EmbeddedDevice = "cpu"
+    """Where each engine process computes (one of EMBEDDED_DEVICES). 'cuda': engine i on GPU
+    i mod launcher.gpus_per_node, beside the learner ranks (needs rollout.placement 'colocated',
+    launcher.device 'cuda' and launcher.kind 'local'): the learner copies each weight bucket
+    device-to-device into the engine's staging copy through a CUDA IPC handle."""
+
+    free_cache_engine: bool = True
+    """With device 'cuda': whenever the engine has nothing to decode, hand the memory its KV cache
+    and activations held back to the GPU (torch.cuda.empty_cache()), so that the learner's step can
+    use it; the next batch allocates afresh (verl's rollout.free_cache_engine, the KV half of
+    slime's and verl's sleep/wake; the weights stay on the GPU). No effect on the CPU."""
+
     health_timeout_s: float = 60.0
     """Seconds an engine has to answer a health check (asked when it failed a call, or when no
     sample came for rollout.poll_timeout_s); one that does not is killed (SIGKILL) and replaced
@@ -199,6 +213,8 @@ class EmbeddedConfig:
 
     def __post_init__(self) -> None:
         check_embedded_limits(self)
+        choice(self, "device", EmbeddedDevice)
+        boolean(self, "free_cache_engine")
         number(self, "health_timeout_s", low=0, high=math.inf, low_open=True, high_open=True)
 
 
@@ -302,8 +318,9 @@ class RolloutConfig:
     placement: Placement = "separate"
     """Where the engines run against the learner (one of PLACEMENTS). 'separate': weights broadcast over
     a gloo/NCCL group. 'colocated': each learner stage copies its buckets straight into the engine's
-    staging copy in host shared memory (weight_sync/colocated.py; from a GPU learner device-to-host,
-    no NCCL group, so a run fits on one GPU), bucketed and versioned as on the broadcast path.
+    staging copy (weight_sync/colocated.py; no NCCL group, so a run fits on one GPU), bucketed and
+    versioned as on the broadcast path: in host shared memory (from a GPU learner device-to-host),
+    or with rollout.embedded.device 'cuda' in the engine's GPU memory through a CUDA IPC handle.
     Embedded engines only, on the learner's host, as the same user."""
 
     max_engine_restarts: int = 3

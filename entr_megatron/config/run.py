@@ -137,6 +137,16 @@ class RunConfig:
 
     def _check_rollout(self) -> None:
         r, launcher = self.rollout, self.launcher
+        if r.engine == "embedded" and r.embedded.device == "cuda":
+            for name, value, want, why in (
+                ("launcher.device", launcher.device, "cuda", "the engines share the learner's GPUs"),
+                ("rollout.placement", r.placement, "colocated", "an engine on a GPU takes its weights through "
+                 "CUDA IPC; a separate one would need an NCCL weight group (use SGLang servers for that)"),
+                ("launcher.kind", launcher.kind, "local", "engine i runs on GPU i mod launcher.gpus_per_node "
+                 "of the driver's node"),
+            ):
+                if value != want:
+                    raise bad(self, name, value, f"must be {want!r}: {why}", when="rollout.embedded.device='cuda'")
         if r.engine == "sglang":
             if self.parallel.pp != 1:
                 raise bad(

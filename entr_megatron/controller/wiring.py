@@ -307,7 +307,16 @@ def _embedded_config(cfg: RunConfig, model_dir: Path, index: int):
 
     return EmbeddedEngineConfig.from_config(cfg.rollout, model_dir=str(model_dir), max_model_len=cfg.model.max_seq_len,
                                             seed=cfg.controller.seed + index, record_routes=cfg.records_routes,
-                                            num_threads=cpu_threads(cfg, "rl").engine)
+                                            num_threads=cpu_threads(cfg, "rl").engine,
+                                            device=engine_device(cfg, index))
+
+
+def engine_device(cfg: RunConfig, index: int) -> str:
+    """Where embedded engine `index` computes: the CPU, or with rollout.embedded.device 'cuda'
+    GPU index mod launcher.gpus_per_node of this node, beside the learner ranks on it."""
+    if cfg.rollout.embedded.device == "cpu":
+        return "cpu"
+    return f"cuda:{index % cfg.launcher.gpus_per_node}"
 
 
 class CpuThreads(NamedTuple):

@@ -104,6 +104,8 @@ class BatchDecoder:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.lm = CausalLM(model, record_routes=record_routes)
+        self.device = next(model.parameters()).device
+        """Where the model, its KV cache and the sampling live (per-sample generators stay on the CPU)."""
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or self.lm.max_positions
         self.max_prefill_tokens = max_prefill_tokens
@@ -196,7 +198,7 @@ class BatchDecoder:
             mine = routes_BSLK[i] if mask_BL is None else routes_BSLK[i][mask_BL[i]]
             if replace:
                 s.routes.clear()
-            s.routes.append(mine.clone())
+            s.routes.append(mine.to("cpu", copy=True))  # results leave the process: host memory
 
     def _admit(self) -> list[_Sequence]:
         """Waiting samples for one prefill: up to the free rows and the padded-token budget."""
@@ -218,6 +220,7 @@ class BatchDecoder:
         for i, tokens in enumerate(token_lists):
             ids_BP[i, width - len(tokens):] = torch.tensor(tokens, dtype=torch.long)
             mask_BP[i, width - len(tokens):] = True
+        ids_BP, mask_BP = ids_BP.to(self.device), mask_BP.to(self.device)
         pos_BP = (mask_BP.long().cumsum(-1) - 1).clamp(min=0)
         logits_BV, kv = self.lm.forward(ids_BP, mask_BP, pos_BP, None)
         return logits_BV, kv, mask_BP
@@ -225,15 +228,15 @@ class BatchDecoder:
     def _decode(self) -> torch.Tensor:
         """Feed every running row's last sampled token; logits [B, V]."""
         assert self._mask is not None and self._kv is not None
-        ids_B1 = torch.tensor([[s.output_ids[-1]] for s in self._running], dtype=torch.long)
+        ids_B1 = torch.tensor([[s.output_ids[-1]] for s in self._running], dtype=torch.long, device=self.device)
         pos_B1 = self._mask.sum(-1, keepdim=True)
-        self._mask = torch.cat([self._mask, torch.ones(len(self._running), 1, dtype=torch.bool)], dim=-1)
+        self._mask = torch.cat([self._mask, self._mask.new_ones(len(self._running), 1)], dim=-1)
         logits_BV, self._kv = self.lm.forward(ids_B1, self._mask, pos_B1, self._kv)
         return logits_BV
 
     def _sample(self, rows: list[_Sequence], logits_BV: torch.Tensor, finished: list[GenerateResult]) -> list[int]:
         """Sample one token per row, record it, move finished rows to `finished`; the rows that go on."""
-        temperature_B, top_p_B, top_k_B = row_params([s.params for s in rows])
+        temperature_B, top_p_B, top_k_B = (t.to(self.device) for t in row_params([s.params for s in rows]))
         out = sample_tokens(
             logits_BV, temperature_B, top_p_B, top_k_B, [s.generator for s in rows],
             raw_logprobs=any(s.params.return_raw_logprobs for s in rows),
@@ -276,7 +279,7 @@ class BatchDecoder:
             self._kv, self._mask = None, None
             return
         assert self._mask is not None and self._kv is not None
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         mask_BL = self._mask[idx]
         first = int(mask_BL.any(0).nonzero()[0])
         self._mask = mask_BL[:, first:]
@@ -286,7 +289,7 @@ class BatchDecoder:
         """Append the still-running admitted rows (and their cache) to the running batch."""
         if not rows:
             return
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         new = [admitted[i] for i in rows]
         kv = [(k[idx], v[idx]) for k, v in kv]
         mask_BL = mask_BL[idx]

@@ -18,6 +18,7 @@ which raises `ProtocolError` naming the kind of anything the channel does not ca
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,11 @@ class EmbeddedEngineConfig:
     """FP8 scale granularity: "per_tensor", "per_channel" (output channel) or "block" (128 x 128)."""
     quantize_activations: bool = False
     """With quantize "fp8": also round each rounded linear layer's input (dynamic scale)."""
+    device: str = EmbeddedConfig.device
+    """Where the engine computes: "cpu", or "cuda" / "cuda:N" (weights, KV cache and sampling on
+    that GPU; the weights then arrive through `weight_sync.colocated` only)."""
+    free_cache_engine: bool = EmbeddedConfig.free_cache_engine
+    """On a GPU: empty torch's CUDA cache whenever nothing is left to decode (rollout.embedded)."""
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, *, model_dir: str, max_model_len: int | None, seed: int,
@@ -123,7 +130,7 @@ class EmbeddedEngineConfig:
                       max_model_len=max_model_len, kv_on_update=rollout.kv_on_update or "keep",
                       num_threads=e.num_threads, record_routes=rollout.record_routes,
                       quantize=rollout.quantize, quantize_scale=rollout.quantize_scale,
-                      quantize_activations=rollout.quantize_activations)
+                      quantize_activations=rollout.quantize_activations, free_cache_engine=e.free_cache_engine)
         return cls(**{**fields, **overrides})
 
     def __post_init__(self):
@@ -140,6 +147,8 @@ class EmbeddedEngineConfig:
         if self.quantize_activations and self.quantize == "none":
             raise ValueError("EmbeddedEngineConfig.quantize_activations needs quantize 'fp8', got quantize 'none'")
         check_embedded_limits(self)
+        if not _DEVICE.fullmatch(str(self.device)):
+            raise ValueError(f"EmbeddedEngineConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for name in ("weight_bucket_bytes", "weight_queue_depth"):
             integer(self, name, low=1)
         integer(self, "max_model_len", low=1, optional=True)

@@ -133,7 +133,8 @@ class _Worker:
         model = load_causal_lm(
             config.model_dir, dtype=config.dtype, init=config.init, seed=config.seed,
             attn_implementation=config.attn_implementation,
-        )
+        ).to(config.device)
+        self.device = torch.device(config.device)
         self.rounding = install_rounding(model, config.quantize, config.quantize_scale, config.quantize_activations)
         self.decoder = BatchDecoder(
             model, max_batch_size=config.max_batch_size, max_model_len=config.max_model_len,
@@ -144,6 +145,7 @@ class _Worker:
         self.receiver = _Receiver(self.stage, self.decoder, weight_q, cmd_q, out_q)
         self.paused = False
         self.stopping = False
+        self.cache_frees = 0
         self.last_update: WeightUpdateReport | None = None
         self.ready = Ready(
             specs=self.stage.specs, version=config.initial_version, vocab_size=self.decoder.lm.vocab_size,
@@ -172,6 +174,15 @@ class _Worker:
                 finished = self.decoder.step()
                 if finished:
                     self.out_q.put(Results(tuple(finished)))
+                if not self.decoder.has_work():
+                    self._went_idle()
+
+    def _went_idle(self) -> None:
+        """Nothing left to decode: on a GPU, hand the memory of the KV cache and activations back
+        (rollout.embedded.free_cache_engine) for the learner's step; the next batch allocates it again."""
+        if self.device.type == "cuda" and self.config.free_cache_engine:
+            torch.cuda.empty_cache()
+            self.cache_frees += 1
 
     def _drain(self, block: bool) -> list[object]:
         msgs: list[object] = []
@@ -241,7 +252,7 @@ class _Worker:
         return EngineHealth(
             alive=True, weight_version=d.version, paused=self.paused, num_running=d.num_running,
             num_waiting=d.num_waiting, steps=d.steps, generated_tokens=d.generated_tokens,
-            last_update=self.last_update,
+            last_update=self.last_update, cache_frees=self.cache_frees,
         )
 
 

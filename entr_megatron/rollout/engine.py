@@ -220,6 +220,8 @@ class EngineHealth:
     steps: int = 0
     generated_tokens: int = 0
     last_update: WeightUpdateReport | None = None
+    cache_frees: int = 0
+    """Times an embedded engine on a GPU emptied its CUDA cache on going idle (free_cache_engine)."""
     error: str | None = None
     """Why the engine is not alive (the worker's traceback), if known."""
 

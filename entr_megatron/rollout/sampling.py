@@ -167,7 +167,7 @@ def sample_tokens(
             if len(generators) != logits_BV.shape[0]:
                 raise ValueError(f"{len(generators)} generators for {logits_BV.shape[0]} rows")
             gens = [generators[i] for i in sampled.tolist()]
-        u_S = _uniforms(sampled.numel(), gens)
+        u_S = _uniforms(sampled.numel(), gens).to(logits_BV.device)  # drawn on the CPU: the same on any device
         tokens_B[sampled] = _draw(log_q_BV[sampled], keep_BV[sampled], u_S)
 
     logprobs_B = log_q_BV.gather(-1, tokens_B[:, None]).squeeze(-1)

@@ -133,8 +133,8 @@ class WeightStage:
             self._names[key].append(name)
         self._staged: list[torch.Tensor] | None = None  # allocated by the first begin()
         self.flat_allocator: Callable[[int], torch.Tensor] | None = None
-        """Allocates the flat buffers of `bucket_buffer` (uint8 [nbytes]); None: torch.empty on the
-        CPU. A colocated transport sets it to shared memory that the learner writes into."""
+        """Allocates the flat buffers of `bucket_buffer` (uint8 [nbytes]); None: torch.empty where the
+        model is. A colocated transport sets it to memory that the learner writes into."""
         self._lock = threading.Lock()  # bookkeeping: several receiving threads may fill the stage (one per group)
         self._written = [False] * len(self._targets)
         self.version: int | None = None
@@ -229,7 +229,7 @@ class WeightStage:
             flat = self._flat_of(slots, entries, nbytes)
             if flat is None:  # lay them out afresh (their old staged storage is dropped)
                 flat = (self.flat_allocator(nbytes) if self.flat_allocator is not None
-                        else torch.empty(nbytes, dtype=torch.uint8))
+                        else torch.empty(nbytes, dtype=torch.uint8, device=self.device))
                 for slot, e in zip(slots, entries):
                     self._staged[slot] = flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
             return flat
@@ -251,7 +251,7 @@ class WeightStage:
             if (t.data_ptr() != base + e.offset or not t.is_contiguous() or t.dtype != e.dtype
                     or t.untyped_storage().data_ptr() != storage.data_ptr()):
                 return None
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage, start, (nbytes,))
+        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (nbytes,))
         for slot, e in zip(slots, entries):
             t = self._staged[slot]
             if t.data_ptr() != base + e.offset or t.untyped_storage().data_ptr() != storage.data_ptr():

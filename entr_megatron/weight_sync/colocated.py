@@ -26,15 +26,19 @@ The learner keeps its mappings between versions (an engine alternates between tw
 bucket, its stage's and its model's, swapped each version: a fresh mapping would fault in every
 page again) and drops those that the last two versions did not use.
 
-The embedded engine runs on the CPU, so its staging copy is host memory: a learner on a GPU copies
-each bucket device-to-host straight into it (no NCCL group: the control messages go over gloo),
-which is how a run fits on one GPU. An engine on the GPU itself would hand out CUDA IPC handles
-(torch.multiprocessing's ``reduce_tensor``) and release its KV cache while the learner trains
-(verl's and slime's sleep/wake); the embedded engine has neither, SGLang keeps its own path.
+An engine on the CPU keeps its staging copy in host memory: a learner on a GPU copies each bucket
+device-to-host straight into it (no NCCL group: the control messages go over gloo), which is how a
+run fits on one GPU. An engine on the GPU (rollout.embedded.device 'cuda') keeps it in device
+memory and hands out CUDA IPC handles instead (the storage's ``_share_cuda_``, what
+torch.multiprocessing's ``reduce_tensor`` sends): the learner opens each allocation once and
+copies device-to-device, then waits for its copies before the next message tells the engine the
+bytes are there. Both processes must see the GPU under the same index (one CUDA_VISIBLE_DEVICES).
+SGLang keeps its own path.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
@@ -48,7 +52,8 @@ from entr_megatron.weight_sync.receiver import BroadcastReceiver, acknowledge, j
 from entr_megatron.weight_sync.snapshot import SnapshotBucket, SnapshotFailed
 from entr_megatron.weight_sync.transports import BucketTransport
 
-__all__ = ["ColocatedReceiver", "ColocatedTransport", "map_storage", "open_handle", "share_handle", "shared_bytes"]
+__all__ = ["ColocatedReceiver", "ColocatedTransport", "map_storage", "open_handle", "share_handle", "shared_bytes",
+           "staging_bytes"]
 
 
 def shared_bytes(nbytes: int) -> torch.Tensor:
@@ -56,12 +61,34 @@ def shared_bytes(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)), 0, (nbytes,))
 
 
+def staging_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` on `device` that another process of this host can map: host
+    shared memory (`shared_bytes`) on the CPU, a plain allocation on a GPU (CUDA IPC opens it)."""
+    if device.type == "cpu":
+        return shared_bytes(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _b64(raw: bytes | None) -> str | None:
+    return None if raw is None else base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
 def share_handle(flat: torch.Tensor) -> dict[str, Any]:
-    """A JSON-able handle to the bytes of `flat` (contiguous uint8 in host shared memory) for
-    `open_handle` in another process of this host: its storage's shared file."""
+    """A JSON-able handle to the bytes of `flat` (contiguous uint8 in host shared memory, or in
+    GPU memory) for `open_handle` in another process of this host: its storage's shared file, or
+    its CUDA IPC handle."""
     assert flat.dtype == torch.uint8 and flat.dim() == 1 and flat.is_contiguous()
     storage = flat.untyped_storage()
     offset = flat.data_ptr() - storage.data_ptr()
+    if flat.device.type == "cuda":
+        device, ipc, size, storage_offset, counter, counter_offset, event, event_sync = storage._share_cuda_()
+        return {"kind": "cuda", "pid": os.getpid(), "device": int(device), "ipc": _b64(ipc), "size": int(size),
+                "storage_offset": int(storage_offset), "counter": _b64(counter), "counter_offset": int(counter_offset),
+                "event": _b64(event), "event_sync": bool(event_sync), "offset": offset, "nbytes": flat.numel()}
     if flat.device.type != "cpu" or not storage.is_shared():
         raise ValueError("share_handle: the tensor is not in shared memory (allocate it with shared_bytes)")
     fd, size = storage._share_fd_cpu_()[:2]  # the file torch.multiprocessing passes for this storage
@@ -79,8 +106,10 @@ def map_storage(handle: dict[str, Any]) -> torch.Tensor:
     """The whole shared storage a `share_handle` points into, mapped here as uint8 (one mapping
     serves every handle into that storage: slice it at the handle's offset)."""
     kind = handle.get("kind")
+    if kind == "cuda":
+        return _map_cuda(handle)
     if kind != "fd":
-        raise ValueError(f"unknown shared-memory handle kind {kind!r} (expected 'fd')")
+        raise ValueError(f"unknown shared-memory handle kind {kind!r} (expected 'fd' or 'cuda')")
     path = f"/proc/{handle['pid']}/fd/{handle['fd']}"
     try:
         inode = os.stat(path).st_ino
@@ -91,6 +120,33 @@ def map_storage(handle: dict[str, Any]) -> torch.Tensor:
         raise ValueError(f"{path} is no longer the engine's shared weight buffer (inode {inode}, "
                          f"expected {handle['inode']})")
     return torch.from_file(path, shared=True, size=handle["size"], dtype=torch.uint8)
+
+
+def _map_cuda(handle: dict[str, Any]) -> torch.Tensor:
+    """The engine's GPU allocation behind a "cuda" handle, opened here through CUDA IPC."""
+    device = handle["device"]
+    if not torch.cuda.is_available() or device >= torch.cuda.device_count():
+        raise ValueError(f"the engine's weights are on GPU {device}, which this process cannot see "
+                         f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices): "
+                         "colocated placement needs the learner and the engine on one host with the same "
+                         "CUDA_VISIBLE_DEVICES")
+    torch.cuda._lazy_init()
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device, _unb64(handle["ipc"]), handle["size"], handle["storage_offset"], _unb64(handle["counter"]),
+            handle["counter_offset"], _unb64(handle["event"]), handle["event_sync"])
+    except RuntimeError as e:
+        raise ValueError(f"cannot open the engine's GPU weights (CUDA IPC, engine pid {handle['pid']}): {e}") from e
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (handle["size"],))
+
+
+def _release_unused(handle: dict[str, Any]) -> None:
+    """A "cuda" handle of an allocation mapped here already: drop the reference count the engine
+    took for it when sharing (torch.multiprocessing does the same), else the engine could never
+    free that memory."""
+    if handle.get("kind") == "cuda":
+        torch.UntypedStorage._release_ipc_counter(_unb64(handle["counter"]), handle["counter_offset"],
+                                                  device=handle["device"])
 
 
 def exchange_handles(group: BroadcastGroup, handle: dict[str, Any] | None) -> list[dict[str, Any] | None]:
@@ -110,6 +166,8 @@ def exchange_handles(group: BroadcastGroup, handle: dict[str, Any] | None) -> li
 
 def _key(handle: dict[str, Any]) -> tuple:
     """One engine storage (several handles may point into it, at different offsets)."""
+    if handle.get("kind") == "cuda":
+        return "cuda", handle["pid"], handle["device"], handle["ipc"], handle["storage_offset"], handle["size"]
     return handle["pid"], handle["fd"], handle["inode"], handle["size"]
 
 
@@ -143,7 +201,9 @@ class ColocatedTransport(BucketTransport):
             if handle is None:
                 continue
             key = _key(handle)
-            if key not in self._mapped:
+            if key in self._mapped:
+                _release_unused(handle)
+            else:
                 try:
                     self._mapped[key] = map_storage(handle)
                 except ValueError as e:  # the wire is fine: the version is aborted, the engines told why
@@ -153,7 +213,9 @@ class ColocatedTransport(BucketTransport):
         ranges = bucket.layout.ranges(self.chunk_bytes)
         for (a, b), piece in zip(ranges, bucket.pieces(self.chunk_bytes)):
             for target in targets:
-                target[a:b].copy_(piece)  # from a GPU learner: device-to-host, synchronous
+                target[a:b].copy_(piece)  # into host memory from a GPU learner: device-to-host, synchronous
+        for device in {t.device for t in targets if t.device.type == "cuda"}:
+            torch.cuda.synchronize(device)  # the next message tells the engine its bytes are there
         self.copies += len(targets)
 
     def _version_done(self) -> None:
@@ -171,12 +233,13 @@ class ColocatedTransport(BucketTransport):
 class _SharedScratch:
     """The engine's receive buffer for buckets that cannot land in its stage (grown as needed)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
+        self.device = device
         self.buf: torch.Tensor | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = shared_bytes(nbytes)
+            self.buf = staging_bytes(nbytes, self.device)
         return self.buf[:nbytes]
 
 
@@ -189,14 +252,15 @@ class ColocatedReceiver(BroadcastReceiver):
     docstring). Pickles to the engine process like `BroadcastReceiver`, and joins the same groups."""
 
     def receive(self, stage: WeightStage) -> None:
-        if stage.device.type != "cpu":
-            raise ValueError(f"a colocated engine keeps its weights in host memory; this one holds them on "
-                             f"{stage.device} (rollout.placement: separate)")
-        stage.flat_allocator = shared_bytes
+        device = stage.device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"a colocated engine keeps its weights in host or GPU memory; this one holds them "
+                             f"on {device}")
+        stage.flat_allocator = lambda nbytes: staging_bytes(nbytes, device)
 
         def receive_one(spec: WeightGroup) -> None:
             with _SCRATCH_LOCK:
-                scratch = _SCRATCH.setdefault((spec.group_name, self.rank), _SharedScratch())
+                scratch = _SCRATCH.setdefault((spec.group_name, self.rank), _SharedScratch(device))
             _receive_colocated(joined_group(spec, self.rank, timeout_s=self.timeout_s), stage, scratch)
 
         self.on_every_group(receive_one)
@@ -239,7 +303,7 @@ def _receive_colocated(group: BroadcastGroup, stage: WeightStage, scratch: _Shar
             else:
                 pending = (entries, None)
                 storage = target.untyped_storage()
-                if not storage.is_shared():
+                if target.device.type == "cpu" and not storage.is_shared():
                     storage.share_memory_()  # a staged tensor already in place, e.g. alone in its bucket: moved once
             handle = share_handle(target)
         exchange_handles(group, handle)

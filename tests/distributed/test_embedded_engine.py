@@ -472,6 +472,10 @@ def test_config_errors_name_the_field(tmp_path):
         EmbeddedEngineConfig(model_dir=str(tmp_path), dtype="float16")
     with pytest.raises(ValueError, match="EmbeddedEngineConfig.kv_on_update"):
         EmbeddedEngineConfig(model_dir=str(tmp_path), kv_on_update="drop")
+    for device in ("gpu", "cuda:", "cuda:x", "mps"):
+        with pytest.raises(ValueError, match=r"EmbeddedEngineConfig\.device must be 'cpu', 'cuda' or 'cuda:N'"):
+            EmbeddedEngineConfig(model_dir=str(tmp_path), device=device)
+    assert EmbeddedEngineConfig(model_dir=str(tmp_path), device="cuda:1").device == "cuda:1"
     with pytest.raises(ValueError, match="no config.json"):  # before any process is spawned
         EmbeddedEngine(EmbeddedEngineConfig(model_dir=str(tmp_path)))
 

@@ -56,6 +56,9 @@ def test_a_handle_opens_the_same_bytes_in_another_process():
         open_handle({**handle, "pid": 2**22 + 17})
     with pytest.raises(ValueError, match="unknown shared-memory handle kind"):
         open_handle({"kind": "cuda_ipc"})
+    if not torch.cuda.is_available():  # an engine on a GPU this process cannot see (tests/gpu open one)
+        with pytest.raises(ValueError, match="weights are on GPU 0, which this process cannot see"):
+            open_handle({"kind": "cuda", "device": 0, "pid": 1})
 
 
 @pytest.mark.parametrize("bucket_bytes, dtype", [(100, None), (512 << 20, None), (300, "float64")])

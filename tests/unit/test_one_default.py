@@ -118,9 +118,10 @@ def test_the_embedded_engine_takes_the_sections_defaults_and_validator():
     section = {f.name: f.default for f in dataclasses.fields(EmbeddedConfig)}
     engine = {f.name: f.default for f in dataclasses.fields(EmbeddedEngineConfig)}
     shared = section.keys() & engine.keys()
-    assert shared == {"max_batch_size", "max_prefill_tokens", "num_threads"}
+    assert shared == {"max_batch_size", "max_prefill_tokens", "num_threads", "device", "free_cache_engine"}
     assert {k: engine[k] for k in shared} == {k: section[k] for k in shared} == {
-        "max_batch_size": 32, "max_prefill_tokens": 8192, "num_threads": None}
+        "max_batch_size": 32, "max_prefill_tokens": 8192, "num_threads": None, "device": "cpu",
+        "free_cache_engine": True}
     # One validator: the same rule, each naming its own field.
     for kwargs, rule in [({"max_batch_size": 0}, "must be an integer >= 1"),
                          ({"max_prefill_tokens": -3}, "must be an integer >= 1"),

@@ -142,6 +142,7 @@ def test_unknown_file_key_names_the_key_and_suggests(tmp_path):
         ("rollout.engine=vllm", "rollout.engine='vllm'", "embedded, sglang"),
         ("rollout.weight_snapshot=steal", "rollout.weight_snapshot='steal'", "borrow, copy"),
         ("rollout.placement=shared", "rollout.placement='shared'", "separate, colocated"),
+        ("rollout.embedded.device=gpu", "rollout.embedded.device='gpu'", "cpu, cuda"),
         ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p=1.5", "(0, 1]"),
         ("rollout.sampling.n=1", "rollout.sampling.n=1", ">= 2"),
         ("controller.max_policy_lag=-1", "controller.max_policy_lag=-1", "integer in [0, 1024]"),
@@ -194,6 +195,27 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
 def test_cross_field_rules(overrides, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_an_engine_on_the_gpu_is_colocated_with_a_local_cuda_learner():
+    gpu = ["launcher.device=cuda", "launcher.gpus_per_node=2", "rollout.embedded.device=cuda"]
+    for overrides, field, want in [
+        (["rollout.embedded.device=cuda"], "launcher.device='cpu'", "'cuda'"),
+        (gpu, "rollout.placement='separate'", "'colocated'"),
+        (gpu + ["rollout.placement=colocated", "launcher.kind=ray"], "launcher.kind='ray'", "'local'"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            load_config(None, overrides)
+        msg = str(info.value)
+        assert field in msg and f"must be {want}" in msg and "rollout.embedded.device='cuda'" in msg, msg
+    cfg = load_config(None, gpu + ["rollout.placement=colocated", "rollout.num_engines=3"])
+    from entr_megatron.controller.wiring import _embedded_config, engine_device
+
+    assert [engine_device(cfg, i) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]  # i mod gpus_per_node
+    engine = _embedded_config(cfg, "/m", 1)
+    assert engine.device == "cuda:1" and engine.free_cache_engine
+    cpu = load_config(None, ["rollout.embedded.free_cache_engine=false"])
+    assert engine_device(cpu, 1) == "cpu" and not _embedded_config(cpu, "/m", 1).free_cache_engine
 
 
 def test_sglang_gpu_budget_is_checked():
