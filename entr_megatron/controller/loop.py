@@ -41,6 +41,7 @@ aborted and thrown away; new learner ranks resume from the last checkpoint (cont
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -93,6 +94,28 @@ MAX_DISCARDED_PER_STEP = 64
 groups all get equal rewards (dynamic filtering) or never finish within the bound would spin forever."""
 
 
+class _StepTimings:
+    """Seconds spent in named parts of the controller's work since the last step's record:
+    `time(name)` around the work, `take()` returns them as ``timing/<name>`` and starts again."""
+
+    NAMES = ("reward_s", "push_s")
+
+    def __init__(self):
+        self._spent = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._spent[name] += time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        out = {f"timing/{name}": spent for name, spent in self._spent.items()}
+        self._spent = dict.fromkeys(self.NAMES, 0.0)
+        return out
+
 class Controller:
     """Drives engines and learner; owns the policy version, the buffer and the data position."""
 
@@ -124,6 +147,7 @@ class Controller:
         self._push_handle: PushHandle | None = None
         self._pushed_version = 0
         self._discarded_this_step = 0
+        self._timings = _StepTimings()
         self.lag_pipeline: LagPipeline | None = None
         if controller.mode == "fixed_lag":
             self.lag_pipeline = LagPipeline(
@@ -149,6 +173,7 @@ class Controller:
             if self.recovery.returned():
                 self._readmit()
             metrics["timing/step_s"] = step_s = time.perf_counter() - t0
+            metrics.update(self._timings.take())
             metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / step_s if step_s > 0 else 0.0
             metrics["engines/restarts"] = float(self.recovery.restarts)
             metrics["engines/out_of_service"] = float(self.recovery.out_of_service())
@@ -202,8 +227,9 @@ class Controller:
         for pending in self.lag_pipeline.take(self.step):
             reference = self.prompts.get(pending.ref.prompt_index)[1]
             for sample in pending.samples:
-                sample.reward = float(self.task.reward(sample, reference))
-                sample.token_labels = self._label_tokens(sample, reference)
+                with self._timings.time("reward_s"):
+                    sample.reward = float(self.task.reward(sample, reference))
+                    sample.token_labels = self._label_tokens(sample, reference)
             groups.append(Group(pending.ref.group_id, pending.ref.prompt_index, pending.samples, pending.ref.attempt))
         metrics = self._train(groups)
         self._push(wait=True)
@@ -305,8 +331,9 @@ class Controller:
             samples = []
             for index in sorted(record.results):
                 sample = record.results[index].to_sample()
-                sample.reward = float(self.task.reward(sample, record.reference))
-                sample.token_labels = self._label_tokens(sample, record.reference)
+                with self._timings.time("reward_s"):
+                    sample.reward = float(self.task.reward(sample, record.reference))
+                    sample.token_labels = self._label_tokens(sample, record.reference)
                 samples.append(sample)
             ref = record.ref
             if not self.buffer.put(Group(ref.group_id, ref.prompt_index, samples, ref.attempt)):
@@ -328,6 +355,7 @@ class Controller:
             self.recover(e)
 
     def _train(self, groups: list[Group]) -> dict:
+        t_batch = time.perf_counter()
         samples = [s for g in groups for s in g.samples]
         rewards_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         group_ids_B = torch.tensor([s.group_id for s in samples], dtype=torch.long)
@@ -337,8 +365,11 @@ class Controller:
                    "rollout/response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
                    "rollout/tokens": float(batch.cu_seqlens[-1]), **episode_metrics(samples)}
         t0 = time.perf_counter()
+        metrics["timing/batch_s"] = t0 - t_batch
         metrics.update(self.learner.train(batch, self.version))
         metrics["timing/train_s"] = time.perf_counter() - t0
+        if "timing/learner_step_s" in metrics:  # the rest: the call's way to the ranks and back
+            metrics["timing/train_overhead_s"] = metrics["timing/train_s"] - metrics["timing/learner_step_s"]
         self.version += 1
         self.step += 1
         metrics.update(self.buffer.counters())
@@ -347,6 +378,10 @@ class Controller:
 
     def _push(self, wait: bool) -> None:
         """Publishes the learner's version; at most one push in flight."""
+        with self._timings.time("push_s"):
+            self._push_now(wait)
+
+    def _push_now(self, wait: bool) -> None:
         try:
             if self._push_handle is not None:
                 self._push_handle.wait()

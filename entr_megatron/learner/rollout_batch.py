@@ -42,14 +42,15 @@ def split_mini_batches(batch: TrainBatch, count: int) -> list[TrainBatch]:
 
 def merge_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     """One record for a rollout batch's steps: the mean of each metric over the steps, the
-    maximum of ``*_max`` and ``*/max`` keys, the sum of ``optim/skipped``, ``optim/lr`` of the
-    last step, and ``optim/steps``. One step: its own metrics (plus ``optim/steps`` = 1)."""
+    maximum of ``*_max`` and ``*/max`` keys, the sum of ``optim/skipped`` and of ``timing/*``
+    (seconds of the whole batch), ``optim/lr`` of the last step, and ``optim/steps``. One step:
+    its own metrics (plus ``optim/steps`` = 1)."""
     if not steps:
         raise ValueError("no optimizer step to merge")
     merged: dict[str, float] = {}
     for key in dict.fromkeys(k for s in steps for k in s):
         values = [s[key] for s in steps if key in s]
-        if key == "optim/skipped":
+        if key == "optim/skipped" or key.startswith("timing/"):
             merged[key] = float(sum(values))
         elif key == "optim/lr":
             merged[key] = values[-1]

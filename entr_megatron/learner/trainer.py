@@ -21,6 +21,7 @@ anchor on it (`AlgorithmConfig.uses_old_logprobs`) and routing replay 'r2' pay f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -108,12 +109,14 @@ class RLTrainer:
         old: list[Tensor | None] = [None] * len(shares)
         # Routing replay 'r2' records pi_old's routes in that same scoring pass (into the share's extras).
         scores_old = algo.uses_old_logprobs or algo.routing_replay == "r2"
+        t_old = time.perf_counter()
         if scores_old and cfg.steps_per_batch > 1:
             # Share 0 of epoch 0 trains before anything moved: its pi_old comes from its own pass.
             first = 0 if cfg.epochs > 1 else 1
             for k in range(first, len(shares)):
                 logprobs = self.logprobs(shares[k])[0]
                 old[k] = logprobs if algo.uses_old_logprobs else None
+        old_s = time.perf_counter() - t_old
         unreplayed = {}
         if algo.measure_unreplayed and algo.routing_replay != "off":  # before any weight moves
             unreplayed = self.unreplayed_mismatch(shares)
@@ -124,6 +127,7 @@ class RLTrainer:
                 metrics["optim/minibatch"], metrics["optim/epoch"] = float(k), float(epoch)
                 steps.append(metrics)
         steps[0].update(unreplayed)  # one value per rollout batch: merge_step_metrics keeps it
+        steps[0]["timing/learner_old_logprobs_s"] = old_s  # the pi_old pass (0 without one)
         return steps
 
     def train_step(self, batch: TrainBatch, old_logprobs: Tensor | None = None,
@@ -148,6 +152,7 @@ class RLTrainer:
         if self.optimizer is None:
             raise ValueError("this RLTrainer was built without an optimizer: it can only score (logprobs)")
         groups, algo, cfg = self.groups, self.algo_cfg, self.learner_cfg
+        t0 = time.perf_counter()
         micro = microbatches_for_step(batch, groups, cfg, self.config)
         replay = ReplayStep.for_batch(self.chunks, batch, groups, scoring=False, mode=algo.routing_replay)
         for chunk in self.chunks:
@@ -158,10 +163,29 @@ class RLTrainer:
             return make_policy_loss_func(mb, groups.tp, algo, cfg, vocab_size=self.vocab_size,
                                          temperature=self.temperature, old_logprobs_T=old_logprobs)
 
+        t1 = time.perf_counter()
         reports = run_schedule(self.chunks, micro, groups, make_loss, forward_only=False, replay=replay)
-        step = optimizer_step(self.optimizer, self.scheduler, cfg.optim.clip_grad, before_update=before_update)
+        t2 = time.perf_counter()
+        waited = [0.0]
+
+        def timed_before_update():
+            tw = time.perf_counter()
+            try:
+                return before_update() if before_update is not None else None
+            finally:
+                waited[0] = time.perf_counter() - tw
+
+        step = optimizer_step(self.optimizer, self.scheduler, cfg.optim.clip_grad, before_update=timed_before_update)
+        t3 = time.perf_counter()
         metrics = LossReport.total(reports).all_reduced(groups).metrics() if groups.is_last_stage() else {}
         metrics = from_last_stage(metrics, groups)
+        t4 = time.perf_counter()
+        metrics.update({  # seconds (on a GPU, a part's queued kernels count in the next part that waits for them)
+            "timing/learner_prepare_s": t1 - t0,
+            "timing/learner_forward_backward_s": t2 - t1,
+            "timing/learner_optimizer_s": t3 - t2 - waited[0],
+            "timing/learner_metrics_s": t4 - t3,
+        })
         metrics.update({
             "optim/grad_norm": step.grad_norm,
             "optim/skipped": 0.0 if step.applied else 1.0,

@@ -357,9 +357,16 @@ def check_mini_batches(batch, algo_cfg, learner_cfg, tp=1, fused=False):
     groups, cfg, ddp, optimizer, scheduler = build_layout(ref, tp=tp, learner_cfg=learner_cfg, fused=fused)
     where = (f"mini-batches tp={tp} dp={groups.dp_size} fused={fused} {algo_cfg.correction} {algo_cfg.policy_loss} "
              f"epochs={learner_cfg.epochs}")
+    t0 = time.perf_counter()
     steps = train_rollout_batch(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg,
                                 temperature=TEMPERATURE)
+    wall = time.perf_counter() - t0
     assert len(steps) == len(ref["steps"]) == 2 * learner_cfg.epochs
+    parts = ("prepare", "forward_backward", "optimizer", "metrics")
+    timed = steps[0]["timing/learner_old_logprobs_s"] + sum(s[f"timing/learner_{p}_s"] for s in steps for p in parts)
+    assert all(s[f"timing/learner_{p}_s"] >= 0 for s in steps for p in parts)
+    assert steps[0]["timing/learner_old_logprobs_s"] > 0 if algo_cfg.uses_old_logprobs else True
+    assert 0.5 * wall < timed <= wall, (timed, wall)  # the parts are disjoint and cover most of the call
     assert [s["optim/minibatch"] for s in steps] == [0.0, 1.0] * learner_cfg.epochs
     masked = [step["metrics"]["mask/fraction"] for step in ref["steps"]]
     for key in (f"{algo_cfg.policy_loss}/mask_fraction",):  # a policy loss's own trust region (DPPO)

@@ -301,3 +301,42 @@ def test_throughput_is_batch_tokens_over_step_time():
     for h, (batch, _) in zip(ctrl.run(3), learner.records):
         assert h["rollout/tokens"] == float(batch.cu_seqlens[-1]) > 0
         assert h["throughput/tokens_per_s"] == pytest.approx(h["rollout/tokens"] / h["timing/step_s"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_timings_name_where_the_controllers_time_went(mode):
+    """timing/reward_s, push_s, batch_s and train_overhead_s measure their parts: a reward that
+    sleeps 2 ms a sample, a push whose wait sleeps 20 ms, a train call that sleeps 30 ms of which
+    the ranks report 10 ms (the rest is the call's way there and back)."""
+    import time
+
+    ctrl, learner = make(mode, 4, base_len=3, jitter=2, train_ticks=1)
+    reward, train, push = ctrl.task.reward, learner.train, ctrl.pusher.push
+
+    def slow_reward(sample, reference):
+        time.sleep(0.002)
+        return reward(sample, reference)
+
+    def slow_train(batch, version):
+        time.sleep(0.03)
+        return {**train(batch, version), "timing/learner_step_s": 0.01}
+
+    def slow_push(version):
+        handle = push(version)
+        wait = handle.wait
+
+        class Slow:
+            def wait(self):
+                time.sleep(0.02)
+                return wait()
+
+        return Slow()
+
+    ctrl.task.reward, learner.train, ctrl.pusher.push = slow_reward, slow_train, slow_push
+    history = ctrl.run(3)
+    for m in history[1:]:  # step 0 of the overlapped modes may take its first samples' rewards early
+        assert m["timing/train_overhead_s"] == pytest.approx(m["timing/train_s"] - 0.01)
+        assert 0.02 <= m["timing/train_overhead_s"] < m["timing/step_s"]
+        assert 0.02 <= m["timing/push_s"] < m["timing/step_s"]
+        assert 0 <= m["timing/batch_s"] < m["timing/train_s"] < m["timing/step_s"]
+    assert sum(m["timing/reward_s"] for m in history) >= 3 * P * N * 0.002  # every sample trained on got one
