@@ -12,6 +12,11 @@ requested TP size, runs ENTR training steps on synthetic rollouts and prints:
 TP=1 runs one rank with all cores; TP=2 runs two ranks with a core each, so the
 two rows compare the same machine, not the same per-rank resources.
 
+`--hf-baseline` adds, in the same run, the step a single-process trainer built on HF
+transformers takes (TRL's GRPOTrainer trains this way): the same model and batch, right-padded
+to the longest sequence, forward, log-softmax of the response tokens, a policy-gradient
+token-mean loss, backward and AdamW, with every core; the table then gives ours / HF.
+
     python tools/bench_learner.py                         # TP=1 and TP=2, default sizes
     python tools/bench_learner.py --tp 2 --vocab 151936 --steps 3
 """
@@ -128,8 +133,7 @@ def worker(rank, world, args, results_path):
     chunks, spec = build_learner_model_from_hf(
         hf_config, groups, load_weights=False, config_overrides={"calculate_per_token_loss": True}
     )
-    learner_cfg = LearnerConfig(max_tokens_per_microbatch=args.microbatch_tokens, vocab_size=spec.vocab_size,
-                                optim=OptimConfig(lr=1e-5))
+    learner_cfg = LearnerConfig(max_tokens_per_microbatch=args.microbatch_tokens, optim=OptimConfig(lr=1e-5))
     ddp = wrap_model_chunks(chunks, groups, learner_cfg)
     optimizer, scheduler = build_optimizer(ddp, learner_cfg)
     algo_cfg = AlgorithmConfig(correction="entr")
@@ -141,7 +145,7 @@ def worker(rank, world, args, results_path):
         timers.op = timers.loss = 0.0
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg)
+        train_step(ddp, optimizer, scheduler, batch, groups, algo_cfg, learner_cfg, vocab_size=spec.vocab_size)
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             rows.append((dt, timers.loss, timers.op, int(batch.tokens_T.numel())))
@@ -157,6 +161,43 @@ def worker(rank, world, args, results_path):
             f.write(repr((world, n_params * world, tokens, step_s, loss_s, op_s)) + "\n")
 
 
+def hf_baseline(args) -> tuple[int, float]:
+    """(tokens per step, median step seconds) of an HF transformers fwd + bwd + AdamW on the
+    benchmark's batches (module docstring), in this process with torch's threads."""
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    cfg = transformers.Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times, tokens = [], 0
+    for step in range(args.warmup + args.steps):
+        batch = synthetic_batch(args.seqs, args.prompt_len, args.response_len, args.vocab, seed=step)
+        cu = batch.cu_seqlens.tolist()
+        width = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+        ids = torch.zeros(len(cu) - 1, width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        weight = torch.zeros(len(cu) - 1, width)
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            ids[i, :b - a], attn[i, :b - a] = batch.tokens_T[a:b], 1
+            weight[i, :b - a] = batch.loss_mask_T[a:b].float() * batch.advantages_B[i]
+        t0 = time.perf_counter()
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        mask = weight[:, 1:] != 0
+        loss = -(logp * weight[:, 1:]).sum() / mask.sum().clamp(min=1)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            tokens = int(batch.tokens_T.numel())
+    return tokens, statistics.median(times)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -169,6 +210,7 @@ def main(argv=None):
     ap.add_argument("--microbatch-tokens", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--hf-baseline", action="store_true", help="also time HF transformers on the same batches")
     args = ap.parse_args(argv)
     results = f"/tmp/bench_learner.{os.getpid()}.txt"
     open(results, "w").close()
@@ -184,8 +226,13 @@ def main(argv=None):
     print("| TP | params | tokens/step | step time | tokens/s | loss share | op (fwd+bwd) share | algorithm share |")
     print("|---|---|---|---|---|---|---|---|")
     for world, n_params, tokens, step_s, loss_s, op_s in rows:
-        print(f"| {world} | {n_params / 1e6:.1f} M | {tokens} | {step_s:.2f} s | {tokens / step_s:.0f} | "
+        print(f"| {world} | {n_params / 1e6:.1f} M | {tokens} | {step_s:.3f} s | {tokens / step_s:.0f} | "
               f"{loss_s / step_s:.1%} | {op_s / step_s:.1%} | {(loss_s - op_s) / step_s:.1%} |")
+    if args.hf_baseline:
+        tokens, hf_s = hf_baseline(args)
+        print(f"\nHF transformers, one process, {torch.get_num_threads()} threads: {tokens} tokens in {hf_s:.3f} s "
+              f"({tokens / hf_s:.0f} tokens/s); ours / HF step time: "
+              + ", ".join(f"TP={world} {step_s / hf_s:.2f}x" for world, _, _, step_s, _, _ in rows))
 
 
 if __name__ == "__main__":
