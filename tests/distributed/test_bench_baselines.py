@@ -80,3 +80,21 @@ def test_cce_as_benchmarked_matches_float64_with_per_token_gradients():
     if not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("CCE's torch_compile path compiles C++ on CPU: no compiler here")
     run_gloo(_check_baselines, 2, ["cce", "cce_ent"], threads=1)
+
+
+def test_bench_learner_times_ours_and_hf_on_the_same_tokens():
+    """tools/bench_learner.py runs end to end (it had rotted once, unnoticed) and its HF baseline
+    trains on exactly the tokens our learner trained on."""
+    import re
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, f"{TOOLS}/bench_learner.py", "--tp", "1", "--hidden", "32", "--layers", "1", "--vocab", "64",
+         "--seqs", "4", "--prompt-len", "4", "--response-len", "8", "--microbatch-tokens", "64", "--steps", "1",
+         "--warmup", "0", "--hf-baseline"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    ours = re.search(r"^\| 1 \| [0-9.]+ M \| (\d+) \| ([0-9.]+) s \|", out, re.M)
+    hf = re.search(r"HF transformers, one process, \d+ threads: (\d+) tokens in ([0-9.]+) s .*TP=1 ([0-9.]+)x", out)
+    assert ours and hf, out
+    assert ours.group(1) == hf.group(1)
+    assert float(hf.group(2)) > 0 and float(hf.group(3)) > 0
