@@ -19,6 +19,8 @@ token-mean loss, backward and AdamW, with every core; the table then gives ours 
 
     python tools/bench_learner.py                         # TP=1 and TP=2, default sizes
     python tools/bench_learner.py --tp 2 --vocab 151936 --steps 3
+    python tools/bench_learner.py --tp 1 --hidden 128 --heads 4 --kv-heads 2 --vocab 58 --seqs 32 \
+        --prompt-len 24 --response-len 56 --microbatch-tokens 4096 --hf-baseline   # a countdown mini-batch
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def worker(rank, world, args, results_path):
     hf_config = {
         "model_type": "qwen3", "vocab_size": args.vocab, "hidden_size": args.hidden,
         "intermediate_size": args.hidden * 3, "num_hidden_layers": args.layers,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": args.hidden // 8,
+        "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "head_dim": args.hidden // args.heads,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
         "tie_word_embeddings": False, "hidden_act": "silu",
     }
@@ -169,7 +171,8 @@ def hf_baseline(args) -> tuple[int, float]:
     warnings.filterwarnings("ignore")
     cfg = transformers.Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
         max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -203,6 +206,8 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8, help="attention heads (head dim: hidden / heads)")
+    ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seqs", type=int, default=16, help="sequences per step")
     ap.add_argument("--prompt-len", type=int, default=64)
