@@ -116,6 +116,7 @@ class _StepTimings:
         self._spent = dict.fromkeys(self.NAMES, 0.0)
         return out
 
+
 class Controller:
     """Drives engines and learner; owns the policy version, the buffer and the data position."""
 

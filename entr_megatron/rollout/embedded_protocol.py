@@ -115,7 +115,7 @@ class EmbeddedEngineConfig:
     """With quantize "fp8": also round each rounded linear layer's input (dynamic scale)."""
     device: str = EmbeddedConfig.device
     """Where the engine computes: "cpu", or "cuda" / "cuda:N" (weights, KV cache and sampling on
-    that GPU; the weights then arrive through `weight_sync.colocated` only)."""
+    that GPU; in a `train` run its weights arrive through `weight_sync.colocated`)."""
     free_cache_engine: bool = EmbeddedConfig.free_cache_engine
     """On a GPU: empty torch's CUDA cache whenever nothing is left to decode (rollout.embedded)."""
 
