@@ -134,19 +134,15 @@ class LearnerWorker:
         from entr_megatron.learner.rollout_batch import merge_step_metrics
 
         t0 = time.perf_counter()
-        waited = [0.0]
-
-        def before_update():  # the weights a push borrowed must be on the wire before they change
-            if self.sync is not None:
-                waited[0] += self.sync.wait_borrowed()
-
+        # The weights a push borrowed must be on the wire before they change (the trainer times the
+        # wait: timing/weight_borrow_wait_s).
+        before_update = self.sync.wait_borrowed if self.sync is not None else None
         if version is not None:
             maybe_fault(f"rank{self.info.rank}", version, "train")  # tests only (utils/faults.py)
             batch = dataclasses.replace(batch, policy_version=version)
         steps = self.trainer.train_rollout_batch(batch, before_update=before_update)
         metrics = merge_step_metrics(steps)
         metrics["timing/learner_step_s"] = time.perf_counter() - t0
-        metrics["timing/weight_borrow_wait_s"] = waited[0]
         return metrics
 
     # --- weights to the engines -------------------------------------------------------------------

@@ -184,6 +184,7 @@ class RLTrainer:
             "timing/learner_prepare_s": t1 - t0,
             "timing/learner_forward_backward_s": t2 - t1,
             "timing/learner_optimizer_s": t3 - t2 - waited[0],
+            "timing/weight_borrow_wait_s": waited[0],
             "timing/learner_metrics_s": t4 - t3,
         })
         metrics.update({
