@@ -186,7 +186,10 @@ def _results(info: StudyInfo) -> pd.DataFrame:
     frames = [c.frame for c in info.cells if not c.frame.empty]
     if not frames:
         return pd.DataFrame(columns=["cell", "state", *info.axes, "step", "wall_s", "tokens_cum"])
-    return pd.concat(frames, ignore_index=True, sort=False)
+    # Cells log different metric sets (a correction's mask keys, the engine's): the concatenation
+    # keeps a block per column that is missing somewhere; copy() joins them into one per dtype, so
+    # the columns the report adds later do not each pay for (and warn about) a fragmented frame.
+    return pd.concat(frames, ignore_index=True, sort=False).copy()
 
 
 def load_results(study_dir: str | os.PathLike) -> pd.DataFrame:

@@ -7,6 +7,7 @@ module's own helpers.
 import json
 import math
 import re
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -98,6 +99,26 @@ def study(tmp_path):
                 _write_cell(root, cid, axes, rows=rows, evals=evals)
                 written[cid] = rows
     return root, written
+
+
+def test_cells_with_different_metrics_load_as_one_unfragmented_frame(tmp_path):
+    # Four cells, each without every fourth of 150 metric keys (as corrections log keys of their
+    # own between the shared ones): the frame has every key, NaN where a cell did not log it, and
+    # adding a column does not warn of a fragmented frame (the concatenation left ~120 blocks,
+    # and every study report printed the warning).
+    root = tmp_path / "study"
+    _write_study(root)
+    for i in range(4):
+        rows = [{"step": t, "timing/step_s": 1.0, **{f"k/{k:03d}": k + 0.5 * t for k in range(150) if k % 4 != i}}
+                for t in range(3)]
+        _write_cell(root, _cell_id(f"m{i}", 0, 0), {METHOD: f"m{i}", LAG: 0, SEED: 0}, rows=rows)
+    df = load_results(root)
+    cell = {i: df[df["cell"] == _cell_id(f"m{i}", 0, 0)].set_index("step") for i in range(4)}
+    assert cell[0].loc[2, "k/007"] == 7 + 0.5 * 2 and cell[3].loc[1, "k/149"] == 149 + 0.5
+    assert cell[3]["k/007"].isna().all() and cell[0]["k/148"].isna().all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pd.errors.PerformanceWarning)
+        df.assign(**{f"new/{i}": 1.0 for i in range(3)})
 
 
 def test_load_results_has_a_row_per_cell_and_step(study):
