@@ -56,6 +56,18 @@ def _panels(plt, n: int, sharey: bool = True):
     return fig, list(axes[0])
 
 
+def _legend(axes: Sequence[Any], fontsize: str = "small") -> None:
+    """The legend on the first panel that has labelled lines (none when no panel has: a legend
+    without entries only warns); a panel with no data says so (a lag whose cells have not run)."""
+    for ax in axes:
+        if not ax.has_data():
+            ax.text(0.5, 0.5, "no finished cells", transform=ax.transAxes, ha="center", va="center", color="grey")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=fontsize)
+            return
+
+
 def _save(plt, fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=_DPI)
@@ -94,7 +106,7 @@ def plot_curves(frame: pd.DataFrame, x: str, y: str, path: Path, lags: Sequence[
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(ylabel)
-    axes[0].legend(fontsize="small")
+    _legend(axes)
     _save(plt, fig, path)
     return True
 
@@ -133,8 +145,7 @@ def plot_heldout(frame: pd.DataFrame, cells: pd.DataFrame, path: Path, lags: Seq
         ax.set_xlabel("step (hollow: eval.json before / after RL)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy")
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend(fontsize="x-small")
+    _legend(axes, "x-small")
     _save(plt, fig, path)
     return True
 
@@ -171,7 +182,7 @@ def plot_final_accuracy(stats: pd.DataFrame, path: Path, lags: Sequence[str], co
     ax.set_ylabel("sampled accuracy after RL")
     ax.set_title("final held-out accuracy (mean, min..max over seeds)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend([ax])
     _save(plt, fig, path)
     return True
 
@@ -205,7 +216,7 @@ def plot_bins(values: pd.DataFrame, path: Path, bins: Sequence[str], lags: Seque
         if logy and positive.all():
             ax.set_yscale("log")
     axes[0].set_ylabel(ylabel)
-    axes[0].legend(fontsize="small")
+    _legend(axes)
     _save(plt, fig, path)
     return True
 
@@ -233,7 +244,7 @@ def plot_diagnostics(frame: pd.DataFrame, path: Path, panels: Sequence[tuple[str
                 if not part.empty:
                     ax.plot(part["x"], part["mean"], _LINESTYLES[j % len(_LINESTYLES)], color=color,
                             label=f"{method}, lag {lag}")
-    axes[0][0].legend(fontsize="x-small")
+    _legend([ax for row in axes for ax in row], "x-small")
     _save(plt, fig, path)
     return missing
 
@@ -268,7 +279,7 @@ def plot_fits(frame: pd.DataFrame, fits: Mapping[tuple[str, str], Any], path: Pa
         ax.set_xlabel("compute: cumulative rollout tokens")
         ax.set_title(f"ScaleRL fit (lag {lag})")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize="x-small")
+        _legend([ax], "x-small")
     axes[0].set_ylabel("reward/mean")
     _save(plt, fig, path)
     return True

@@ -309,6 +309,28 @@ def test_speedup_ratio_matches_a_hand_computation(tmp_path):
     assert "## Speedup at matched reward" in text and f"{16.8 / 5.5:.4g}" in text
 
 
+def test_a_report_of_a_partly_run_study_draws_without_warnings(tmp_path):
+    # Lag 0 only listed (pending), lag 4 run: every figure is drawn, the empty panels say so, and
+    # nothing warns (a legend without entries did, for each figure whose first panel was empty).
+    root = tmp_path / "study"
+    pending = [{"id": _cell_id(m, 0, 0), "axes": {METHOD: m, LAG: 0, SEED: 0}} for m in ("none", "entr")]
+    (root / "cells").mkdir(parents=True)
+    (root / "study.json").write_text(json.dumps({"name": "partial", "axes": [METHOD, LAG, SEED],
+                                                 "report": {"method": METHOD, "lag": LAG}, "cells": pending}))
+    for method in ("none", "entr"):
+        rows = [_row(method, t, 0.2 + 0.02 * t, 0) for t in range(STEPS)]
+        evals = {"before_rl": {"eval/accuracy": 0.3, "eval/sampled_accuracy": 0.28},
+                 "after_rl": {"eval/accuracy": 0.45, "eval/sampled_accuracy": _after(method, 4, 0)}}
+        _write_cell(root, _cell_id(method, 4, 0), {METHOD: method, LAG: 4, SEED: 0}, rows=rows, evals=evals)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = write_report(root, tmp_path / "out").read_text()
+    assert "4 cells (2 done, 0 failed, 0 running, 2 pending)" in text
+    for link in _png_links(text):
+        assert (tmp_path / "out" / link).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", link
+    assert {"reward_vs_step.png", "heldout_accuracy.png", "sigmoid_fits.png", "mask_fraction.png"} <= set(_png_links(text))
+
+
 def test_a_peak_within_the_reward_noise_is_not_a_collapse():
     # 100 steps of a flat policy as a study step sees it: 8 prompts of different difficulty
     # (p ~ Beta(1, 2)), 8 samples each, so the per-step reward noise is about 0.1. Its smoothed
