@@ -51,10 +51,12 @@ class ControllerConfig:
     rollout.sampling.max_new_tokens // (intra_lag + 1). >= 1."""
 
     intra_lag_hold_mean: bool = False
-    """fixed_lag: centre a response's J + 1 versions on v - K (lags K + c - j, c = J // 2, plus 1 on
-    every other group when J is odd) instead of ending them there (lags K + J - j), so the mean token
-    lag is K whatever J and J changes only the number of switches inside a response, not the data's
-    age (controller/fixed_lag.py). Needs inter_lag >= ceil(intra_lag / 2)."""
+    """fixed_lag: centre a response's J + 1 versions (lags K + c - j) instead of ending them at v - K
+    (lags K + J - j), with each group's centre c chosen so the mean token lag is K whatever J and
+    the responses' lengths (c averages the measured token-weighted mean segment index: the last
+    segment, the rest of a response, weighs more than the others). J then changes only the number
+    of switches inside a response, not the data's age (controller/fixed_lag.py). Needs
+    inter_lag >= ceil(intra_lag / 2)."""
 
     stale_policy: StalePolicy = "regenerate"
     """What happens to a sample over the bound: 'drop' it or 'regenerate' its prompt. Counted either way."""

@@ -114,6 +114,58 @@ def test_hold_mean_keeps_the_mean_lag_at_K_and_puts_J_plus_1_versions_in_each_re
     assert history[-1]["policy_lag/mean"] == K + J / 2
 
 
+@pytest.mark.parametrize("J,stride", [(2, 4), (5, 2), (3, 3)])
+def test_hold_mean_keeps_the_mean_token_lag_at_K_when_the_last_segment_is_longer(J, stride):
+    # Responses of 9-23 tokens (by prompt), longer than J x stride, so the last segment (the rest
+    # of each response) outweighs the others, as on countdown (~42 tokens, stride 4). Centring the
+    # versions on J / 2 gave a mean token lag 0.25-0.57 below K here; centred on the measured mean
+    # segment index it is K (within 0.05 over 50 steps), and every response still carries J + 1
+    # consecutive versions, one switch every `stride` tokens.
+    K = 5
+    engine = InstantEngine(natural_len=lambda first: J * stride + 1 + (first * 7) % 15)
+    ctrl, learner, _ = make(K=K, J=J, stride=stride, max_new=26, hold_mean=True, engine=engine)
+    history = ctrl.run(K + J + 60)
+    lags = []
+    for (batch, v), m in zip(learner.records, history):
+        if v < K + J + 10:  # the first steps clamp at version 0, then m is measured
+            continue
+        for seq in seq_versions(batch):
+            assert len(seq) > J * stride and len(set(seq)) == J + 1
+            first = seq[0]
+            assert seq == [first + j for j in range(J + 1) for _ in range(stride)][:J * stride] + \
+                [first + J] * (len(seq) - J * stride), seq
+            assert 0 <= v - seq[-1] and v - first <= K + J
+            lags += [v - x for x in seq]
+        assert abs(m["policy_lag/mean"] - K) < 1.0 and m["policy_lag/spread_max"] == J
+    assert sum(lags) / len(lags) == pytest.approx(K, abs=0.05)
+    segments = ctrl.lag_pipeline.tokens_by_segment
+    assert segments[:J] == [segments[0]] * J and segments[J] > segments[0]  # the last segment is the longest
+
+
+def test_hold_mean_resumes_exactly_with_its_measured_centre():
+    K, J, stride = 3, 2, 3
+    engine = InstantEngine(natural_len=lambda first: 7 + first % 9)
+    straight, learner, _ = make(K=K, J=J, stride=stride, max_new=20, hold_mean=True, engine=engine)
+    straight.run(16)
+    first, learner1, _ = make(K=K, J=J, stride=stride, max_new=20, hold_mean=True,
+                              engine=InstantEngine(natural_len=lambda first: 7 + first % 9))
+    first.run(9)
+    state = first.state_dict()
+    assert sum(state["generated_ahead"]["tokens_by_segment"]) > 0
+    resumed, learner2, engine2 = make(K=K, J=J, stride=stride, max_new=20, hold_mean=True,
+                                      engine=InstantEngine(natural_len=lambda first: 7 + first % 9))
+    engine2.version = state["version"]
+    resumed.load_state_dict(state)
+    resumed.run(7)
+    got = learner1.records + learner2.records
+    assert [v for _, v in got] == [v for _, v in learner.records]
+    for (a, _), (b, _) in zip(got, learner.records):
+        assert a.tokens_T.tolist() == b.tokens_T.tolist() and a.versions_T.tolist() == b.versions_T.tolist()
+    wrong, _, _ = make(K=K, J=1, stride=stride, max_new=20, hold_mean=True)
+    with pytest.raises(ValueError, match="intra_lag"):
+        wrong.load_state_dict(state)
+
+
 def test_hold_mean_needs_inter_lag_for_half_the_switches():
     with pytest.raises(ValueError, match="intra_lag_hold_mean"):
         ControllerConfig(mode="fixed_lag", inter_lag=2, intra_lag=5, intra_lag_hold_mean=True)
