@@ -142,25 +142,31 @@ def test_hold_mean_keeps_the_mean_token_lag_at_K_when_the_last_segment_is_longer
     assert segments[:J] == [segments[0]] * J and segments[J] > segments[0]  # the last segment is the longest
 
 
-def test_hold_mean_resumes_exactly_with_its_measured_centre():
-    K, J, stride = 3, 2, 3
-    engine = InstantEngine(natural_len=lambda first: 7 + first % 9)
-    straight, learner, _ = make(K=K, J=J, stride=stride, max_new=20, hold_mean=True, engine=engine)
-    straight.run(16)
-    first, learner1, _ = make(K=K, J=J, stride=stride, max_new=20, hold_mean=True,
-                              engine=InstantEngine(natural_len=lambda first: 7 + first % 9))
-    first.run(9)
+def _resumes_exactly(build, first_steps, rest_steps):
+    """A run of first_steps + rest_steps, and the same run stopped after first_steps and resumed
+    from its state in a fresh controller (`build()`: controller, learner, engine), train on the
+    same tokens with the same versions. Returns the saved state."""
+    straight, learner, _ = build()
+    straight.run(first_steps + rest_steps)
+    first, learner1, _ = build()
+    first.run(first_steps)
     state = first.state_dict()
-    assert sum(state["generated_ahead"]["tokens_by_segment"]) > 0
-    resumed, learner2, engine2 = make(K=K, J=J, stride=stride, max_new=20, hold_mean=True,
-                                      engine=InstantEngine(natural_len=lambda first: 7 + first % 9))
-    engine2.version = state["version"]
+    resumed, learner2, engine2 = build()
+    engine2.version = state["version"]  # a fresh engine loaded with the checkpoint's weights
     resumed.load_state_dict(state)
-    resumed.run(7)
+    resumed.run(rest_steps)
     got = learner1.records + learner2.records
     assert [v for _, v in got] == [v for _, v in learner.records]
     for (a, _), (b, _) in zip(got, learner.records):
         assert a.tokens_T.tolist() == b.tokens_T.tolist() and a.versions_T.tolist() == b.versions_T.tolist()
+    return state
+
+
+def test_hold_mean_resumes_exactly_with_its_measured_centre():
+    K, J, stride = 3, 2, 3
+    state = _resumes_exactly(lambda: make(K=K, J=J, stride=stride, max_new=20, hold_mean=True,
+                                          engine=InstantEngine(natural_len=lambda first: 7 + first % 9)), 9, 7)
+    assert sum(state["generated_ahead"]["tokens_by_segment"]) > 0
     wrong, _, _ = make(K=K, J=1, stride=stride, max_new=20, hold_mean=True)
     with pytest.raises(ValueError, match="intra_lag"):
         wrong.load_state_dict(state)
@@ -210,18 +216,7 @@ def test_resume_continues_exactly_and_memory_is_bounded():
     straight.hooks.on_step.append(lambda m: sizes.append(len(straight.lag_pipeline.batches)))
     straight.run(6)
     assert max(sizes) <= straight.lag_pipeline.held_batches == K + J + 1
-
-    first, learner1, _ = make(K=K, J=J)
-    first.run(3)
-    state = first.state_dict()
-    resumed, learner2, engine2 = make(K=K, J=J)
-    engine2.version = state["version"]  # a fresh engine loaded with the checkpoint's weights
-    resumed.load_state_dict(state)
-    resumed.run(3)
-    got = learner1.records + learner2.records
-    assert [v for _, v in got] == [v for _, v in learner.records]
-    for (a, _), (b, _) in zip(got, learner.records):
-        assert a.tokens_T.tolist() == b.tokens_T.tolist() and a.versions_T.tolist() == b.versions_T.tolist()
+    _resumes_exactly(lambda: make(K=K, J=J), 3, 3)
 
 
 def test_fixed_lag_config_errors_name_the_field(tmp_path):
