@@ -4,7 +4,8 @@
       .lock                        held by the one `study run` working on OUT (pid, host, start time)
       study.json, spec.yaml        what the study is (axes, report grouping, every cell's id and axes)
                                    and the spec as given
-      warmup/                      the shared SFT run (warmup/sft/model), when the spec has one
+      warmup/                      the shared SFT run (warmup/sft/model), when the spec has one;
+                                   with warmup.per_seed one per seed (warmup/seed=N/sft/model)
       cells/<cell id>/
         cell.json                  its axes and config hash (what it computes)
         cell.yaml                  its config, as `train --config` reads it
@@ -203,9 +204,10 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def _prepare(spec: StudySpec, out: Path) -> Path | None:
+def _prepare(spec: StudySpec, out: Path, jobs: int = 1) -> Path | dict[int, Path] | None:
     """Writes study.json (with every cell of the spec, so that a report of a partly run study
-    lists the cells never run) and the spec; runs the shared warm-up once. Returns its model (or None)."""
+    lists the cells never run) and the spec; runs the shared warm-up once, or with
+    `warmup.per_seed` each seed's (`jobs` at a time). Returns its model, {seed: model}, or None."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
@@ -215,20 +217,28 @@ def _prepare(spec: StudySpec, out: Path) -> Path | None:
         f.write(spec.path.read_text())
     if spec.warmup is not None and "model" in spec.warmup:
         return spec.warmup["model"]
-    raw = spec.warmup_config()
-    if raw is None:
+    if spec.warmup_config() is None:
         return None
-    warm = out / "warmup"
+    if not spec.per_seed_warmup:
+        return _warm_up(spec.warmup_config(), out / "warmup", "the shared warm-up")
+    with cf.ThreadPoolExecutor(max_workers=min(jobs, len(spec.seeds))) as pool:
+        futures = {seed: pool.submit(_warm_up, spec.warmup_config(seed), out / "warmup" / f"seed={seed}",
+                                     f"seed {seed}'s warm-up") for seed in spec.seeds}
+        return {seed: f.result() for seed, f in futures.items()}
+
+
+def _warm_up(raw: dict, warm: Path, what: str) -> Path:
+    """Runs one warm-up (`sft`) in `warm` unless its model is there; returns warm/sft/model."""
     model = warm / "sft" / "model"
     if (model / "config.json").exists():
         return model
-    warm.mkdir(exist_ok=True)
+    warm.mkdir(parents=True, exist_ok=True)
     raw = {**raw, "logging": {**raw.get("logging", {}), "run_dir": str(warm)}}
     _write_yaml(warm / "warmup.yaml", raw)
-    print(f"[study] shared warm-up (SFT) in {warm}", file=sys.stderr, flush=True)
+    print(f"[study] {what} (SFT) in {warm}", file=sys.stderr, flush=True)
     code, _ = run_command(["sft", "--config", str(warm / "warmup.yaml"), "--run-dir", str(warm)], str(warm / "sft.log"))
     if code != 0 or not (model / "config.json").exists():
-        raise RuntimeError(f"the shared warm-up failed (exit {code}); see {warm / 'sft.log'}")
+        raise RuntimeError(f"{what} failed (exit {code}); see {warm / 'sft.log'}")
     return model
 
 
@@ -314,7 +324,7 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
 
 def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_address: str | None,
                 only: list[str] | None) -> StudyResult:
-    model = _prepare(spec, out)
+    model = _prepare(spec, out, jobs)
     cells = spec.cells(warmup_model=model)
     if only:
         cells = spec.select(cells, only)

@@ -12,6 +12,9 @@ optional shared warm-up. Validated completely (every cell's config included) bef
     seeds: [0, 1, 2]                     # controller.seed of each cell (default [0])
     warmup:                              # optional: one SFT run whose model every cell starts from
       overrides: {sft.steps: 250}        # on top of base + overrides (needs an `sft` section)
+      # per_seed: true                   # or: one warm-up per seed (controller.seed = the seed), each
+                                         # seed's cells start from their own (seeds then differ in
+                                         # their warm-up too, so their spread includes it)
       # model: ../other/warmup/sft/model # or: reuse a finished warm-up (an HF model directory)
     resources: {num_cpus: 2}             # per cell: Ray task resources (num_cpus, num_gpus)
     methods:                             # optional: named bundles of dotted overrides, gridded
@@ -127,18 +130,24 @@ class StudySpec:
                 points.setdefault(self._cell_id(axes), (self._cell_id(axes), axes, where))
         return list(points.values())
 
-    def cells(self, warmup_model: Path | None = None) -> list[Cell]:
+    @property
+    def per_seed_warmup(self) -> bool:
+        """True when each seed has its own warm-up (`warmup.per_seed`)."""
+        return bool(self.warmup and self.warmup.get("per_seed"))
+
+    def cells(self, warmup_model: Path | Mapping[int, Path] | None = None) -> list[Cell]:
         """Every cell, validated, seed by seed (the order they run in); with `warmup_model` each
-        starts from that model (no own SFT)."""
+        starts from that model (no own SFT): one for all, or one per seed (a mapping seed -> model)."""
         out: dict[str, Cell] = {}
         for cell_id, axes, where in self._grid_points():
+            model = warmup_model.get(axes[SEED_KEY]) if isinstance(warmup_model, Mapping) else warmup_model
             raw = self._raw(axes, where)
             wandb = raw.get("logging", {}).get("wandb")
             if isinstance(wandb, dict):  # the study's cells are one W&B group, each named by its id
                 raw["logging"]["wandb"] = {"group": self.name, "name": cell_id, **{k: v for k, v in wandb.items()
                                                                                   if v is not None}}
-            if warmup_model is not None:
-                raw["model"] = {**raw.get("model", {}), "path": str(warmup_model), "architecture": None}
+            if model is not None:
+                raw["model"] = {**raw.get("model", {}), "path": str(model), "architecture": None}
                 raw.pop("sft", None)
             out[cell_id] = Cell(cell_id, axes, raw, self._validate(raw, f"{where} cell {cell_id}"))
         return list(out.values())
@@ -161,13 +170,16 @@ class StudySpec:
             chosen = [c for c in chosen if key in c.axes and _token(c.axes[key]) in wanted]
         return chosen
 
-    def warmup_config(self) -> dict[str, Any] | None:
-        """The raw config of the shared SFT run (base + overrides + warmup.overrides)."""
+    def warmup_config(self, seed: int | None = None) -> dict[str, Any] | None:
+        """The raw config of the shared SFT run (base + overrides + warmup.overrides); with
+        `warmup.per_seed`, of seed `seed`'s (controller.seed set to it; default the first seed)."""
         if self.warmup is None or "model" in self.warmup:
             return None
         raw = copy.deepcopy(self.base_raw)
         for key, value in {**self.overrides, **self.warmup.get("overrides", {})}.items():
             _set(raw, key, value, self.path, "warmup.overrides" if key in self.warmup.get("overrides", {}) else "overrides")
+        if self.per_seed_warmup:
+            _set(raw, SEED_KEY, self.seeds[0] if seed is None else seed, self.path, "warmup.per_seed")
         if raw.get("sft") is None:
             raise SpecError(f"{self.path}: warmup: the base config (with overrides) has no `sft` section to run")
         self._validate(raw, "warmup")
@@ -268,11 +280,14 @@ def load_spec(path: str | os.PathLike) -> StudySpec:
          "seeds", f"must be a non-empty list of distinct integers >= 0, got {seeds!r}")
     warmup = data.get("warmup")
     if warmup is not None:
-        need(isinstance(warmup, dict) and set(warmup) <= {"overrides", "model"}
+        need(isinstance(warmup, dict) and set(warmup) <= {"overrides", "model", "per_seed"}
              and isinstance(warmup.get("overrides", {}), dict), "warmup",
-             "must be a mapping with an optional `overrides` mapping or a `model` directory")
+             "must be a mapping with an optional `overrides` mapping and `per_seed` flag, or a `model` directory")
+        need(isinstance(warmup.get("per_seed", False), bool), "warmup.per_seed",
+             f"must be true or false, got {warmup.get('per_seed')!r}")
         if "model" in warmup:
-            need("overrides" not in warmup, "warmup.model", "reuses a finished warm-up: give no overrides with it")
+            need(set(warmup) == {"model"}, "warmup.model",
+                 "reuses a finished warm-up: give no overrides or per_seed with it")
             model = (path.parent / str(warmup["model"])).resolve()
             need((model / "config.json").is_file(), "warmup.model", f"{model} has no config.json (an HF model directory)")
             warmup = {"model": model}

@@ -136,6 +136,30 @@ def test_a_failed_cell_records_its_error_message_not_a_traceback(tmp_path, monke
         r.endswith("| exit 1: ValueError: /m/model.safetensors: truncated   (4096 \\| 100 bytes) |") for r in rows)
 
 
+def test_per_seed_warmups_run_once_each_and_feed_their_seed_s_cells(tmp_path, monkeypatch):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**BASE, "sft": {"steps": 2}}))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "grid": {"algorithm.tau": [1.0]},
+                                                        "seeds": [0, 4], "warmup": {"per_seed": True}}))
+    spec, out, warmed, cells = load_spec(tmp_path / "spec.yaml"), tmp_path / "out", [], []
+
+    def fake(args, log_path, env=None):  # `sft` writes the run's model; `train` is the cell
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        if args[0] == "sft":
+            warmed.append(yaml.safe_load((run_dir / "warmup.yaml").read_text())["controller"]["seed"])
+            (run_dir / "sft" / "model").mkdir(parents=True)
+            (run_dir / "sft" / "model" / "config.json").write_text("{}")
+        else:
+            cells.append(yaml.safe_load((run_dir / "cell.yaml").read_text())["model"]["path"])
+        return 0, ""
+
+    monkeypatch.setattr(runner, "run_command", fake)
+    runner.run_study(spec, out, jobs=2)
+    assert sorted(warmed) == [0, 4]
+    assert sorted(cells) == [str(out / "warmup" / f"seed={s}" / "sft" / "model") for s in (0, 4)]
+    runner.run_study(spec, out)  # done: neither warm-up runs again
+    assert sorted(warmed) == [0, 4]
+
+
 # ---- interrupted cells -------------------------------------------------------------------------
 
 

@@ -63,6 +63,24 @@ def test_warmup_model_replaces_the_cells_own_sft(tmp_path):
     assert a.config.sft is None and a.config.model.path == str(tmp_path / "warm")
 
 
+def test_per_seed_warmups_seed_their_sft_and_each_seed_starts_from_its_own(tmp_path):
+    spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5, 1.0]}, "seeds": [3, 5],
+                                      "warmup": {"per_seed": True, "overrides": {"sft.steps": 7}}}))
+    assert spec.per_seed_warmup
+    assert [spec.warmup_config(s)["controller"]["seed"] for s in (3, 5)] == [3, 5]
+    assert spec.warmup_config()["controller"]["seed"] == 3 and spec.warmup_config(5)["sft"]["steps"] == 7
+    cells = spec.cells(warmup_model={3: tmp_path / "w3", 5: tmp_path / "w5"})
+    assert {(c.config.controller.seed, c.config.model.path) for c in cells} == {
+        (3, str(tmp_path / "w3")), (5, str(tmp_path / "w5"))}
+    assert all(c.config.sft is None for c in cells)
+    with pytest.raises(SpecError, match="warmup.per_seed"):
+        load_spec(write(tmp_path, {"warmup": {"per_seed": "yes"}}))
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "config.json").write_text("{}")
+    with pytest.raises(SpecError, match="warmup.model"):
+        load_spec(write(tmp_path, {"warmup": {"model": "done", "per_seed": True}}))
+
+
 @pytest.mark.parametrize("spec, field", [
     ({"grid": {"algorithm.corection": ["entr"]}}, "grid.algorithm.corection"),
     ({"grid": {"algorithm.correction": ["entr", "nonsense"]}}, "algorithm.correction"),
