@@ -3,6 +3,13 @@
     python tools/paired_differences.py runs/studies/countdown_main runs/studies/countdown_ablations \
         --where inter_lag=32 --reference method=entr
 
+    python tools/paired_differences.py docs/studies/countdown/main_slice docs/studies/countdown/ablations \
+        docs/studies/countdown/key_seeds --where inter_lag=32 --reference method=entr
+
+A study is a study directory (`study run --out`, with study.json) or a committed report: its
+cells.csv, or the folder that holds it (runs/ is not committed; a report's cells.csv has every
+cell's axes and held-out accuracies, which is all this needs).
+
 Loads every study's cells (`study report`'s cells.csv columns), keeps the rows whose axes match
 every --where (a study without that axis is kept whole: it holds the value by its overrides),
 and prints, for each method, its held-out accuracy after RL minus the reference method's with
@@ -42,7 +49,8 @@ def _column(frame: pd.DataFrame, key: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("studies", nargs="+", type=Path, help="study directories (study run --out)")
+    p.add_argument("studies", nargs="+", type=Path,
+                   help="study directories (study run --out) or reports' cells.csv (the file or its folder)")
     p.add_argument("--reference", type=_pair, required=True, help="AXIS=VALUE of the reference, e.g. method=entr")
     p.add_argument("--where", type=_pair, action="append", default=[], help="AXIS=VALUE filter (repeatable)")
     p.add_argument("--plot", type=Path, help="also draw the per-seed differences into this PNG")
@@ -51,9 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     frames = []
     for study in args.studies:
-        if not (study / "study.json").exists():
-            p.error(f"{study}: no study.json (not a study directory)")
-        frame = load_cells(study)
+        csv = study if study.suffix == ".csv" else study / "cells.csv"
+        if (study / "study.json").exists():
+            frame = load_cells(study)
+        elif csv.is_file():
+            frame = pd.read_csv(csv)
+        else:
+            p.error(f"{study}: neither a study directory (study.json) nor a report's cells.csv")
         for key, value in args.where:
             col = _column(frame, key)
             if col is not None:
