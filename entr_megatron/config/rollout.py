@@ -35,6 +35,9 @@ RouterPolicy = Literal["cache_aware", "round_robin", "random"]
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """What `rollout.sglang.api_key_env` may hold: the name of an environment variable."""
+CPU_MAX_TOTAL_TOKENS = 65536
+"""rollout.sglang.max_total_tokens of a server launched on CPU when unset (SGLang's own sizing
+allocated 58 M tokens, about 20 GB of RAM, for the CPU demo's 0.8 M-parameter model)."""
 DEFAULT_WEIGHT_BUCKET_MIB = 512
 """rollout.weight_bucket_mib when unset: the one default of a weight-sync bucket's size (the
 learner's sender, the SGLang engine, `WeightSyncConfig`; read as `RolloutConfig.weight_bucket_bytes`)."""
@@ -72,7 +75,8 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class SGLangConfig:
-    """SGLang servers (`python -m sglang.launch_server`), started by the launcher on GPU nodes."""
+    """SGLang servers (`python -m sglang.launch_server`), started by `train` on the GPUs after the
+    learner's, or on this node's CPU with launcher.device 'cpu' (docs/SGLANG_ON_CPU.md), or given by urls."""
 
     SECTION = "rollout.sglang"
 
@@ -139,6 +143,17 @@ class SGLangConfig:
     """Seconds the run waits for a server given by `urls` to answer again when none is left in
     service; past it the run stops, naming each server and its error. Positive, finite."""
 
+    python: str | None = None
+    """Interpreter of the launched servers (`<python> -m sglang.launch_server`), e.g.
+    .venv-sglang/bin/python, the venv scripts/setup_sglang_cpu.sh makes (SGLang pins a torch of its
+    own, so it lives in a venv of its own). Relative paths are taken from the working directory.
+    None: this process's interpreter. Does not apply to servers given by urls."""
+
+    max_total_tokens: int | None = None
+    """KV-cache tokens of a launched server (--max-total-tokens). None: sized by SGLang from
+    mem_fraction_static on GPU; on CPU (launcher.device 'cpu') CPU_MAX_TOTAL_TOKENS, since SGLang's
+    own sizing there takes most of the machine's RAM. >= 64."""
+
     urls: tuple[str, ...] | None = None
     """Already running servers (http:// or https://host:port), one per engine (rollout.num_engines
     of them): `train` launches nothing and drives these, and tp_size, mem_fraction_static,
@@ -174,6 +189,8 @@ class SGLangConfig:
                      "retry_backoff_s", "probe_interval_s", "server_wait_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)
         integer(self, "http_retries", low=0)
+        string(self, "python", optional=True)
+        integer(self, "max_total_tokens", low=64, optional=True)
 
 
 @dataclass(frozen=True)
@@ -270,7 +287,8 @@ class RolloutConfig:
     SECTION = "rollout"
 
     engine: Engine = "embedded"
-    """One of ENGINES: 'embedded' (HF transformers in its own process; CPU) or 'sglang' (GPU servers)."""
+    """One of ENGINES: 'embedded' (HF transformers in its own process; CPU) or 'sglang' (SGLang
+    servers: on GPUs, or on the CPU with launcher.device 'cpu')."""
 
     num_engines: int = 1
     """Engine processes (SGLang servers, each of sglang.tp_size GPUs). >= 1."""
@@ -397,4 +415,4 @@ class RolloutConfig:
     @property
     def gpus_needed(self) -> int:
         """GPUs the engines occupy (0 for the embedded engine, which runs on CPU)."""
-        return self.num_engines * self.sglang.tp_size if self.engine == "sglang" else 0
+        return self.num_engines * self.sglang.tp_size if self.engine == "sglang" else 0  # CPU servers: run.py

@@ -161,12 +161,11 @@ class RunConfig:
                         f"must equal the number of rollout.sglang.urls ({len(r.sglang.urls)}): one engine per server",
                     )
                 return
-            if launcher.device != "cuda":
-                raise bad(
-                    self, "rollout.engine", "sglang",
-                    "needs launcher.device='cuda' to launch SGLang servers (they run on GPUs); "
-                    "or give running servers in rollout.sglang.urls",
-                )
+            if launcher.device == "cpu":  # servers on this node's CPU (docs/SGLANG_ON_CPU.md): no GPUs to place
+                if r.sglang.tp_size != 1:
+                    raise bad(self, "rollout.sglang.tp_size", r.sglang.tp_size,
+                              "must be 1: a CPU server is one process on this node's cores", when="launcher.device='cpu'")
+                return
             total = (launcher.nnodes + launcher.engine_nodes) * launcher.gpus_per_node
             needed = launcher.world_size + r.gpus_needed
             if needed > total:

@@ -53,7 +53,7 @@ from entr_megatron.rollout.sglang import (
 )
 from entr_megatron.utils.spawn import free_port
 
-__all__ = ["PROBE_MAX_INTERVAL_S", "SGLangServers", "ServerRecovery", "sglang_engine", "start_servers"]
+__all__ = ["PROBE_MAX_INTERVAL_S", "SGLangServers", "ServerRecovery", "server_configs", "sglang_engine", "start_servers"]
 
 PROBE_MAX_INTERVAL_S = 60.0
 """Longest wait between two /health probes of a server given by URL that dropped out."""
@@ -127,7 +127,7 @@ class SGLangServers:
         if old is not None:
             old.terminate(grace_s=RELAUNCH_GRACE_S)
         [self.processes[index]] = launch_servers([self.launch[index]], self.log_dir,
-                                                 startup_timeout_s=self.cfg.rollout.sglang.startup_timeout_s)
+                                                 startup_timeout_s=self.cfg.rollout.sglang.startup_timeout_s, progress=say)
 
     def terminate(self) -> None:
         """Stop the servers launched here (at the end of the job)."""
@@ -147,9 +147,11 @@ def sglang_engine(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
     return engine
 
 
-def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None) -> SGLangServers:
+def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Path | None,
+                  threads: int | None = None) -> SGLangServers:
     """The run's servers: launched here on `rollout.sglang.host` (with a router when asked) or
-    given by `rollout.sglang.urls`; their shutdown on `stack` (see `sglang_engine`)."""
+    given by `rollout.sglang.urls`; their shutdown on `stack` (see `sglang_engine`). `threads`:
+    OpenMP threads of each server launched on the CPU (None: torch's default, every core)."""
     from entr_megatron.rollout.sglang import RouterConfig, launch_router, launch_servers
 
     r, s = cfg.rollout, cfg.rollout.sglang
@@ -158,16 +160,13 @@ def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
     kwargs = dict(weight_dtype=sglang_wire_dtype(cfg), routes=routes, vocab_size=model_vocab_size(model_dir))
     if s.urls is None:
         check_launch(cfg)
-        first_gpu = cfg.launcher.nproc_per_node  # the local learner ranks hold GPUs 0 .. nproc_per_node - 1
-        configs = [SGLangServerConfig(str(model_dir), port=s.base_port + i, host=s.host, tp_size=s.tp_size, dtype=r.dtype,
-                                      mem_fraction_static=s.mem_fraction_static, base_gpu_id=first_gpu + i * s.tp_size,
-                                      random_seed=cfg.controller.seed + i, return_routed_experts=routes is not None,
-                                      extra_args=s.extra_args, api_key_env=s.api_key_env)
-                   for i in range(r.num_engines)]
-        say(f"launching {len(configs)} SGLang server(s) (tp {s.tp_size}, ports {s.base_port}..), logs in {log_dir}")
+        configs = server_configs(cfg, model_dir, routes is not None, threads)
+        where = "on the CPU" if configs[0].device == "cpu" else f"tp {s.tp_size}"
+        say(f"launching {len(configs)} SGLang server(s) ({where}, ports {s.base_port}.., "
+            f"{configs[0].python or 'this interpreter'}), logs in {log_dir}")
         servers = SGLangServers(cfg, [c.url for c in configs], kwargs, list(configs), [], log_dir)
         stack.callback(servers.terminate)
-        servers.processes = list(launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s))
+        servers.processes = list(launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s, progress=say))
     else:
         servers = SGLangServers(cfg, list(s.urls), kwargs, [None] * len(s.urls), [None] * len(s.urls), log_dir)
     if s.router:
@@ -177,6 +176,34 @@ def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
         stack.callback(router.terminate)
         servers.router_url = router.url
     return servers
+
+
+def server_configs(cfg: RunConfig, model_dir: Path, routes: bool, threads: int | None = None) -> list[SGLangServerConfig]:
+    """How `train` launches its servers: on the GPUs after the local learner ranks' (which hold GPUs
+    0 .. nproc_per_node - 1), or on this node's CPU with launcher.device 'cpu' (docs/SGLANG_ON_CPU.md:
+    CPU flags, max_total_tokens bounded, `threads` OpenMP threads each (wiring.cpu_threads: an
+    embedded engine's share), gloo on loopback)."""
+    from entr_megatron.config.rollout import CPU_MAX_TOTAL_TOKENS
+    from entr_megatron.utils.spawn import is_loopback
+
+    r, s = cfg.rollout, cfg.rollout.sglang
+    cpu = cfg.launcher.device == "cpu"
+    env: dict[str, str] = {}
+    if cpu:
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        if is_loopback(s.host):  # the weight group's gloo pairs on the server's side, as ours (weight_sync/group.py)
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+    total = s.max_total_tokens if s.max_total_tokens is not None or not cpu else CPU_MAX_TOTAL_TOKENS
+    first_gpu = cfg.launcher.nproc_per_node
+    return [SGLangServerConfig(str(model_dir), port=s.base_port + i, host=s.host, tp_size=s.tp_size, dtype=r.dtype,
+                               mem_fraction_static=s.mem_fraction_static,
+                               base_gpu_id=None if cpu else first_gpu + i * s.tp_size,
+                               random_seed=cfg.controller.seed + i, return_routed_experts=routes,
+                               extra_args=s.extra_args, api_key_env=s.api_key_env, env=env,
+                               python=None if s.python is None else str(Path(s.python).absolute()),
+                               device="cpu" if cpu else None, max_total_tokens=total)
+            for i in range(r.num_engines)]
 
 
 class _Prober(threading.Thread):

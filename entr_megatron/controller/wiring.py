@@ -179,7 +179,9 @@ def connect_sglang(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: P
     a delivered push sets the version the controller sees. Without a router the controller drives
     one engine per server, which `pusher.recovery` (a `ServerRecovery`) keeps in service."""
     forget_server_versions(cfg)
-    group, servers = _start_with_learner(cfg, model_dir, stack, lambda: start_servers(cfg, model_dir, stack, log_dir))
+    threads = cpu_threads(cfg, "rl").engine  # of servers launched on the CPU
+    group, servers = _start_with_learner(cfg, model_dir, stack,
+                                         lambda: start_servers(cfg, model_dir, stack, log_dir, threads))
     address, base_port = _meeting_point(cfg, group)
     inner = servers.one_engine() if servers.router_url is not None else servers.engine_set()
     stack.callback(inner.shutdown)
@@ -335,15 +337,17 @@ def cpu_threads(cfg: RunConfig, phase: str) -> CpuThreads:
     use all the cores its side has (learner ranks share them, engines share them); when both work at
     once (one_step_off, fully_async) the cores are split between learner ranks and engines, one
     share each. OMP_WAIT_POLICY is left at its default: PASSIVE made sync runs on 2 cores about 2x
-    slower per step (its threads sleep and wake on every small op). On GPU, with Ray, or with engines
-    elsewhere (SGLang): as set (None: torch's default)."""
+    slower per step (its threads sleep and wake on every small op). SGLang servers launched on the
+    CPU count as engines (their OpenMP threads: `engine`). On GPU, with Ray, or with engines
+    elsewhere (SGLang servers given by URL): as set (None: torch's default)."""
     launcher, rollout = cfg.launcher, cfg.rollout
     learner, engine = launcher.cpu_threads_per_rank, rollout.embedded.num_threads
     if launcher.device != "cpu" or launcher.kind != "local" or launcher.nnodes != 1:
         return CpuThreads(learner, engine)
     cores = available_cores()
     ranks = launcher.nproc_per_node
-    engines = rollout.num_engines if rollout.engine == "embedded" else 0
+    here = rollout.engine == "embedded" or rollout.sglang.urls is None  # SGLang: launched on this CPU
+    engines = rollout.num_engines if here else 0
     if phase == "sft":  # no engine runs beside the warm-up: its ranks get every core whatever is set
         return CpuThreads(max(learner or 1, cores // ranks), engine)
     if not engines or cfg.controller.mode in SEQUENTIAL_MODES:

@@ -51,9 +51,12 @@ GLOO_THREADS_PER_STREAM = 4
 rather than torch's 2, 4-16 MiB pieces (one tensor each, `snapshot="borrow"`) move 1.2-1.4x faster."""
 TORCH_GLOO_THREADS = 2
 """Worker threads of torch's own one-connection gloo group (ProcessGroupGloo::Options)."""
-# Devices of the backends `_new_process_group_helper` creates for one backend name (SGLang's side
-# creates all of them, and each one's rendezvous waits for every rank: ours must too).
-_BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
+# The backend `_new_process_group_helper` (torch 2.13 and 2.14) creates for one backend name on
+# SGLang's side: one, under the store prefix of the first device the backend supports (it registers
+# that one for the others), and its rendezvous waits for every rank: ours must use the same prefix.
+# A second gloo backend under "cuda/" (as once here) waits for a peer that never comes: seen against
+# a real SGLang 0.5.23 server, whose /init_weights_update_group answered while our join hung.
+_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda"}
 
 
 @dataclass(frozen=True)
@@ -148,17 +151,16 @@ class BroadcastGroup:
                           bind_address=spec.bind_address, multi_tenant=True)
         gloo_host = _gloo_hostname(spec)
         group_store = dist.PrefixStore(f"{spec.group_name}/", dist.PrefixStore(spec.group_name, store))
-        backends = {}
-        for device in _BACKEND_DEVICES[spec.backend]:
-            device_store = dist.PrefixStore(f"{device}/", group_store)
-            if spec.backend == "gloo":
-                streams = spec.streams if device == "cpu" else 1  # the "cuda" one only mirrors SGLang's side
-                backends[device] = _gloo_group(device_store, rank, spec.world_size, timeout, streams, gloo_host)
-            else:
-                options = dist.ProcessGroupNCCL.Options()
-                options.is_high_priority_stream = False
-                options._timeout = timeout
-                backends[device] = dist.ProcessGroupNCCL(device_store, rank, spec.world_size, options)
+        device_type = _BACKEND_DEVICES[spec.backend]
+        device_store = dist.PrefixStore(f"{device_type}/", group_store)
+        if spec.backend == "gloo":
+            backend = _gloo_group(device_store, rank, spec.world_size, timeout, spec.streams, gloo_host)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            backend = dist.ProcessGroupNCCL(device_store, rank, spec.world_size, options)
+        backends = {device_type: backend}
         device = torch.device("cpu") if spec.backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         return cls(spec, rank, backends, store, device)
 

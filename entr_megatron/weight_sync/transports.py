@@ -215,6 +215,9 @@ class SGLangWeightUpdate:
         self.engine = engine
         self.group: WeightGroup | None = None
         self._sender: WeightSender | None = None
+        self.sent_buckets = 0
+        """Buckets the last `transfer` sent to the servers (`SGLangEngine` holds them paused after a
+        failure with one or more: they may hold part of the version)."""
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, *, backend: str = "nccl",
@@ -261,6 +264,7 @@ class SGLangWeightUpdate:
         group, sender, servers = self.group, self._sender, self.engine.servers
         assert group is not None and sender is not None, "the engine takes the transfer only with a group and a sender"
         timeout = self.engine.config.weight_update_timeout_s
+        self.sent_buckets = 0
         # Own threads: each bucket's calls block until the broadcast, which must not queue behind them.
         # No waiting for them on failure: a broadcast nobody receives may never return.
         pool = cf.ThreadPoolExecutor(len(servers) + 1, thread_name_prefix="sglang-weights")
@@ -306,6 +310,7 @@ class SGLangWeightUpdate:
             else:
                 tensors = [t for _, t in unpack_flattened_bucket(bucket)]
                 kwargs["load_format"] = None
+            self.sent_buckets += 1
             calls = [pool.submit(s.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes, **kwargs)
                      for s in servers]
             calls.append(pool.submit(lambda ts=tensors: [sender.broadcast(t) for t in ts]))

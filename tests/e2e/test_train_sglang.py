@@ -226,6 +226,8 @@ def test_launched_servers_are_configured_and_stopped(tmp_path, monkeypatch):
                                            "from sglang_mock import main\nmain()\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")]))
     port = free_port()
+    (tmp_path / "model").mkdir()  # the launcher checks the model directory before it starts anything
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3"}')
     cfg = load_config(None, [
         "rollout.engine=sglang", "rollout.num_engines=2", "rollout.dtype=bfloat16", "model.dtype=bfloat16",
         f"rollout.sglang.base_port={port}", "rollout.sglang.mem_fraction_static=0.7",

@@ -423,14 +423,22 @@ def test_update_errors_leave_servers_running(server):
             engine.update_weights(_NoReceiver(), version=1)
         with pytest.raises(ValueError, match="must increase"):
             engine.update_weights({"w": torch.ones(1)}, version=0)
+        # refused before any bucket (the session): resumed on the old version
+        server.fail_next["/begin_weight_update"] = (400, {"success": False, "message": "a weight-update session is already open"})
+        with pytest.raises(SGLangError, match="begin_weight_update"):
+            engine.update_weights({"w": torch.ones(1)}, version=1)
+        assert engine.weight_version == 0 and server.paused is None and server.weight_version == "0"
+        assert server.calls_to("/continue_generation") == [{}]
+        # refused at a bucket: SGLang has loaded what came before, so the servers stay paused, labelled -1
         server.fail_next["/update_weights_from_distributed"] = (400, {"success": False, "message": "Failed to update parameter online: shape mismatch (mock)"})
         with pytest.raises(SGLangError) as e:
             engine.update_weights({"w": torch.ones(1)}, version=1)
         assert "shape mismatch (mock)" in e.value.__notes__[0]
-        assert engine.weight_version == 0 and server.paused is None  # resumed after the failure
-        assert server.calls_to("/continue_generation") == [{}] and not server.session_open  # session closed
-        engine.update_weights({"w": torch.ones(1)}, version=1)
-        assert engine.weight_version == 1
+        assert any("stay paused, labelled version -1" in n for n in e.value.__notes__)
+        assert engine.weight_version == 0 and server.paused == "retract" and server.weight_version == "-1"
+        assert len(server.calls_to("/continue_generation")) == 1 and not server.session_open  # session closed
+        engine.update_weights({"w": torch.ones(1)}, version=1)  # a complete version resumes them
+        assert engine.weight_version == 1 and server.paused is None and server.weight_version == "1"
 
 
 class _NoReceiver(WeightReceiver):

@@ -61,7 +61,8 @@ class WeightTransfer(Protocol):
     (weight_sync's `SGLangWeightUpdate`)."""
 
     def transfer(self, weights: WeightSource, version: int) -> tuple[int, int]:
-        """Send every tensor of `weights` as `version`; returns (tensors, bytes) sent."""
+        """Send every tensor of `weights` as `version`; returns (tensors, bytes) sent. May set
+        `sent_buckets` (buckets sent to the servers by the last call; unset: assume some were)."""
         ...
 
 
@@ -90,6 +91,7 @@ class SGLangEngine:
         self._live: dict[str, _Live] = {}
         self._update_lock = threading.Lock()
         self._paused = False
+        self._held = False  # paused by a weight update that failed after loading part of a version
         self._closed = False
         self._weight_transfer: WeightTransfer | None = None
         self._last_update: WeightUpdateReport | None = None
@@ -201,7 +203,11 @@ class SGLangEngine:
         attached `WeightTransfer` (`set_weight_transfer`). Generation is paused for the
         whole transfer (the report's swap_s); requests stay and their later tokens carry
         `version`. On failure the servers are resumed and the error raised; the servers may
-        then hold a partial update (SGLang loads each bucket as it arrives): send it again."""
+        then hold a partial update (SGLang loads each bucket as it arrives): send it again.
+        A transfer that failed after sending a bucket leaves the servers paused (`_hold`): SGLang
+        loads each bucket as it arrives, so they hold part of the new version, and no token is
+        generated from such weights; the next complete update resumes them. One that failed before
+        (its session refused) resumes them on the old version."""
         if isinstance(weights, WeightReceiver):
             raise TypeError("SGLang servers receive weights over their broadcast group, not through a WeightReceiver")
         transfer = self._weight_transfer
@@ -213,18 +219,29 @@ class SGLangEngine:
             if version <= self._version:
                 raise ValueError(f"weight version must increase: engine is at {self._version}, got {version}")
             t0 = time.time()
-            was_paused = self._paused
-            try:  # resume even after a partial pause (continue_generation is harmless on a running server)
-                if not was_paused:
+            resume = not self._paused or self._held  # the caller's own pause is the caller's to end
+            started = False
+            try:
+                if not self._paused:  # resumed below even after a partial pause (harmless on a running server)
                     self.pause()
                 t_paused = time.time()
                 with self._cond:
                     running = sum(len(live.rids) for live in self._live.values())
+                started = True
                 num_tensors, num_bytes = transfer.transfer(weights, version)
-            finally:
-                t_loaded = time.time()
-                if not was_paused:
-                    self.resume()
+            except BaseException as e:
+                if started and getattr(transfer, "sent_buckets", 1):
+                    self._hold(version, e)
+                elif resume:
+                    try:
+                        self.resume()
+                    except EngineError as resume_error:
+                        e.add_note(f"resuming the servers failed too: {resume_error}")
+                raise
+            t_loaded = time.time()
+            self._held = False
+            if resume:
+                self.resume()
             t_end = time.time()
             self._version = version
             self._last_update = WeightUpdateReport(
@@ -234,11 +251,29 @@ class SGLangEngine:
             )
             return self._last_update
 
+    def _hold(self, version: int, error: BaseException) -> None:
+        """A failed update sent part of `version`: the servers stay paused, relabelled -1 (their
+        weights are no version), until a complete update resumes them (best effort, noted on `error`)."""
+        self._held = True
+        try:
+            wait_all([self._control.submit(s.update_weight_version, "-1", abort_all_requests=False)
+                      for s in self.servers], self.config.request_timeout_s, "update_weight_version")
+        except (EngineError, RuntimeError) as e:
+            error.add_note(f"relabelling the servers' weight version -1 failed too: {e}")
+        error.add_note(f"the servers hold part of weight version {version} (SGLang loads each bucket as it arrives): "
+                       "they stay paused, labelled version -1, until a complete version is pushed")
+
     def shutdown(self) -> None:
         """Abort our requests still on the servers (best effort) and stop the threads; idempotent.
-        The servers keep running (the launcher owns them)."""
+        The servers keep running (the launcher owns them); servers held paused by a failed update
+        are resumed, labelled version -1 (given by URL, they would wait for nobody)."""
         if self._closed:
             return
+        if self._held:
+            try:
+                self.resume()
+            except EngineError:
+                pass
         with self._cond:
             live = list(self._live.values())
             for entry in live:

@@ -42,11 +42,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, api_key_from_env
+from entr_megatron.rollout.sglang.preflight import check_server
 from entr_megatron.rollout.sglang.protocol import ROUTES_FLAG
 
 __all__ = [
@@ -80,6 +81,13 @@ API_KEY_SHIM = (
 )
 """`python -c API_KEY_SHIM <variable> -m <module> | <script> <args...>`: runs the module (as
 `python -m` would) or the script with `--api-key <value of the variable>` added to its sys.argv."""
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+"""A CPU server's environment: without it `--device cpu` is not taken as CPU (docs/SGLANG_ON_CPU.md)."""
+CPU_FLAGS = ("--device", "cpu", "--skip-tokenizer-init", "--sleep-on-idle")
+"""A CPU server's flags: token ids in and out (no tokenizer or detokenizer work); an idle scheduler
+waits on its sockets instead of spinning (it took 70% of a core, idle, beside the learner)."""
+PROGRESS_INTERVAL_S = 15.0
+"""`wait_healthy` reports a server still starting this often."""
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 """Hosts that listen on every interface: clients on this node dial 127.0.0.1."""
 
@@ -130,11 +138,19 @@ class SGLangServerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     """Added to this process's environment (e.g. CUDA_VISIBLE_DEVICES)."""
     command_prefix: tuple[str, ...] | None = None
-    """None: (sys.executable, "-m", "sglang.launch_server"). Tests put a mock server here."""
+    """None: (python, "-m", "sglang.launch_server"). Tests put a mock server here."""
     api_key_env: str | None = None
     """Environment variable holding the server's --api-key (see the module docstring); None: no key."""
+    python: str | None = None
+    """Interpreter that runs sglang.launch_server (a venv of its own); None: sys.executable."""
+    device: str | None = None
+    """"cpu": a CPU server (`CPU_ENV`, `CPU_FLAGS`, no --base-gpu-id); None: SGLang's default (CUDA)."""
+    max_total_tokens: int | None = None
+    """KV-cache tokens (--max-total-tokens); None: SGLang sizes it from mem_fraction_static."""
 
     def __post_init__(self):
+        if self.device not in (None, "cpu"):
+            raise ValueError(f"SGLangServerConfig.device must be None (GPU) or 'cpu', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"SGLangServerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.tp_size < 1:
@@ -148,15 +164,24 @@ class SGLangServerConfig:
     def url(self) -> str:
         return _client_url(self.host, self.port)
 
+    @property
+    def process_env(self) -> dict[str, str]:
+        """What the server's process gets on top of this one's environment."""
+        return {**(CPU_ENV if self.device == "cpu" else {}), **self.env}
+
 
 def server_command(config: SGLangServerConfig) -> list[str]:
     """The argv of one server (through `API_KEY_SHIM` with an api_key_env: no key in it)."""
     c = config
-    cmd = list(c.command_prefix or (sys.executable, "-m", "sglang.launch_server"))
+    cmd = list(c.command_prefix or (c.python or sys.executable, "-m", "sglang.launch_server"))
     cmd += ["--model-path", c.model_path, "--host", c.host, "--port", str(c.port), "--tp-size", str(c.tp_size), "--dtype", c.dtype]
+    if c.device == "cpu":
+        cmd += CPU_FLAGS
+    if c.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(c.max_total_tokens)]
     if c.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
-    if c.base_gpu_id is not None:
+    if c.base_gpu_id is not None and c.device != "cpu":  # on CPU SGLang takes it for a NUMA node
         cmd += ["--base-gpu-id", str(c.base_gpu_id)]
     if c.weight_version is not None:
         cmd += ["--weight-version", str(c.weight_version)]
@@ -238,10 +263,13 @@ class ManagedProcess:
         except OSError as e:
             return f"(log unreadable: {e})"
 
-    def wait_healthy(self, timeout_s: float, path: str = "/health", interval_s: float = 1.0) -> None:
-        """Poll `path` until it answers 200; raise (with the log's tail) on exit or timeout."""
+    def wait_healthy(self, timeout_s: float, path: str = "/health", interval_s: float = 1.0,
+                     progress: Callable[[str], None] | None = None) -> None:
+        """Poll `path` until it answers 200; raise (with the log's tail) on exit or timeout.
+        `progress(line)` is told every PROGRESS_INTERVAL_S that the server is still starting."""
         client = SGLangClient(self.url, api_key=self._api_key)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, report = start + timeout_s, start + PROGRESS_INTERVAL_S
         while True:
             if not self.alive():
                 self._flush_log()
@@ -255,6 +283,11 @@ class ManagedProcess:
                 err = SGLangError(f"{self.name} not healthy after {timeout_s:.0f} s ({self.url}{path})", url=self.url)
                 err.add_note(f"log {self.log_path}, last lines:\n{self.log_tail()}")
                 raise err
+            if progress is not None and time.monotonic() >= report:
+                report += PROGRESS_INTERVAL_S
+                last = next((line.strip() for line in reversed(self.log_tail(5).splitlines()) if line.strip()), "")
+                progress(f"{self.name} still starting after {time.monotonic() - start:.0f} s (on CPU mostly importing "
+                         f"sglang, 60-100 s on 2 cores); its log says: {last[-120:]}")
             time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
     def terminate(self, grace_s: float = 30.0) -> int | None:
@@ -306,22 +339,27 @@ def _copy_redacted(stream, log_path: Path, secret: str) -> None:
 
 def launch_servers(
     configs: Sequence[SGLangServerConfig], log_dir: str | os.PathLike, startup_timeout_s: float = 1800.0,
-    interval_s: float = 2.0,
+    interval_s: float = 2.0, progress: Callable[[str], None] | None = None,
 ) -> list[ManagedProcess]:
     """Start every server at once, then wait for all to be healthy; on any failure stop them all
-    and raise (the error quotes the failed server's log). Logs: log_dir/sglang-<port>.log."""
+    and raise (the error quotes the failed server's log). Logs: log_dir/sglang-<port>.log. Before
+    any start, what can fail at once fails at once (`preflight.check_server`: the interpreter, the
+    port, the model directory); `progress` hears from servers still starting (`wait_healthy`)."""
     ports = [c.port for c in configs]
     if len(set(ports)) != len(ports):
         raise ValueError(f"two servers on one port: {ports}")
     keys = [api_key_from_env(c.api_key_env, "SGLangServerConfig.api_key_env") for c in configs]  # before any start
+    for c in configs:
+        check_server(c.command_prefix is None, c.python or sys.executable, c.host, c.port, c.model_path)
     servers: list[ManagedProcess] = []
     try:
         for c, key in zip(configs, keys):
             log = Path(log_dir) / f"sglang-{c.port}.log"
-            servers.append(ManagedProcess(f"sglang server :{c.port}", server_command(c), c.url, log, c.env, api_key=key))
+            servers.append(ManagedProcess(f"sglang server :{c.port}", server_command(c), c.url, log, c.process_env,
+                                          api_key=key))
         deadline = time.monotonic() + startup_timeout_s
         for s in servers:
-            s.wait_healthy(max(1.0, deadline - time.monotonic()), interval_s=interval_s)
+            s.wait_healthy(max(1.0, deadline - time.monotonic()), interval_s=interval_s, progress=progress)
         return servers
     except BaseException:
         terminate_all(servers)
