@@ -166,6 +166,7 @@ def test_train_drives_sglang_servers(tmp_path, mode, bound, tp_sizes, kv):
     servers = [MockSGLangServer(vocab_size=v, tp_size=tp, token_delay_s=0.002, weight_version="0").start()
                for tp in tp_sizes]
     gloo = [GlooServer(s) for s in servers]
+    servers[0].fail_next["/generate"] = (500, {"error": {"message": "internal error (mock)"}})  # sent again: nothing lost
     try:
         config, run_dir = write_run(tmp_path, mode, [s.url for s in servers], mode, kv_on_update=kv)
         train(config)
@@ -206,6 +207,7 @@ def test_train_drives_sglang_servers(tmp_path, mode, bound, tp_sizes, kv):
         assert len(s.calls_to("/init_weights_update_group")) == 1
         assert len(s.calls_to("/destroy_weights_update_group")) == 1  # the learner left the group on exit
         assert s.calls_to("/generate"), "the controller generated through the server"
+    assert any(".r1" in str(c["rid"]) for c in servers[0].calls_to("/generate")), "the failed request was sent again"
     if len(servers) > 1:  # both servers served rollouts
         assert all(len(s.calls_to("/generate")) > 3 for s in servers)
 

@@ -265,7 +265,7 @@ def test_errors_carry_the_server_answer(server):
     with pytest.raises(SGLangError) as e:
         client.update_weights_from_distributed(["w"], ["float32"], [[2]])
     assert "init_weights_update_group" in e.value.__notes__[0]
-    with engine_for(server) as engine:
+    with engine_for(server, retries=0) as engine:  # (retried: test_sglang_bad_input.py)
         server.fail_next["/generate"] = (500, {"error": {"message": "CUDA out of memory (mock)"}})
         engine.submit([GenerateRequest([1, 2], SamplingParams(max_new_tokens=2))])
         with pytest.raises(SGLangError) as e:

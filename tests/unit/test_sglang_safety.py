@@ -27,7 +27,7 @@ import pytest
 from entr_megatron.config.loader import dump_config, load_config
 from entr_megatron.config.rollout import RolloutConfig, SGLangConfig
 from entr_megatron.controller.sglang_setup import model_vocab_size
-from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+from entr_megatron.rollout.engine import GenerateRequest, SamplingParams, generate
 from entr_megatron.rollout.sglang import (
     RouterConfig,
     SGLangClient,
@@ -53,7 +53,8 @@ VOCAB = 1000
 KEY = "entr-test-Key_0123456789abcdef"
 KEY_ENV = "ENTR_TEST_SGLANG_API_KEY"
 MOCK_SCRIPT = pathlib.Path(sglang_mock.__file__)
-NOT_RETRIED = "not retried (/generate is not idempotent)"
+GAVE_UP = "; gave up after 4 attempts (3 retries, each with fresh rids)"
+"""How a bad /generate answer ends under the engine's default 3 retries (each attempt got the same bad answer)."""
 
 
 @pytest.fixture
@@ -223,10 +224,10 @@ def test_bad_answers_name_the_server_request_field_and_value(server, path, value
     with engine_for(server, vocab_size=VOCAB) as engine:
         e = generate_error(engine)
     text = str(e)
-    assert text.startswith(f"unusable /generate answer from {server.url}/generate for request req7 (sample 0 of 1, rid req7-0): ")
-    assert message in text and text.endswith(NOT_RETRIED)
+    assert text.startswith(f"unusable /generate answer from {server.url}/generate for request req7 (sample 0 of 1, rid req7-0.r3): ")
+    assert message in text and text.endswith(GAVE_UP)
     assert "server answer: " in e.__notes__[0]  # the answer itself, for the record
-    assert len(server.calls_to("/generate")) == 1
+    assert [c["rid"] for c in server.calls_to("/generate")] == ["req7-0", "req7-0.r1", "req7-0.r2", "req7-0.r3"]
 
 
 def test_bad_sampling_logprobs_and_a_missing_meta_info(server):
@@ -241,8 +242,7 @@ def test_bad_sampling_logprobs_and_a_missing_meta_info(server):
     server.tamper = _set(("meta_info",), KeyError)
     with engine_for(server) as engine:
         e = generate_error(engine)
-    assert str(e) == (f"POST {server.url}/generate: answer 0 of 1 has no meta_info object (missing; not retried: "
-                      "/generate is not idempotent)")
+    assert str(e) == f"POST {server.url}/generate: answer 0 of 1 has no meta_info object (missing){GAVE_UP}"
     server.tamper = lambda answer: "not json {"
     with engine_for(server) as engine:
         e = generate_error(engine)
@@ -251,10 +251,10 @@ def test_bad_sampling_logprobs_and_a_missing_meta_info(server):
 
 def test_a_truncated_body_is_a_clear_error(server):
     server.truncate_next["/generate"] = 10
-    with engine_for(server) as engine:
+    with engine_for(server, retries=0) as engine:
         e = generate_error(engine)
     assert re.fullmatch(rf"POST {re.escape(server.url)}/generate: the answer was cut off after 10 bytes \(\d+ more were "
-                        r"announced\); not retried \(POST /generate is not idempotent\)", str(e)), str(e)
+                        r"announced\); not retried \(retries=0\)", str(e)), str(e)
     assert e.transient and len(server.calls_to("/generate")) == 1
     n = len(server.calls_to("/model_info"))
     server.truncate_next["/model_info"] = 5  # idempotent: retried, and the second answer is whole
@@ -290,8 +290,8 @@ def test_bad_routes_name_the_server_request_field_and_value(routes_server, value
         e = generate_error(engine)
     text = str(e)
     assert text.startswith(f"unusable /generate answer from {routes_server.url}/generate for request req7 (sample 0 of 1, "
-                           "rid req7-0): ")
-    assert message in text and text.endswith(NOT_RETRIED)
+                           "rid req7-0.r3): ")
+    assert message in text and text.endswith(GAVE_UP)
 
 
 def test_a_server_without_the_routes_flag_is_refused_saying_so(server):
@@ -330,10 +330,11 @@ def test_idempotent_calls_are_retried_with_backoff(server):
         assert len(server.calls_to("/model_info")) == n + 2
         server.fail_next["/model_info"] = (400, {"error": "bad request"})  # an answer: not retried
         assert not engine.health().alive and len(server.calls_to("/model_info")) == n + 3
-        server.fail_next["/generate"] = (503, "overloaded")
-        e = generate_error(engine)
-        assert str(e) == f"POST {server.url}/generate failed: HTTP 503 Service Unavailable; not retried (POST /generate is not idempotent)"
-        assert len(server.calls_to("/generate")) == 1
+        server.fail_next["/generate"] = (503, "overloaded")  # the engine sends it again, with fresh rids
+        (result,) = generate(engine, [GenerateRequest([1, 2, 3], SamplingParams(max_new_tokens=3))], timeout_s=10)
+        assert len(result.output_ids) == 3
+        first, second = (c["rid"] for c in server.calls_to("/generate"))
+        assert second == first + ".r1" and engine.generate_retries == 1
         server.fail_next["/flush_cache"] = (502, "bad gateway")
         assert "flushed" in engine.servers[0].flush_cache()
 

@@ -126,9 +126,11 @@ class SGLangClient:
         raise TypeError("an SGLangClient is not picklable (it may hold an API key); pass its url and build one")
 
     def call(self, method: str, path: str, payload: Any = None, *, timeout: float | None = None,
-             idempotent: bool = False, retries: int | None = None) -> Any:
+             idempotent: bool = False, retries: int | None = None, caller_retries: bool = False) -> Any:
         """One request; returns the decoded JSON (or text, or None for an empty body). An `idempotent`
-        one is retried after a transient failure (`retries`; None: the client's)."""
+        one is retried after a transient failure (`retries`; None: the client's). `caller_retries`:
+        the caller decides on sending it again (/generate: the engine, with fresh rids), so the
+        error does not say "not retried"."""
         url = self.url + path
         data = None if payload is None else json.dumps(payload).encode()
         headers = {**self._auth, **({"Content-Type": "application/json"} if data is not None else {})}
@@ -145,6 +147,8 @@ class SGLangClient:
                     time.sleep(min(delay, MAX_BACKOFF_S))
                     delay *= 2
                     continue
+                if not idempotent and caller_retries:
+                    raise
                 if not idempotent:
                     how = f"not retried ({method} {path} is not idempotent)"
                 elif attempts == 1:
@@ -225,20 +229,19 @@ class SGLangClient:
 
     def generate(self, payload: Mapping[str, Any], timeout: float | None = None) -> list[dict]:
         """POST /generate (non-streaming); always a list of answers, in rid order."""
-        out = self.call("POST", "/generate", dict(payload), timeout=timeout)
+        out = self.call("POST", "/generate", dict(payload), timeout=timeout, caller_retries=True)
         url = self.url + "/generate"
         if isinstance(out, dict):
             out = [out]
         if not isinstance(out, list):
             what = "not JSON" if isinstance(out, str) else "empty" if out is None else f"a JSON {type(out).__name__}"
-            raise SGLangError(f"POST {url}: the answer is {what}, not an object or a list of them (not retried: "
-                              "/generate is not idempotent)", url=url, body=str(out)[:2000])
+            raise SGLangError(f"POST {url}: the answer is {what}, not an object or a list of them", url=url, body=str(out)[:2000])
         for i, o in enumerate(out):
             if not isinstance(o, dict) or not isinstance(o.get("meta_info"), dict):
                 got = "missing" if isinstance(o, dict) and "meta_info" not in o else \
                     f"{type(o.get('meta_info')).__name__}" if isinstance(o, dict) else f"a {type(o).__name__} answer"
-                raise SGLangError(f"POST {url}: answer {i} of {len(out)} has no meta_info object ({got}; not retried: "
-                                  "/generate is not idempotent)", url=url, body=str(out)[:2000])
+                raise SGLangError(f"POST {url}: answer {i} of {len(out)} has no meta_info object ({got})", url=url,
+                                  body=str(out)[:2000])
         return out
 
     def abort_request(self, rid: str = "", abort_all: bool = False, timeout: float | None = None) -> None:

@@ -14,8 +14,10 @@ it is used (`answers.parse_generate_output`: token ids inside the vocabulary whe
 `vocab_size` is known, finite log-probs, per-token lists of one length, and with `routes`
 the MoE routes of each sample, `GenerateResult.routed_experts`); a bad one
 fails its request with an error naming the server, the request, the field and the
-value. /generate is never retried (a rid sent twice is a new sample, or refused while
-the first runs); the idempotent calls are (`retries`, see `client.py`).
+value. A request whose call failed (5xx, no answer in time, a cut-off body, garbage) is
+sent again with fresh rids, its failed rids aborted, at most `retries` times with backoff
+(`generate_call.py`); a 4xx answer is not (the request itself is wrong). The idempotent control
+calls are retried by the client (`client.py`).
 
 Weights: `update_weights` pauses every server (`kv_on_update`), lets the attached
 `WeightTransfer` move the tensors, then resumes them and labels later tokens with the
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import json
 import random
 import threading
 import time
@@ -47,10 +48,11 @@ from entr_megatron.rollout.engine import (
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.sglang.answers import BadAnswer, ParsedSample, parse_generate_output
-from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, SGLangTimeout, api_key_from_env, wait_all
+from entr_megatron.rollout.sglang.answers import ParsedSample
+from entr_megatron.rollout.sglang.client import MAX_BACKOFF_S, SGLangClient, SGLangError, api_key_from_env, wait_all
 from entr_megatron.rollout.sglang.engine_config import SGLangEngineConfig
-from entr_megatron.rollout.sglang.protocol import KV_ON_UPDATE, generate_payload, sample_rids
+from entr_megatron.rollout.sglang.generate_call import attempt_rids, call_generate, retryable
+from entr_megatron.rollout.sglang.protocol import KV_ON_UPDATE, sample_rids
 
 __all__ = ["SGLangEngine", "SGLangEngineConfig", "WeightTransfer"]
 
@@ -96,6 +98,8 @@ class SGLangEngine:
         self._weight_transfer: WeightTransfer | None = None
         self._last_update: WeightUpdateReport | None = None
         self._aborter: threading.Thread | None = None
+        self.generate_retries = 0
+        """Attempts of /generate sent again after a failure (generate_call.py)."""
         self._version = self._sync_versions()
 
     def _sync_versions(self) -> int:
@@ -321,38 +325,36 @@ class SGLangEngine:
         return min(range(len(self.servers)), key=lambda i: load[i])
 
     def _run(self, live: _Live) -> None:
-        """One /generate call (in a pool thread)."""
+        """One request: its /generate call, sent again after a failure that may pass (in a pool thread;
+        generate_call.py: which failures, fresh rids each time, the failed attempt's rids aborted)."""
         r = live.request
+        seed = random.getrandbits(62)  # always seeded: a deterministic-inference server gives unseeded samples 42
         try:
-            if live.aborted:  # never reached a server
-                parsed = [ParsedSample(output_ids=[], logprobs=[], raw_logprobs=[] if r.params.return_raw_logprobs else None,
-                                       entropy=None, finish_reason="abort", versions=[], routed_experts=None)
-                          for _ in live.rids]
-            else:
+            attempts, delay = 1 + self.config.retries, self.config.retry_backoff_s
+            for attempt in range(attempts):
+                if live.aborted:  # never reached a server (or aborted between two attempts)
+                    parsed = [ParsedSample(output_ids=[], logprobs=[], entropy=None, finish_reason="abort", versions=[],
+                                           raw_logprobs=[] if r.params.return_raw_logprobs else None, routed_experts=None)
+                              for _ in live.rids]
+                    break
+                live.rids = attempt_rids(r.request_id, len(live.rids), attempt)
                 client = self.router if live.server is None else self.servers[live.server]
-                # Always seeded: a deterministic-inference server would give every unseeded sample seed 42.
-                payload = generate_payload(r.prompt_ids, r.params, live.rids, seed=random.getrandbits(62),
-                                           routes=self.config.routes is not None)
-                outs = client.generate(payload, timeout=self.config.generate_timeout_s)
-                url = client.url + "/generate"
-                by_rid = {o["meta_info"].get("id"): o for o in outs}
-                if set(by_rid) == set(live.rids):
-                    outs = [by_rid[rid] for rid in live.rids]
-                if len(outs) != len(live.rids):
-                    raise SGLangError(f"unusable /generate answer from {url} for request {r.request_id}: {len(outs)} "
-                                      f"answers for {len(live.rids)} samples; not retried (/generate is not idempotent)",
-                                      url=url, body=json.dumps(outs)[:4000])
-                parsed = []
-                for i, (rid, o) in enumerate(zip(live.rids, outs)):
-                    try:
-                        parsed.append(parse_generate_output(o, r.params, default_version=self.config.initial_version,
-                                                            vocab_size=self.config.vocab_size, routes=self.config.routes,
-                                                            prompt_len=len(r.prompt_ids)))
-                    except (BadAnswer, ValueError, KeyError, TypeError, IndexError) as e:
-                        what = str(e) if isinstance(e, BadAnswer) else f"{type(e).__name__}: {e}"
-                        raise SGLangError(f"unusable /generate answer from {url} for request {r.request_id} (sample "
-                                          f"{i} of {len(outs)}, rid {rid}): {what}; not retried (/generate is not "
-                                          "idempotent)", url=url, body=json.dumps(o)[:4000]) from e
+                try:
+                    parsed = call_generate(client, r, live.rids, seed, self.config)
+                    break
+                except SGLangError as e:
+                    if not retryable(e):
+                        raise
+                    self._retire(live)
+                    if attempt + 1 == attempts:
+                        how = "not retried (retries=0)" if attempts == 1 else \
+                            f"gave up after {attempts} attempts ({attempts - 1} retries, each with fresh rids)"
+                        raise type(e)(f"{e}; {how}", url=e.url, status=e.status, body=e.body,
+                                      transient=e.transient) from e
+                    with self._cond:
+                        self.generate_retries += 1
+                    time.sleep(min(delay, MAX_BACKOFF_S))
+                    delay *= 2
             results = [
                 GenerateResult(request_id=r.request_id, sample_index=i, prompt_ids=list(r.prompt_ids),
                                group_id=r.group_id, metadata=dict(r.metadata), **p)
@@ -363,17 +365,19 @@ class SGLangEngine:
         except BaseException as e:  # surfaced by poll()
             if isinstance(e, SGLangError):
                 e.add_note(f"request {r.request_id} ({len(live.rids)} samples)")
-            if isinstance(e, SGLangTimeout):  # do not leave it generating for nobody
-                try:
-                    self._send_aborts([live], timeout=5.0)
-                except EngineError:
-                    pass
             with self._cond:
                 self._errors.append(e)
         finally:
             with self._cond:
                 self._live.pop(r.request_id, None)
                 self._cond.notify_all()
+
+    def _retire(self, live: _Live) -> None:
+        """Abort a failed attempt's rids (best effort: the server may still run them, e.g. after a timeout)."""
+        try:
+            self._send_aborts([live], timeout=5.0)
+        except (EngineError, RuntimeError):
+            pass
 
     def _send_aborts(self, targets: Sequence[_Live], timeout: float | None = None) -> None:
         calls = []
