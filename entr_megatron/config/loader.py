@@ -5,8 +5,11 @@
 Values are parsed with YAML scalar rules (`true`, `1e-6`, `[1, 2]`, `null`). Unknown keys,
 in the file or in an override, fail with the valid keys at that level and a "did you
 mean"; .inf and .nan fail in every float field (and inside `model.architecture`). An empty
-file is refused rather than read as "all defaults". Everything is validated here, before any
-process starts. Layer L0.
+file is refused rather than read as "all defaults". A config is a regular file of at most
+MAX_CONFIG_BYTES whose YAML, aliases expanded, holds at most MAX_CONFIG_NODES values nested at
+most MAX_CONFIG_DEPTH deep (an override's value too): a device, an alias bomb or a deep nest is
+refused before it is read whole or walked. Everything is validated here, before any process
+starts. Layer L0.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import difflib
 import functools
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -40,6 +44,80 @@ class _Loader(yaml.SafeLoader):
                 )
             seen[key] = True
         return super().construct_mapping(node, deep=deep)
+
+    def compose_node(self, parent, index):
+        """The composed node, with its anchor's name kept as `node.anchor` (for the bounds' messages)."""
+        alias = self.check_event(yaml.AliasEvent)
+        anchor = None if alias else self.peek_event().anchor
+        node = super().compose_node(parent, index)
+        if anchor is not None:
+            node.anchor = anchor
+        return node
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (1 MiB; the examples are under 10 KiB)."""
+MAX_CONFIG_NODES = 100_000
+"""Most YAML values (scalars, lists, mappings) a file or an override may hold once its aliases are
+expanded: each `*name` counts the whole value it stands for (the examples hold under 1000)."""
+MAX_CONFIG_DEPTH = 100
+"""Deepest nesting of lists and mappings in a config."""
+
+
+class YamlBoundError(ValueError):
+    """A YAML text over MAX_CONFIG_NODES values (aliases expanded) or nested over MAX_CONFIG_DEPTH."""
+
+
+def _check_bounds(node: yaml.Node) -> None:
+    """Raises YamlBoundError when the composed document `node`, aliases expanded, is over the bounds;
+    each node is visited once (an alias is a node seen before: its size is remembered)."""
+    sizes: dict[int, int] = {}
+    open_: dict[int, str] = {}  # nodes being counted -> their anchor (an alias back to one is a cycle)
+    stack: list[tuple[yaml.Node, int, bool]] = [(node, 1, False)]
+    while stack:
+        current, depth, done = stack.pop()
+        key = id(current)
+        if done:
+            children = _children(current)
+            sizes[key] = min(1 + sum(sizes[id(c)] for c in children), MAX_CONFIG_NODES + 1)
+            del open_[key]
+            if sizes[key] > MAX_CONFIG_NODES:
+                raise YamlBoundError(
+                    f"the YAML expands to more than {MAX_CONFIG_NODES} values (aliases (*name) count the whole "
+                    f"value they repeat); a config holds far fewer")
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            raise YamlBoundError(f"the YAML has a recursive alias (*{open_[key]} inside &{open_[key]})")
+        if depth > MAX_CONFIG_DEPTH:
+            raise YamlBoundError(f"the YAML nests deeper than {MAX_CONFIG_DEPTH} levels of lists and mappings")
+        open_[key] = getattr(current, "anchor", None) or "?"
+        stack.append((current, depth, True))
+        stack.extend((child, depth + 1, False) for child in _children(current))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _load_bounded(text: str) -> Any:
+    """`yaml.load(text, _Loader)` once the composed document is within the bounds (YamlBoundError);
+    composing reads each alias as a reference, so it is linear in the text."""
+    loader = _Loader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+        except RecursionError:
+            raise YamlBoundError(f"the YAML nests deeper than {MAX_CONFIG_DEPTH} levels of lists and mappings") from None
+        if node is None:
+            return None
+        _check_bounds(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 class _Dumper(yaml.SafeDumper):
@@ -102,7 +180,9 @@ def config_as_dict(cfg: RunConfig) -> dict[str, Any]:
 def parse_value(text: str) -> Any:
     """A command-line value with YAML scalar rules: `true`, `1e-6`, `[1, 2]`, `null`, `sync`."""
     try:
-        return yaml.load(text, Loader=_Loader) if text.strip() else ""
+        return _load_bounded(text) if text.strip() else ""
+    except YamlBoundError as e:
+        raise ValueError(f"cannot use {text[:80]!r}{'...' if len(text) > 80 else ''} as a value: {e}") from None
     except yaml.YAMLError as e:
         raise ValueError(f"cannot parse {text!r} as a YAML value: {e}") from None
 
@@ -119,7 +199,12 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{path}: not a regular file (a device, pipe or socket); a config is a YAML file")
+            data = f.read(MAX_CONFIG_BYTES + 1)
+            if len(data) > MAX_CONFIG_BYTES:
+                size = os.fstat(f.fileno()).st_size
+                raise ValueError(f"{path}: {size} bytes, over the {MAX_CONFIG_BYTES} bytes a config may have")
     except OSError as e:
         raise ValueError(f"{path}: cannot read the file: {e.strerror or e}") from None
     try:
@@ -130,7 +215,9 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[e.start]:02x}); "
                          "a config is a UTF-8 YAML file") from None
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = _load_bounded(text)
+    except YamlBoundError as e:
+        raise ValueError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
