@@ -6,13 +6,15 @@ controller mode, from a cluster description or a run directory (study/planner.py
 
 A cluster YAML has `costs`: the time costs in seconds, every one required (>= 0; write 0 for one
 that does not apply): decode_base_s, decode_per_seq_s, prefill_per_token_s, train_per_token_s,
-train_overhead_s, push_s, swap_s; and the engines' shape (defaults in brackets): engines [1],
-max_batch_size [64], prompt_len [16], response_median [64], response_sigma [0],
-max_new_tokens [128]. And optionally `workload` (defaults in brackets): prompts_per_step [8] >= 1,
-n [8] >= 1, max_policy_lag [4] in [0, 1024] (train's bound; >= 1 for one_step_off and
-fully_async), steps [50] >= 1, max_inflight_groups [null] >= 1, inter_lag [0] and intra_lag [0]
-in [0, 1024], seed [0] >= 0. Every value is checked before anything is simulated; an error names
-the field and its valid range (exit status 2). With --from-run the
+train_overhead_s, push_s, swap_s; and the engines' shape (defaults in brackets): engines [1] in
+[1, 4096], max_batch_size [64] in [1, 1048576], prompt_len [16] in [0, 1048576], response_median
+[64] in [0, 1048576], response_sigma [0] in [0, 10], max_new_tokens [128] in [1, 1048576]. And
+optionally `workload` (defaults in brackets): prompts_per_step [8] in [1, 65536], n [8] in
+[1, 1024], max_policy_lag [4] in [0, 1024] (train's bound; >= 1 for one_step_off and
+fully_async), steps [50] in [1, 100000], max_inflight_groups [null] >= 1, inter_lag [0] and
+intra_lag [0] in [0, 1024], seed [0] >= 0; steps x prompts_per_step x n at most 1000000 (each
+sequence is simulated: some 15 s per mode at that bound). Every value is checked before anything
+is simulated; an error names the field and its valid range (exit status 2). With --from-run the
 learner's costs, the push time, the response lengths and the workload come from the run; the
 engine's decode costs from --engine-costs (a YAML mapping of decode_base_s, decode_per_seq_s,
 prefill_per_token_s) or --measure-engine (times the embedded engine on the run's model).

@@ -242,10 +242,13 @@ class _Simulation:
             if self.mode == "fixed_lag":  # by construction: segment j of a response is K + J - j old
                 K, J = self.w.inter_lag, self.w.intra_lag
                 stride = max(self.c.max_new_tokens // (J + 1), 1)
-                for g in batch:
-                    for i in range(g.tokens // self.w.n):
-                        lag = min(self.version, K + J - min(J, i // stride))
-                        lags[lag] = lags.get(lag, 0) + self.w.n
+                for g in batch:  # segment j of T tokens: tokens [j * stride, (j + 1) * stride), the last the rest
+                    T = g.tokens // self.w.n
+                    for j in range(J + 1):
+                        count = max(0, (min(T, (j + 1) * stride) if j < J else T) - j * stride)
+                        if count:
+                            lag = min(self.version, K + J - j)
+                            lags[lag] = lags.get(lag, 0) + self.w.n * count
             else:
                 for g in batch:
                     for version, count in g.versions:

@@ -24,6 +24,18 @@ __all__ = ["COST_FIELDS", "MODES", "Costs", "Plan", "Workload"]
 
 MODES = ("sync", "one_step_off", "fully_async", "fixed_lag")
 
+MAX_PROMPTS_PER_STEP = 65_536
+MAX_SAMPLES_PER_PROMPT = 1024
+MAX_STEPS = 100_000
+MAX_SIMULATED_SEQUENCES = 1_000_000
+"""Most sequences one simulation draws (steps x prompts_per_step x n): some 15 s per mode on one core
+and a few hundred MB at most; the planner's own bound, beside each field's."""
+MAX_ENGINES = 4096
+MAX_TOKENS = 1_048_576
+"""Bound of the token counts: max_new_tokens, prompt_len, response_median, max_batch_size."""
+MAX_RESPONSE_SIGMA = 10
+"""Lognormal spread of response lengths (beyond some 3 nearly every draw is clipped to 1 or max_new_tokens)."""
+
 COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "prefill_per_token_s", "train_per_token_s",
                "train_overhead_s", "push_s", "swap_s")
 """The time costs (seconds): required, each a finite number >= 0 (0 only when written as 0)."""
@@ -63,24 +75,28 @@ class Costs:
     swap_s: float
     """Engines stall this long when they swap weights. >= 0."""
     engines: int = 1
-    """>= 1."""
+    """In [1, MAX_ENGINES]."""
     max_batch_size: int = 64
-    """Sequences one engine decodes at once; the rest wait. >= 1."""
+    """Sequences one engine decodes at once; the rest wait. In [1, MAX_TOKENS]."""
     prompt_len: int = 16
-    """Prompt tokens of every sequence. >= 0."""
+    """Prompt tokens of every sequence. In [0, MAX_TOKENS]."""
     response_median: float = 64.0
-    """Response lengths: lognormal with this median and `response_sigma`, clipped to [1, max_new_tokens]. >= 0."""
+    """Response lengths: lognormal with this median and `response_sigma`, clipped to [1, max_new_tokens].
+    In [0, MAX_TOKENS]."""
     response_sigma: float = 0.0
-    """>= 0 (0: every response the median's length)."""
+    """In [0, MAX_RESPONSE_SIGMA] (0: every response the median's length)."""
     max_new_tokens: int = 128
-    """>= 1."""
+    """In [1, MAX_TOKENS]."""
 
     def __post_init__(self) -> None:
-        for name in COST_FIELDS + ("response_median", "response_sigma"):
+        for name in COST_FIELDS:
             number(self, name, low=0)
-        for name in ("engines", "max_batch_size", "max_new_tokens"):
-            integer(self, name, low=1)
-        integer(self, "prompt_len", low=0)
+        number(self, "response_median", low=0, high=MAX_TOKENS)
+        number(self, "response_sigma", low=0, high=MAX_RESPONSE_SIGMA)
+        integer(self, "engines", low=1, high=MAX_ENGINES)
+        for name in ("max_batch_size", "max_new_tokens"):
+            integer(self, name, low=1, high=MAX_TOKENS)
+        integer(self, "prompt_len", low=0, high=MAX_TOKENS)
         if self.decode_base_s + self.decode_per_seq_s <= 0:
             raise FieldError("costs", "decode_base_s", self.decode_base_s,
                              "decode_base_s + decode_per_seq_s must be > 0 (a decode step takes time)",
@@ -117,16 +133,18 @@ class Workload:
     SECTION = "workload"
 
     prompts_per_step: int = 8
-    """Groups (prompts) trained per step (rollout.prompts_per_step). >= 1."""
+    """Groups (prompts) trained per step (rollout.prompts_per_step). In [1, MAX_PROMPTS_PER_STEP]."""
     n: int = 8
-    """Samples per prompt (rollout.sampling.n). >= 1."""
+    """Samples per prompt (rollout.sampling.n). In [1, MAX_SAMPLES_PER_PROMPT]."""
     max_policy_lag: int = 4
     """Staleness bound (controller.max_policy_lag). In [0, MAX_POLICY_LAG_LIMIT]; one_step_off and
     fully_async need >= 1."""
     steps: int = 50
-    """Simulated training steps. >= 1."""
+    """Simulated training steps. In [1, MAX_STEPS]; steps x prompts_per_step x n at most
+    MAX_SIMULATED_SEQUENCES."""
     max_inflight_groups: int | None = None
-    """fully_async: groups kept in flight (None: 2 * prompts_per_step). >= 1."""
+    """fully_async: groups kept in flight (None: 2 * prompts_per_step). In [1, MAX_PROMPTS_PER_STEP *
+    (MAX_POLICY_LAG_LIMIT + 1)] (the loop keeps at most prompts_per_step x (max_policy_lag + 1))."""
     inter_lag: int = 0
     """fixed_lag: K (controller.inter_lag). In [0, MAX_POLICY_LAG_LIMIT]."""
     intra_lag: int = 0
@@ -135,12 +153,20 @@ class Workload:
     """Seed of the response lengths. >= 0."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "n", "steps"):
-            integer(self, name, low=1)
+        integer(self, "prompts_per_step", low=1, high=MAX_PROMPTS_PER_STEP)
+        integer(self, "n", low=1, high=MAX_SAMPLES_PER_PROMPT)
+        integer(self, "steps", low=1, high=MAX_STEPS)
         for name in ("max_policy_lag", "inter_lag", "intra_lag"):
             integer(self, name, low=0, high=MAX_POLICY_LAG_LIMIT)
-        integer(self, "max_inflight_groups", low=1, optional=True)
+        integer(self, "max_inflight_groups", low=1, high=MAX_PROMPTS_PER_STEP * (MAX_POLICY_LAG_LIMIT + 1),
+                optional=True)
         integer(self, "seed", low=0)
+        sequences = self.steps * self.prompts_per_step * self.n
+        if sequences > MAX_SIMULATED_SEQUENCES:
+            raise FieldError("workload", "steps", self.steps,
+                             f"steps x prompts_per_step x n = {sequences} sequences; must be at most "
+                             f"{MAX_SIMULATED_SEQUENCES} (the planner simulates each)",
+                             f"prompts_per_step={self.prompts_per_step}, n={self.n}")
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "workload") -> Workload:

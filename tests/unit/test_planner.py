@@ -104,11 +104,11 @@ def test_fit_line_and_cost_errors():
     ("max_policy_lag", 10**9, "must be an integer in [0, 1024]"),
     ("max_policy_lag", 1e9, "must be an integer in [0, 1024]"),  # YAML 1e9 is a float
     ("max_policy_lag", "4", "must be an integer in [0, 1024]"),  # crashed before (str + int)
-    ("prompts_per_step", 0, "must be an integer >= 1"),  # a plan of 0 tokens/s before
-    ("steps", 0, "must be an integer >= 1"),  # ZeroDivisionError before
-    ("n", 0, "must be an integer >= 1"),
-    ("steps", True, "must be an integer >= 1"),
-    ("max_inflight_groups", 0, "must be null or an integer >= 1"),
+    ("prompts_per_step", 0, "must be an integer in [1, 65536]"),  # a plan of 0 tokens/s before
+    ("steps", 0, "must be an integer in [1, 100000]"),  # ZeroDivisionError before
+    ("n", 0, "must be an integer in [1, 1024]"),
+    ("steps", True, "must be an integer in [1, 100000]"),
+    ("max_inflight_groups", 0, "must be null or an integer in [1, 67174400]"),
     ("inter_lag", -1, "must be an integer in [0, 1024]"),
     ("intra_lag", 2000, "must be an integer in [0, 1024]"),
     ("seed", -1, "must be an integer >= 0"),
@@ -189,8 +189,8 @@ COSTS_YAML = "costs: {" + ", ".join(f"{k}: {v}" for k, v in BASE.items()) + "}\n
 @pytest.mark.parametrize("workload, flags, message", [
     ("{max_policy_lag: -1}", (), "workload.max_policy_lag=-1 is not valid; must be an integer in [0, 1024]"),
     ("{max_policy_lag: '4'}", (), "workload.max_policy_lag='4' is not valid"),
-    ("{prompts_per_step: 0}", (), "workload.prompts_per_step=0 is not valid; must be an integer >= 1"),
-    ("{steps: 0}", (), "workload.steps=0 is not valid; must be an integer >= 1"),
+    ("{prompts_per_step: 0}", (), "workload.prompts_per_step=0 is not valid; must be an integer in [1, 65536]"),
+    ("{steps: 0}", (), "workload.steps=0 is not valid; must be an integer in [1, 100000]"),
     ("{steps: 3}", ("--steps", "0"), "--steps must be an integer >= 1, got 0"),
 ])
 def test_plan_refuses_a_bad_workload_with_exit_2_naming_the_field(tmp_path, capsys, workload, flags, message):
