@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from entr_megatron.checkpoint.directory import clean_stale
+from entr_megatron.config.launcher import check_local_ranks
 from entr_megatron.config.run import RunConfig
 from entr_megatron.config.validate import FieldError, readable_files
 from entr_megatron.controller.console import StopFlag, say
@@ -72,6 +73,7 @@ def check_inputs(cfg: RunConfig, command: str = "train") -> None:
                 raise FieldError("sft", "data_files", [], f"task {cfg.task.name!r} generates no SFT examples: list "
                                  "JSONL files of {\"prompt\", \"response\"} records, or remove the sft section")
         check_model_layout(cfg)
+        check_local_ranks(cfg.launcher)
     if command == "train":
         check_launch(cfg)
 

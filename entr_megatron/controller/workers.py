@@ -36,7 +36,9 @@ from entr_megatron.utils.spawn import (
     exit_now,
     forks_die_with_this_process,
     free_port,
+    ignore_sigint,
     name_process,
+    sigint_held,
     torchrun_env,
 )
 
@@ -104,7 +106,7 @@ def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: t
     die_with_parent()  # the driver killed outright takes its ranks with it
     forks_die_with_this_process()  # and a rank killed outright its checkpoint writers (they hold the job's pipes)
     name_process(f"entr-rank{rank}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_sigint()  # started with SIGINT held (`sigint_held`): a Ctrl-C while importing stays quiet
     enter_rank(env, threads)
     worker = None
     try:
@@ -160,15 +162,16 @@ class ProcessWorkerGroup:
         port = free_port()
         self._procs, self._conns = [], []
         self._busy = False
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            env = torchrun_env(rank, world_size, master_addr, port)
-            proc = ctx.Process(target=_serve, args=(rank, env, threads_per_rank, factory, args, child),
-                               name=f"{name}-rank{rank}", daemon=False)  # Megatron's checkpoint writer forks
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        with sigint_held():
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                env = torchrun_env(rank, world_size, master_addr, port)
+                proc = ctx.Process(target=_serve, args=(rank, env, threads_per_rank, factory, args, child),
+                                   name=f"{name}-rank{rank}", daemon=False)  # Megatron's checkpoint writer forks
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
         self._busy = True
         self._startup_timeout_s: float | None = startup_timeout_s
         if wait:

@@ -61,6 +61,7 @@ from entr_megatron.rollout.engine import (
     WeightUpdateReport,
 )
 from entr_megatron.rollout.weights import TensorSpec, pack_buckets
+from entr_megatron.utils.spawn import sigint_held
 
 __all__ = ["KV_ON_UPDATE", "EmbeddedEngine", "EmbeddedEngineConfig"]
 
@@ -106,7 +107,8 @@ class EmbeddedEngine:
             Results: self._on_results, Reply: self._on_answer, CallFailed: self._on_answer,
             Ready: self._on_ready, Fatal: self._on_fatal,
         })
-        self._proc.start()
+        with sigint_held():  # a Ctrl-C while it imports stays quiet: run_worker ignores it
+            self._proc.start()
         self._dispatcher = threading.Thread(target=self._dispatch, name="engine-dispatch", daemon=True)
         self._dispatcher.start()
         if wait:

@@ -18,7 +18,6 @@ the previous one was swapped in (the stage is a single second copy of the weight
 from __future__ import annotations
 
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -55,7 +54,7 @@ from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm
 from entr_megatron.rollout.quantize import install_rounding
 from entr_megatron.rollout.weights import WeightStage
 from entr_megatron.utils.faults import maybe_fault
-from entr_megatron.utils.spawn import die_with_parent, exit_now, name_process
+from entr_megatron.utils.spawn import die_with_parent, exit_now, ignore_sigint, name_process
 
 __all__ = ["run_worker"]
 
@@ -268,7 +267,7 @@ def run_worker(config: EmbeddedEngineConfig, cmd_q: Any, weight_q: Any, out_q: A
     # also when the owner is killed outright.
     die_with_parent()
     name_process(PROCESS_NAME)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_sigint()  # started with SIGINT held (`sigint_held`)
     try:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)

@@ -21,6 +21,7 @@ its peers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import ipaddress
@@ -31,7 +32,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -108,6 +109,33 @@ def forks_die_with_this_process() -> None:
     prctl = _prctl()  # looked up here, not in each forked child
     if prctl is not None:
         os.register_at_fork(after_in_child=lambda: prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)))
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """SIGINT blocked in this thread for the block: children started in it inherit the blocked
+    signal through fork and exec, so a Ctrl-C while they import (before they call `ignore_sigint`)
+    stays pending in them instead of printing a KeyboardInterrupt traceback from each; here it is
+    delivered when the block ends. A no-op where there is no signal mask (not POSIX)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # started by the first spawn, it unblocks SIGINT after its own start
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ignore_sigint() -> None:
+    """First thing in a child started under `sigint_held` that leaves Ctrl-C to its parent: SIGINT
+    ignored, then unblocked (a pending one is discarded)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def exit_now(code: int = 0) -> NoReturn:
