@@ -12,12 +12,13 @@ Layers, outermost first:
   past its cap; stdout and stderr are read by threads that keep a bounded head and tail, so the
   parent's memory stays bounded whatever the child prints;
 - stage 1 (`sandbox_launcher.py`): user + network + mount + pid namespaces and a private root
-  built by the kernel: a read-only tmpfs holding only the scratch directory (read-write,
-  noexec), read-only binds of the interpreter, its standard library, the directories of the
-  shared libraries it maps and its ELF loader, and /dev/null, zero, random, urandom;
-  `pivot_root` into it, the host's root detached; rlimits (CPU, address space, file size,
-  open files, no core, processes), no_new_privs, a pid-1 reaper so every process the code
-  starts dies with it;
+  built by the kernel: a read-only tmpfs holding only the scratch directory (a tmpfs of
+  `max_scratch_mb` and SCRATCH_INODES files, read-write, noexec), read-only binds of the
+  interpreter, its standard library (without ctypes and its kin), the directories of the shared
+  libraries it maps and its ELF loader, and /dev/null, zero, random, urandom; `pivot_root` into
+  it, the host's root detached; rlimits (CPU, address space, file size, open files, no core,
+  processes), no_new_privs, a seccomp filter refusing every new process and thread (for the
+  host's root too), a pid-1 reaper so every process the code starts dies with it;
 - stage 2 (`sandbox_guard.py`): an audit hook refusing processes, signals, sockets other than
   AF_UNIX pairs, threads, ctypes/cffi, foreign extension modules, and file access outside
   scratch and the standard library; then the code runs with fresh globals.
@@ -27,20 +28,25 @@ Contained by the kernel (whatever opens the file: `open`, `readline.read_history
 private root is absent: /etc but ld.so.cache (so /etc/passwd, /etc/shadow, and
 `pwd.getpwall()` finds no account), /root and /home (but the path to the interpreter's prefix
 where it lives there, e.g. pyenv's), /proc, /sys, the project and its runs, other sandboxes'
-scratch directories; writes anywhere but scratch (read-only mounts); the network (an empty
-network namespace); other processes (pid namespace). Not contained: reads of what the private
-root shows (the interpreter's prefix, the directories of the shared libraries it maps, e.g.
-/usr/lib/x86_64-linux-gnu: installed software, no user's data); stat/existence checks inside it;
-CPU and memory the child takes within its limits; kernel bugs (no seccomp filter: the child can
-make any syscall its lack of capabilities allows). Audit hooks are not a security boundary (the
-Python docs say so); here they are a second wall, behind the private root.
+scratch directories; writes anywhere but scratch (read-only mounts), and there at most
+`max_scratch_mb` in all; the network (an empty network namespace); other processes (pid
+namespace); new processes and threads (seccomp); ctypes (its module is not in the private root).
+Not contained: reads of what the private root shows (the interpreter's prefix, the directories
+of the shared libraries it maps, e.g. /usr/lib/x86_64-linux-gnu: installed software, no user's
+data); stat/existence checks inside it; CPU and memory the child takes within its limits (its
+scratch files are memory too, up to `max_scratch_mb`); kernel bugs (the seccomp filter refuses
+only the syscalls that make tasks: the child can make any other syscall its lack of capabilities
+allows). Audit hooks are not a security boundary (the Python docs say so); here they are a second
+wall, behind the private root.
 
 If the kernel cannot build the private root (no user or mount namespaces, no `pivot_root`),
-the tool refuses to run (`SandboxUnavailable` when a `PythonTool` is built, `REFUSED` in a
+or cannot refuse new processes to the host's root user (no seccomp filter: a kernel without it,
+a machine without a syscall table here), the tool refuses to run (`SandboxUnavailable` when a `PythonTool` is built, `REFUSED` in a
 run's stderr) unless `allow_weak_containment=True` (config:
 `task.search.python_tool_allow_weak_containment`): then files outside scratch are held by the
 audit hook alone (native openers like `readline` and `sqlite3` read any file the training user
-can), the network and processes by whatever namespaces the kernel gave.
+can), scratch is a host directory bounded per file only, the network and processes by whatever
+namespaces and filter the kernel gave.
 """
 
 from __future__ import annotations
@@ -65,7 +71,10 @@ OUTPUT_KILL_FACTOR = 8
 """The child is killed once one stream exceeds this many times its kept size (plus 1 MiB)."""
 NOFILE = 64
 TASKS_IN_NAMESPACE = 16
-"""RLIMIT_NPROC inside the user namespace: counts only the sandbox's own tasks there."""
+"""RLIMIT_NPROC inside the user namespace: counts only the sandbox's own tasks there. A second limit
+behind the seccomp filter that refuses every new task (RLIMIT_NPROC binds no host root)."""
+SCRATCH_INODES = 1024
+"""Files and directories the code may create in its scratch tmpfs."""
 READER_JOIN_S = 1.0
 """How long the parent waits for the pipes to close after the child is gone."""
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -85,9 +94,12 @@ class SandboxLimits:
     """Characters kept of stdout and of stderr each."""
     max_file_mb: int = 8
     """Largest file the child may write (RLIMIT_FSIZE)."""
+    max_scratch_mb: int = 32
+    """All the child's files together: the size of its scratch tmpfs (in memory, beside memory_mb),
+    of at most SCRATCH_INODES files."""
 
     def __post_init__(self):
-        for field in ("cpu_s", "wall_s", "memory_mb", "max_output_chars", "max_file_mb"):
+        for field in ("cpu_s", "wall_s", "memory_mb", "max_output_chars", "max_file_mb", "max_scratch_mb"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"SandboxLimits.{field} must be > 0, got {getattr(self, field)!r}")
 
@@ -172,7 +184,8 @@ class PythonSandbox:
         return {
             "scratch": os.path.join(base, "work"), "root": os.path.join(base, "root"), "nofile": NOFILE,
             "fsize": lim.max_file_mb * 2**20, "cpu": max(1, -int(-lim.cpu_s // 1)), "memory": lim.memory_mb * 2**20,
-            "tasks": TASKS_IN_NAMESPACE, "stage2": _STAGE2, "allow_weak": self.allow_weak_containment,
+            "tasks": TASKS_IN_NAMESPACE, "scratch_size": [lim.max_scratch_mb * 2**20, SCRATCH_INODES],
+            "stage2": _STAGE2, "allow_weak": self.allow_weak_containment,
             "audit_hook": self.audit_hook,
         }
 
@@ -215,7 +228,8 @@ class PythonSandbox:
         lim = self.limits
         cfg = self._config(base)
         scratch = cfg["scratch"]
-        with open(os.path.join(scratch, ".main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
+        with open(os.path.join(scratch, sandbox_launcher.CODE_FILE), "w", encoding="utf-8",
+                  errors="surrogatepass") as f:
             f.write(code)
         env = dict(ENV, HOME=scratch, TMPDIR=scratch)
         cmd = [self.python, "-I", "-S", "-B", "-c", _STAGE1, json.dumps(cfg)]

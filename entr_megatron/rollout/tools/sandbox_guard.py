@@ -7,9 +7,10 @@ a `sys.addaudithook` hook (which cannot be removed) and runs the code with fresh
 
 The hook is the second wall, behind the kernel's: it refuses process creation and signals,
 sockets other than AF_UNIX pairs (no connect, bind, sendto, DNS), threads, sub-interpreters,
-ctypes/cffi (threads and `_posixsubprocess.fork_exec`, which raise no event, are replaced by stubs),
-extension modules outside the interpreter's own library, writes outside scratch and reads outside
-scratch and the standard library. Audit hooks are not a security boundary (native code such as
+ctypes/cffi (by any part of a module's name and by an extension file's own name: `_ctypes` loaded
+as `x._ctypes` is refused; threads and `_posixsubprocess.fork_exec`, which raise no event, are
+replaced by stubs), extension modules outside the interpreter's own library, writes outside scratch
+and reads outside scratch and the standard library. Audit hooks are not a security boundary (native code such as
 `readline` or `sqlite3` opens files without an event): the private root is what holds.
 cfg["audit_hook"] False skips the hook (tests of the kernel wall alone).
 """
@@ -148,12 +149,16 @@ def install(scratch, roots, read_devices):
                     deny(event, f"directory {p}")
         elif event in refused:
             deny(event, "not allowed in the sandbox")
-        elif event == "import":
+        elif event == "import":  # every part of the name, and an extension file's own name
             name, filename = args[0], args[1]
-            if type_(name) is str_ and name.split(".")[0] in blocked_imports:
+            if type_(name) is str_ and any_(part in blocked_imports for part in name.split(".")):
                 deny(event, name)
-            if filename is not None and not under(real(event, filename), roots):
-                deny(event, f"extension module {filename}")
+            if filename is not None:
+                path = real(event, filename)
+                if not under(path, roots):
+                    deny(event, f"extension module {filename}")
+                if path.rsplit("/", 1)[-1].split(".")[0] in blocked_imports:
+                    deny(event, f"{name} from {filename}")
         elif event in one_path:
             path = args[0]
             if path is None or type_(path) is int_:

@@ -8,19 +8,23 @@ Run as a script (importing it only defines names): `PythonSandbox` runs this fil
    private root below cannot be built);
 2. a private root: a fresh tmpfs holding only, at their host paths, read-only binds of the
    interpreter, its standard library and the directories of the shared libraries it maps (plus
-   the ELF interpreter), the devices null, zero, random and urandom, and the scratch directory
-   (read-write, nosuid, nodev, noexec); the tmpfs is made read-only, `pivot_root` moves into it
-   and the host's root is detached. Every other file of the host (/etc, /root, /home, /proc, the
-   project) is absent to the kernel, whatever code opens it;
-3. rlimits and no_new_privs; in the pid namespace a reaper is pid 1 and the code runs as its child
-   (the kernel drops default-action signals such as SIGXCPU sent to a pid 1), so every process
-   of the namespace dies with it.
+   the ELF interpreter; HIDDEN_MODULES' files covered by /dev/null), the devices null, zero,
+   random and urandom, and at the scratch directory's path a tmpfs of its own (read-write,
+   nosuid, nodev, noexec, of `scratch_size` bytes and inodes: the code's files in all) holding
+   the code file; the root tmpfs is made read-only, `pivot_root` moves into it and the host's
+   root is detached. Every other file of the host (/etc, /root, /home, /proc, the project) is
+   absent to the kernel, whatever code opens it;
+3. rlimits and no_new_privs; a seccomp filter refusing fork, vfork, clone, clone3 and
+   io_uring_setup (`task_filter`): the code can start no process or thread, as the host's root
+   too, whom RLIMIT_NPROC does not bind; in the pid namespace a reaper is pid 1 and the code runs
+   as its child (the kernel drops default-action signals such as SIGXCPU sent to a pid 1), so
+   every process of the namespace dies with it.
 
 The user namespace maps the host's uid to a non-zero one (SANDBOX_ID): after the exec the child
 holds no capability in it, so it can neither undo a mount nor leave the new root. If the private
-root cannot be built, the launcher writes `REFUSED` and a reason to stderr and exits
-`REFUSED_EXIT`, unless the config allows weaker containment (then the audit hook of stage 2 is
-the only wall for files).
+root cannot be built, or the filter installed while the host user is root, the launcher writes
+`REFUSED` and a reason to stderr and exits `REFUSED_EXIT`, unless the config allows weaker
+containment (then the audit hook of stage 2 is the only wall for files).
 """
 
 import json
@@ -44,6 +48,19 @@ KEPT_FLAGS = {os.ST_RDONLY: MS_RDONLY, os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 ROOT_TMPFS = b"mode=0755,size=1m"
+HIDDEN_MODULES = ("_ctypes", "_ctypes_test", "_testcapi", "_testinternalcapi", "_xxsubinterpreters",
+                  "_xxinterpchannels", "_posixsubprocess", "_cffi_backend")
+"""Extension modules absent from the private root (their files covered by /dev/null, which cannot be
+loaded): ctypes and its kin under any name, whatever loads them."""
+SECCOMP_ARCH = {"x86_64": (0xC000003E, (57, 58, 56, 435, 425)), "aarch64": (0xC00000B7, (220, 435, 425))}
+"""machine -> (its AUDIT_ARCH, the syscalls the code is refused: fork, vfork, clone, clone3 (threads
+too), io_uring_setup (its workers are tasks), those the machine has). Other ABIs (x86's 32-bit
+int 0x80 and x32) are refused every syscall."""
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EPERM = 0x7FFF0000, 0x00050000, 1
+X32_SYSCALL_BIT = 0x40000000
+CODE_FILE = ".main.py"
+"""The code, written into scratch by the parent, read and removed by stage 2."""
 SANDBOX_ID = 1000
 """The child's uid and gid inside its user namespace (the host's are mapped to it). Not 0: after the
 exec it holds no capability there, so it can neither undo a mount nor leave the new root."""
@@ -165,7 +182,27 @@ class Root:
         flags |= sum(ms for st, ms in KEPT_FLAGS.items() if kept & st)
         self.mount(f"remount {src}", None, dst, None, MS_REMOUNT | MS_BIND | flags)
 
-    def build(self, read_only, scratch):
+    def cover(self, path):
+        """Puts /dev/null over the file `path` of a bind made already (its module cannot be loaded)."""
+        self.mount(f"cover {path}", "/dev/null", self.mnt + path, None, MS_BIND)
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        kept = os.statvfs("/dev/null").f_flag
+        flags |= sum(ms for st, ms in KEPT_FLAGS.items() if kept & st)
+        self.mount(f"remount cover {path}", None, self.mnt + path, None, MS_REMOUNT | MS_BIND | flags)
+
+    def scratch(self, scratch, size):
+        """A tmpfs of `size` (bytes, inodes) at `scratch` holding only the host scratch's code file:
+        the code's files count against that bound, in memory, never on the host's disk."""
+        dst = self.mnt + scratch
+        os.makedirs(dst, exist_ok=True)
+        data = f"mode=0700,size={size[0]},nr_inodes={size[1]}".encode()
+        self.mount("tmpfs scratch", "tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, data)
+        code = os.path.join(scratch, CODE_FILE)
+        if os.path.exists(code):
+            with open(code, "rb") as src, open(dst + "/" + CODE_FILE, "wb") as out:
+                out.write(src.read())
+
+    def build(self, read_only, scratch, scratch_size):
         """Fills the tmpfs (see the module docstring), makes it read-only and pivots into it."""
         self.mount("make / private", None, "/", None, MS_REC | MS_PRIVATE)
         self.mount("tmpfs root", "tmpfs", self.mnt, "tmpfs", MS_NOSUID | MS_NODEV, ROOT_TMPFS)
@@ -183,7 +220,9 @@ class Root:
         for dev in DEVICES:
             if os.path.exists(dev):
                 self.bind(dev, MS_NOSUID | MS_NOEXEC)
-        self.bind(scratch, MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        for path in hidden_files(sorted({real for _, real in resolved})):
+            self.cover(path)
+        self.scratch(scratch, scratch_size)
         self.mount("read-only root", None, self.mnt, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
         number = SYS_PIVOT_ROOT.get(os.uname().machine)
         if number is None:
@@ -192,6 +231,64 @@ class Root:
         _call(self.libc.syscall, self.get_errno, "pivot_root", number, b".", b".")
         _call(self.libc.umount2, self.get_errno, "detach the host root", b".", MNT_DETACH)
         os.chdir("/")
+
+
+def hidden_files(dirs):
+    """The files of HIDDEN_MODULES (NAME.*.so) in the directories `dirs`."""
+    found = []
+    for d in dirs:
+        if os.path.isdir(d):
+            for name in sorted(os.listdir(d)):
+                if name.split(".", 1)[0] in HIDDEN_MODULES and name.endswith(".so"):
+                    found.append(os.path.join(d, name))
+    return found
+
+
+def task_filter(machine):
+    """The seccomp program (a list of (code, jt, jf, k)) refusing SECCOMP_ARCH's syscalls with EPERM,
+    and every syscall of another ABI; None on a machine without a table."""
+    if machine not in SECCOMP_ARCH:
+        return None
+    arch, refused = SECCOMP_ARCH[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    checks = ([(jge, X32_SYSCALL_BIT)] if machine == "x86_64" else []) + [(jeq, nr) for nr in refused]
+    prog = [(ld, 0, 0, 4), (jeq, 0, len(checks) + 2, arch), (ld, 0, 0, 0)]  # arch, else deny; the number
+    for i, (code, k) in enumerate(checks):
+        prog.append((code, len(checks) - i, 0, k))  # matched: deny (the last instruction)
+    return prog + [(ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+
+
+def refuse_new_tasks(libc, get_errno):
+    """Installs `task_filter` on this process (inherited by what it execs): no fork, clone or thread.
+    Needs no_new_privs (set before). Raises OSError where the kernel or the machine has no filter."""
+    import ctypes
+
+    prog = task_filter(os.uname().machine)
+    if prog is None:
+        raise OSError(38, f"no seccomp syscall table for {os.uname().machine}")
+    raw = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = Fprog(len(prog), ctypes.cast(buf, ctypes.c_void_p))
+    ulong = ctypes.c_ulong
+    if libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), ulong(0), ulong(0)):
+        err = get_errno()
+        raise OSError(err, f"seccomp: {os.strerror(err)}")
+
+
+def hold_tasks(libc, get_errno, host_uid):
+    """None once new processes and threads are refused (`refuse_new_tasks`), or where RLIMIT_NPROC
+    does it (a host uid other than root); else why not."""
+    try:
+        refuse_new_tasks(libc, get_errno)
+    except OSError as e:
+        if host_uid != 0:
+            return None  # RLIMIT_NPROC (set_limits) binds every uid but the host's root
+        return f"new processes cannot be refused to the host's root user ({e})"
+    return None
 
 
 def enter_namespaces(libc):
@@ -240,7 +337,17 @@ def _wait(pid):
             return got, status
 
 
-def run_in_pid_namespace(libc, argv):
+def exec_code(argv, hold):
+    """Execs stage 2 once `hold()` refused new tasks; where it could not (its reason), refused."""
+    why = hold()
+    if why is not None:
+        sys.stderr.write(f"{REFUSED} ({why})\n")
+        sys.stderr.flush()
+        os._exit(REFUSED_EXIT)
+    os.execv(argv[0], argv)
+
+
+def run_in_pid_namespace(libc, argv, hold):
     """Forks pid 1 of the namespace, which forks and reaps the code; ends as the code ended."""
     r, w = os.pipe()
     pid = os.fork()
@@ -250,7 +357,7 @@ def run_in_pid_namespace(libc, argv):
         child = os.fork()                                      # session kill still reaches us
         if child == 0:
             os.close(w)
-            os.execv(argv[0], argv)
+            exec_code(argv, hold)
         while True:
             got, status = _wait(1)
             if got == child:
@@ -280,6 +387,7 @@ def main():
     containment reached as JSON and exits instead."""
     cfg = json.loads(sys.argv[1])
     python = os.path.realpath(sys.executable)
+    host_uid = os.getuid()
     libc, get_errno = _libc()
     flags = enter_namespaces(libc)
     why = None
@@ -287,10 +395,12 @@ def main():
         why = "no mount namespace (unshare refused by the kernel or its policy)"
     else:
         try:
-            Root(libc, get_errno, cfg["root"]).build(read_only_paths(python), cfg["scratch"])
+            Root(libc, get_errno, cfg["root"]).build(read_only_paths(python), cfg["scratch"], cfg["scratch_size"])
         except OSError as e:
             why = f"cannot build the private root: {e}"
     if cfg.get("probe"):
+        libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        why = why or hold_tasks(libc, get_errno, host_uid)  # on the probe itself, which ends here
         print(json.dumps({"confined": why is None, "why": why}))
         return
     if why is not None and not cfg["allow_weak"]:
@@ -299,11 +409,16 @@ def main():
         os._exit(REFUSED_EXIT)
     set_limits(cfg, flags)
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    os.chdir(cfg["scratch"])  # inside the new root: the bind, not the directory under it
+    os.chdir(cfg["scratch"])  # inside the new root: the tmpfs, not the directory under it
+
+    def hold():
+        problem = hold_tasks(libc, get_errno, host_uid)
+        return None if cfg["allow_weak"] else problem
+
     argv = [python, "-I", "-S", "-B", "-c", cfg.pop("stage2"), json.dumps(cfg)]
     if not flags & CLONE_NEWPID:
-        os.execv(python, argv)
-    run_in_pid_namespace(libc, argv)
+        exec_code(argv, hold)
+    run_in_pid_namespace(libc, argv, hold)
 
 
 if __name__ == "__main__":
