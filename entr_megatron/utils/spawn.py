@@ -181,41 +181,43 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port(attempts: int = 64) -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago, drawn at random below the kernel's
-    ephemeral range. A port between its check and its use is not held: drawing it from the
+def free_port(attempts: int = 64, host: str = LOOPBACK) -> int:
+    """A TCP port on `host` (an address of this machine) that was free a moment ago, drawn at
+    random below the kernel's ephemeral range. A port between its check and its use is not held: drawing it from the
     ephemeral range (bind to port 0) let any outgoing connection of another job on the host take
     it as its local port meanwhile, and two jobs starting together could be handed the same
     recently freed port (seen: two study cells' weight stores on one port, a connection reset,
     a push that never arrived). Falls back to the kernel's choice when no drawn port is free."""
     low = LISTEN_PORTS_LOW
     high = min(_ephemeral_range()[0], 65536) - 1
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(attempts if high > low else 0):
         port = _PORT_PICKS.randint(low, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
-                s.bind((LOOPBACK, port))
+                s.bind((host, port))
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def free_port_range(count: int, attempts: int = 100) -> int:
-    """The first of `count` consecutive TCP ports on 127.0.0.1 that were all free a moment ago
-    (e.g. one weight-sync group per pipeline stage on `base + stage`)."""
+def free_port_range(count: int, attempts: int = 100, host: str = LOOPBACK) -> int:
+    """The first of `count` consecutive TCP ports on `host` (an address of this machine) that were
+    all free a moment ago (e.g. one weight-sync group per pipeline stage on `base + stage`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(attempts):
-        base = free_port()
+        base = free_port(host=host)
         if base + count > 65536:
             continue
         sockets = []
         try:
             for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s = socket.socket(family, socket.SOCK_STREAM)
                 sockets.append(s)
-                s.bind((LOOPBACK, port))
+                s.bind((host, port))
             return base
         except OSError:
             continue

@@ -16,9 +16,10 @@ servers' ranks. NCCL on GPU, gloo on CPU, the same code: only the device of the
 tensors on the wire changes (`BroadcastGroup.device`).
 
 What listens: rank 0's store on `WeightGroup.bind_address` (None: the master address,
-127.0.0.1 for a one-node run; see `utils.spawn.tcp_store`), and each rank's gloo pairs on
-127.0.0.1 when the master address is loopback (unless GLOO_SOCKET_IFNAME says otherwise),
-else on gloo's choice of interface. Neither authenticates its peers: on a shared network
+127.0.0.1 for a one-node run; see `utils.spawn.tcp_store`), and each rank's gloo pairs on its
+own node's address when its launcher said it (Ray: `utils.node_address`), else on 127.0.0.1 when
+the master address is loopback (GLOO_SOCKET_IFNAME, when set, wins), else on gloo's choice of
+interface. Neither authenticates its peers: on a shared network
 keep the master address on an interface only the job's nodes reach.
 """
 
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from entr_megatron.utils.spawn import bind_ip, is_loopback, tcp_store
+from entr_megatron.utils.node_address import gloo_address
+from entr_megatron.utils.spawn import tcp_store
 
 __all__ = ["BACKENDS", "BroadcastGroup", "WeightGroup", "default_backend", "stage_groups"]
 
@@ -263,11 +265,10 @@ class BroadcastGroup:
 
 
 def _gloo_hostname(spec: WeightGroup) -> str | None:
-    """The address gloo's pairs listen on: loopback when every rank dials a loopback master (and
-    GLOO_SOCKET_IFNAME is unset); None: gloo's own choice (that variable, else the host name's address)."""
-    if os.environ.get("GLOO_SOCKET_IFNAME") or not is_loopback(spec.master_address):
-        return None
-    return bind_ip(spec.master_address)
+    """The address this rank's gloo pairs listen on (`utils.node_address.gloo_address`): this
+    node's address when the launcher said it (Ray), else loopback when every rank dials a loopback
+    master; None: gloo's own choice (GLOO_SOCKET_IFNAME, else the host name's address)."""
+    return gloo_address(spec.master_address)
 
 
 def _gloo_group(store, rank: int, world_size: int, timeout: datetime.timedelta, streams: int,
