@@ -89,10 +89,11 @@ def _refused(command: str, job, *args, **kwargs):
     """`job(*args, **kwargs)`; a run directory another job holds, that is not writable or has no
     room for a checkpoint, or whose checkpoints are all unusable, a Ray address Ray cannot join, is
     one message and exit 2
-    (nothing started); a failed save (e.g. a full disk) or an engine that failed once too often
-    one message and exit 1."""
+    (nothing started); a failed save (e.g. a full disk), an engine that failed once too often or a
+    learner rank's node lost (Ray) one message and exit 1."""
     from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
     from entr_megatron.controller.engines import RestartsExhausted
+    from entr_megatron.controller.ray_workers import LearnerNodeLost
     from entr_megatron.controller.run_hooks import DiskSpaceError
     from entr_megatron.utils.ray_connect import RayConnectError
     from entr_megatron.utils.run_lock import RunLockedError
@@ -102,6 +103,11 @@ def _refused(command: str, job, *args, **kwargs):
     except (RunLockedError, DiskSpaceError, RayConnectError) as e:
         print(f"entr-megatron {command}: {e}", file=sys.stderr)
         sys.exit(2)
+    except LearnerNodeLost as e:  # mid-run, the node gone: the last checkpoint resumes once it is back
+        print(f"entr-megatron {command}: {str(e).splitlines()[0]}\nThe run stopped. Bring the node back (or give "
+              "launcher.ray_learner_resources to nodes that live) and run the same command: it resumes from the "
+              "last checkpoint.", file=sys.stderr)
+        sys.exit(1)
     except (CheckpointSaveError, RestartsExhausted) as e:  # mid-run: the last checkpoint resumes
         print(f"entr-megatron {command}: {e}\nRun the same command to resume from the last checkpoint.",
               file=sys.stderr)

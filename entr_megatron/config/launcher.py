@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from entr_megatron.config.validate import FieldError, bad, boolean, choice, integer, string
+from entr_megatron.config.validate import FieldError, bad, boolean, choice, integer, is_number, string
 
 RAY_ADDRESS_FORMS = "'auto', 'local', 'HOST:PORT' (the head's GCS port, e.g. 10.0.0.1:6379) or 'ray://HOST:PORT' " \
                     "(Ray Client, e.g. ray://10.0.0.1:10001)"
@@ -68,6 +68,30 @@ def check_ray_reachable(address: str | None, field: str = "launcher.ray_address"
                          "the address its GCS port (6379) or Ray Client port (10001, with ray://)?") from None
 
 
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources Ray sets on every node itself: a run asks for them through other fields."""
+RayEngineStrategy = Literal["SPREAD", "DEFAULT"]
+RAY_ENGINE_STRATEGIES: tuple[str, ...] = get_args(RayEngineStrategy)
+
+
+def _ray_resources(obj: object, name: str) -> None:
+    """Field `name` must be null or a mapping of custom Ray resource names to amounts > 0."""
+    value = getattr(obj, name)
+    if value is None:
+        return
+    rule = ("must be null or a mapping of custom Ray resource names (as given to `ray start --resources`) "
+            "to amounts > 0, e.g. {learner: 1}")
+    if not isinstance(value, dict) or not value:
+        raise bad(obj, name, value, rule)
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key or not is_number(amount) or amount <= 0:
+            raise bad(obj, name, value, rule)
+        if key in RAY_BUILTIN_RESOURCES:
+            raise bad(obj, name, value, f"{key!r} is set by Ray itself (ask for CPUs with launcher.cpu_threads_per_rank "
+                      "and rollout.embedded.num_threads, GPUs with launcher.device); " + rule)
+    object.__setattr__(obj, name, {k: float(v) for k, v in value.items()})
+
+
 LauncherKind = Literal["local", "ray"]
 LAUNCHERS: tuple[str, ...] = get_args(LauncherKind)
 Device = Literal["cpu", "cuda"]
@@ -107,6 +131,19 @@ class LauncherConfig:
     """kind 'ray': address of an existing cluster, one of RAY_ADDRESS_FORMS; None starts a local one.
     `train` probes it (TCP, RAY_PROBE_TIMEOUT_S) before connecting."""
 
+    ray_learner_resources: dict[str, float] | None = None
+    """kind 'ray': custom Ray resources each learner rank needs besides its CPUs (and GPU), e.g.
+    {learner: 1} with `ray start --resources '{"learner": 8}'` on the learner nodes: the ranks go
+    only there (one placement group, packed). None: any node with the CPUs (GPUs)."""
+
+    ray_engine_resources: dict[str, float] | None = None
+    """kind 'ray': custom Ray resources each embedded engine actor needs besides its CPUs, e.g.
+    {engine: 1}: engines (and their replacements) go only to nodes that offer it. None: any node."""
+
+    ray_engine_strategy: RayEngineStrategy = "SPREAD"
+    """kind 'ray': one of RAY_ENGINE_STRATEGIES, how Ray places the engine actors: 'SPREAD' one per
+    node while nodes are left, 'DEFAULT' Ray's own choice (it fills a node first)."""
+
     master_addr: str = "127.0.0.1"
     """Rendezvous address of learner rank 0 (torchrun's --master-addr)."""
 
@@ -133,12 +170,18 @@ class LauncherConfig:
         integer(self, "gpus_per_node", low=0)
         integer(self, "engine_nodes", low=0)
         string(self, "ray_address", optional=True)
+        _ray_resources(self, "ray_learner_resources")
+        _ray_resources(self, "ray_engine_resources")
+        choice(self, "ray_engine_strategy", RayEngineStrategy)
         string(self, "master_addr")
         integer(self, "master_port", low=0, high=65535)
         integer(self, "cpu_threads_per_rank", low=1, optional=True)
         integer(self, "max_restarts", low=0)
         if self.ray_address is not None and self.kind != "ray":
             raise bad(self, "ray_address", self.ray_address, "is only used with launcher.kind='ray'; use null")
+        for name in ("ray_learner_resources", "ray_engine_resources"):
+            if getattr(self, name) is not None and self.kind != "ray":
+                raise bad(self, name, getattr(self, name), "is only used with launcher.kind='ray'; use null")
         if self.ray_address is not None:
             try:
                 parse_ray_address(self.ray_address)

@@ -29,6 +29,7 @@ from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.config.run import RunConfig
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.faults import maybe_fault
+from entr_megatron.utils.spawn import LOOPBACK, bind_ip, free_port_range
 
 __all__ = ["LearnerWorker", "LearnerWorkerSpec", "make_learner_worker", "sft_learner_config"]
 
@@ -149,6 +150,14 @@ class LearnerWorker:
     def master_address(self) -> str:
         """The address of global rank 0 (torch.distributed's MASTER_ADDR), where weight groups meet."""
         return self.info.master_addr
+
+    def meeting_point(self, ports: int) -> tuple[str, int] | None:
+        """On rank 0: (its address, the first of `ports` consecutive ports free there), where the
+        weight groups meet (stage p on the first + p); None on the other ranks, which may run on
+        other nodes."""
+        if self.info.rank != 0:
+            return None
+        return self.info.master_addr, free_port_range(ports, host=bind_ip(self.info.master_addr) or LOOPBACK)
 
     def connect_weight_sync(self, master_address: str, base_port: int, engine_ranks: tuple[int, ...],
                             bucket_bytes: int, dtype: str | None, timeout_s: float = 600.0,

@@ -46,8 +46,13 @@ ACTOR_CONCURRENCY = 6
 
 class _EngineActor:
     def __init__(self, config: Any):
-        from entr_megatron.rollout.embedded import EmbeddedEngine
+        import ray
 
+        from entr_megatron.rollout.embedded import EmbeddedEngine
+        from entr_megatron.utils.node_address import set_node_address
+
+        # before the engine's process starts (it inherits it): its weight groups' gloo pairs listen here
+        set_node_address(ray.util.get_node_ip_address())
         self.engine = EmbeddedEngine(config)
 
     def describe(self) -> tuple[int, str, int]:
@@ -88,8 +93,8 @@ class RayEngine:
     """`RolloutEngine` proxy of an embedded engine in a Ray actor (see the module docstring)."""
 
     def __init__(self, config: Any, *, num_cpus: float = 1.0, num_gpus: float = 0.0, scheduling_strategy: Any = None,
-                 startup_timeout_s: float | None = None, answer_timeout_s: float | None = None,
-                 ray_module: Any = None, wait: bool = True):
+                 resources: dict[str, float] | None = None, startup_timeout_s: float | None = None,
+                 answer_timeout_s: float | None = None, ray_module: Any = None, wait: bool = True):
         """Starts the actor and waits until its engine loaded the model (`startup_timeout_s`,
         default `config.startup_timeout_s`, counted from here); raises EngineError (the actor
         killed) if it did not. `wait=False` returns at once: `wait_ready` waits, so that several
@@ -97,12 +102,16 @@ class RayEngine:
         `answer_timeout_s` (default `config.rpc_timeout_s`): how long a call (submit, abort,
         pause, health...) may go unanswered before it raises EngineError; a local engine's
         submit and abort never wait, so wiring gives rollout.embedded.health_timeout_s.
+        `resources`: custom Ray resources the actor needs (launcher.ray_engine_resources), and
+        `scheduling_strategy` Ray's ("SPREAD": one engine per node while nodes are left).
         `ray_module`: the `ray` package (a test passes a fake)."""
         if ray_module is None:
             import ray as ray_module
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": ACTOR_CONCURRENCY}
         if scheduling_strategy is not None:
             options["scheduling_strategy"] = scheduling_strategy
+        if resources:
+            options["resources"] = dict(resources)
         self.config = config
         self._ray = ray_module
         self._rpc_s = float(config.rpc_timeout_s if answer_timeout_s is None else answer_timeout_s)
@@ -110,6 +119,8 @@ class RayEngine:
         self._killed = self._closed = False
         self.where = "not started"
         """The actor's pid and node, for messages."""
+        self.node: str | None = None
+        """The address of the actor's node (once it started)."""
         self._version: int | None = None  # the engine's, once it told it (wait_ready)
         self._actor = ray_module.remote(_EngineActor).options(**options).remote(config)
         self._start = self._actor.describe.remote()
@@ -131,7 +142,7 @@ class RayEngine:
             raise
         self._start = None
         self._version = version
-        self.where = f"pid {pid} on {ip}"
+        self.node, self.where = ip, f"pid {pid} on {ip}"
         return self
 
     def __repr__(self) -> str:

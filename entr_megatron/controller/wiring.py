@@ -38,13 +38,14 @@ from entr_megatron.controller.console import say
 from entr_megatron.controller.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.interfaces import ABANDON_TIMEOUT_S, Recovery
 from entr_megatron.controller.learner_worker import LearnerWorker, LearnerWorkerSpec, make_learner_worker
+from entr_megatron.controller.ray_workers import RayWorkerGroup
 from entr_megatron.controller.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
 from entr_megatron.controller.sglang_setup import PushedVersionView, forget_server_versions
-from entr_megatron.controller.workers import ProcessWorkerGroup, RayWorkerGroup, WorkerGroup
+from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerGroup
 from entr_megatron.rollout.engine import RolloutEngine
 from entr_megatron.utils.ray_connect import connect_ray
-from entr_megatron.utils.spawn import available_cores, free_port_range
+from entr_megatron.utils.spawn import available_cores
 
 __all__ = ["CONNECTORS", "EngineRecovery", "connect", "connect_embedded", "connect_sglang", "embedded_engine",
            "learner_group", "make_engines", "with_episodes"]
@@ -166,11 +167,14 @@ class EngineRecovery(Recovery):
             self._rebuild(everyone)
 
     def _rebuild(self, engines: list[RolloutEngine]) -> None:
-        _connect_weights(self.cfg, self.pusher, self.address, free_port_range(self.cfg.parallel.pp), engines)
+        _, base_port = _meeting_point(self.cfg, self.pusher.group)  # fresh ports on rank 0's node
+        _connect_weights(self.cfg, self.pusher, self.address, base_port, engines)
 
     def _new_engine(self, index: int) -> RolloutEngine:
         engine = embedded_engine(self.cfg, self.model_dir, index)
         self.stack.callback(engine.shutdown)
+        if hasattr(engine, "where"):  # a Ray actor: where Ray placed it
+            say(f"embedded engine {index} replaced: {engine.where}")
         return engine
 
 
@@ -251,10 +255,12 @@ def _start_with_learner(cfg: RunConfig, model_dir: Path, stack: ExitStack, start
 
 def _meeting_point(cfg: RunConfig, group) -> tuple[str, int]:
     """Once the ranks are ready: where their broadcast groups meet, one group per pipeline stage,
-    hosted where learner rank 0 runs (single-node stages; a multi-node PP>1 layout would need each
-    stage sender's address), stage p on base_port + p."""
-    address = group.wait_ready().call(LearnerWorker.master_address)[0]
-    return address, free_port_range(cfg.parallel.pp)
+    hosted where learner rank 0 runs (its node's address, ports free there; single-node stages: a
+    multi-node PP>1 layout would need each stage sender's address), stage p on base_port + p."""
+    address, base_port = group.wait_ready().call(LearnerWorker.meeting_point, cfg.parallel.pp)[0]
+    if cfg.launcher.kind == "ray":
+        say(f"weight groups meet at {address}:{base_port} (learner rank 0's node)")
+    return address, base_port
 
 
 def learner_group(cfg: RunConfig, model_dir: Path, phase: str, wait: bool = True) -> WorkerGroup:
@@ -268,8 +274,12 @@ def learner_group(cfg: RunConfig, model_dir: Path, phase: str, wait: bool = True
     if launcher.kind == "ray":
         gpus = 1.0 if launcher.device == "cuda" else 0.0
         key = cfg.rollout.sglang.api_key_env if cfg.rollout.engine == "sglang" else None  # rank 0 updates the servers
-        return RayWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads, gpus_per_rank=gpus,
-                              ray_address=launcher.ray_address, env_from_driver=(key,) if key else ())
+        group = RayWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads, gpus_per_rank=gpus,
+                               ray_address=launcher.ray_address, env_from_driver=(key,) if key else (),
+                               resources=launcher.ray_learner_resources)
+        say(f"learner ranks ({phase}): {group.where()}; rendezvous {group.master}; the controller on "
+            f"{group.driver_node}")
+        return group
     return ProcessWorkerGroup(world, make_learner_worker, (spec,), threads_per_rank=threads,
                               master_addr=launcher.master_addr, wait=wait)
 
@@ -287,7 +297,10 @@ def make_engines(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pat
         engine = embedded_engine(cfg, model_dir, i, wait=False)
         stack.callback(engine.shutdown)
         engines.append(engine)
-    return [engine.wait_ready() for engine in engines]
+    engines = [engine.wait_ready() for engine in engines]
+    if cfg.launcher.kind == "ray":
+        say("engines: " + ", ".join(f"{i} {e.where}" for i, e in enumerate(engines)))
+    return engines
 
 
 def embedded_engine(cfg: RunConfig, model_dir: Path, index: int, wait: bool = True) -> RolloutEngine:
@@ -297,8 +310,10 @@ def embedded_engine(cfg: RunConfig, model_dir: Path, index: int, wait: bool = Tr
     if cfg.launcher.kind == "ray":
         from entr_megatron.controller.ray_engine import RayEngine
 
-        return RayEngine(config, num_cpus=cfg.rollout.embedded.num_threads or 1,
-                         answer_timeout_s=cfg.rollout.embedded.health_timeout_s, wait=wait)
+        launcher = cfg.launcher
+        return RayEngine(config, num_cpus=cfg.rollout.embedded.num_threads or 1, resources=launcher.ray_engine_resources,
+                         scheduling_strategy=None if launcher.ray_engine_strategy == "DEFAULT" else
+                         launcher.ray_engine_strategy, answer_timeout_s=cfg.rollout.embedded.health_timeout_s, wait=wait)
     from entr_megatron.rollout.embedded import EmbeddedEngine
 
     return EmbeddedEngine(config, wait=wait)

@@ -113,7 +113,7 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
     which holds the rank's sockets) is seen dead by `raise_if_dead` and fails the call at once,
     and the child dies with it."""
     ray = pytest.importorskip("ray")
-    from entr_megatron.controller.workers import RayWorkerGroup
+    from entr_megatron.controller.ray_workers import RayWorkerGroup
 
     here = str(Path(__file__).parent)  # the cluster's workers import workers_fixture from here
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
