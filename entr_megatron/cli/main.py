@@ -1,4 +1,8 @@
-"""The `entr-megatron` command line."""
+"""The `entr-megatron` command line.
+
+This module imports only the standard library at its top: the commands (and torch with them) are
+imported inside `main`, so a Ctrl-C while they load ends the command with one line, as it does later.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,11 @@ import sys
 import threading
 
 from entr_megatron import __version__
-from entr_megatron.cli import checkpoint, convert, demo, generate, plan, score, study, train
-from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from entr_megatron.cli import checkpoint, convert, demo, generate, plan, score, study, train
+
     parser = argparse.ArgumentParser(prog="entr-megatron", description="Megatron-scale asynchronous RL with ENTR.")
     parser.add_argument("--version", action="version", version=f"entr-megatron {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -32,16 +36,21 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    quiet_megatron_fallbacks()  # before any command imports megatron; the job says once what is missing
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if not w.startswith("-")), None)  # for the message, before parsing
     # SIGTERM unwinds like Ctrl-C (engines and ranks stopped on the way out); during RL steps the
     # job's StopFlag makes it finish the step and save first.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
-    try:
+    try:  # the imports too: a Ctrl-C while torch loads is one line, not a traceback
+        from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks
+
+        quiet_megatron_fallbacks()  # before any command imports megatron; the job says once what is missing
+        args = build_parser().parse_args(argv)
+        command = args.command
         args.func(args)
     except KeyboardInterrupt:  # a second Ctrl-C / SIGTERM, or a grace period over: stopped at once
-        print(f"entr-megatron {args.command}: interrupted", file=sys.stderr)
+        print(f"entr-megatron{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
     return 0
 

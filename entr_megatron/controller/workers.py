@@ -20,6 +20,7 @@ others). When a rank fails, the call raises at once with that rank's traceback
 from __future__ import annotations
 
 import multiprocessing.connection
+import pickle
 import os
 import signal
 import time
@@ -119,8 +120,8 @@ def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: t
             method, a, kw = msg
             try:
                 conn.send(("ok", method(worker, *a, **kw)))
-            except BaseException:  # noqa: BLE001 - reported to the driver
-                conn.send(("error", traceback.format_exc()))
+            except BaseException as e:  # noqa: BLE001 - reported to the driver
+                conn.send(_failure(e))
     except (EOFError, BrokenPipeError):
         pass  # the driver went away
     except BaseException:  # noqa: BLE001 - construction failed
@@ -136,6 +137,21 @@ def _serve(rank: int, env: dict, threads: int | None, factory: Callable, args: t
                 pass
         conn.close()
         exit_now(0)  # the driver learns of failures through the pipe
+
+
+def _failure(error: BaseException) -> tuple[str, Any]:
+    """A call's error for the driver: a CheckpointError (a save that found the disk full, ...) as
+    itself, which the job reports in one line and the rank survives; anything else as the rank's
+    traceback (a WorkerError: the group is done)."""
+    from entr_megatron.checkpoint.directory import CheckpointError
+
+    if isinstance(error, CheckpointError):
+        try:
+            pickle.dumps(error)
+            return "raise", error
+        except Exception:  # noqa: BLE001 - an error that does not travel goes as its traceback
+            pass
+    return "error", traceback.format_exc()
 
 
 class _ProcessPending:
@@ -205,6 +221,7 @@ class ProcessWorkerGroup:
     def _collect(self, what: str, timeout: float | None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         results: dict[int, Any] = {}
+        raised: dict[int, BaseException] = {}  # errors the ranks raised as themselves (`_failure`)
         while len(results) < self.world_size:
             waiting = [c for r, c in enumerate(self._conns) if r not in results]
             ready = multiprocessing.connection.wait(waiting, timeout=POLL_S)
@@ -216,6 +233,8 @@ class ProcessWorkerGroup:
                     self._dead(rank, what)
                 if status == "error":
                     raise WorkerError(f"{self.name} rank {rank} failed in {what}:\n{payload}")
+                if status == "raise":
+                    raised[rank] = payload
                 results[rank] = payload
             for rank, proc in enumerate(self._procs):
                 if rank not in results and not proc.is_alive() and not self._conns[rank].poll():
@@ -224,6 +243,8 @@ class ProcessWorkerGroup:
                 raise WorkerError(f"{self.name} group: {what} did not finish within {timeout:.0f} s "
                                   f"(ranks done: {sorted(results)})")
         self._busy = False
+        if raised:  # every rank answered (the group stays usable): the lowest rank's error, rank 0's the fullest
+            raise raised[min(raised)]
         return [results[r] for r in range(self.world_size)]
 
     def raise_if_dead(self, what: str, grace_s: float = 1.0) -> None:

@@ -24,9 +24,10 @@ from typing import Any
 
 import pandas as pd
 
-from entr_megatron.utils.run_log import METRICS_FILE, read_metrics
+from entr_megatron.utils.run_log import METRICS_FILE
 
-__all__ = ["COMBINED_METHOD", "NONFINITE_GUARDED", "SEED_AXIS", "StudyInfo", "load_results", "read_study"]
+__all__ = ["COMBINED_METHOD", "NONFINITE_GUARDED", "SEED_AXIS", "StudyDirError", "StudyInfo", "load_results",
+           "read_study"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +81,42 @@ def _label(value: Any) -> str:
     return str(value)
 
 
-def _read_info(study_dir: Path) -> StudyInfo:
-    """study.json of a study directory (ValueError when it has none), without the cells."""
-    meta = _read_json(study_dir / "study.json")
+class StudyDirError(ValueError):
+    """A study directory's study.json is missing or damaged (the message names it and the field)."""
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """study.json: StudyDirError naming it when it is missing, not UTF-8 JSON, or its fields the wrong type."""
+    try:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise StudyDirError(f"{path.parent} is not a study directory: no study.json") from None
+    except UnicodeDecodeError as e:
+        raise StudyDirError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise StudyDirError(f"{path}: not JSON ({e})") from None
+    except OSError as e:
+        raise StudyDirError(f"{path}: cannot read it: {e.strerror or e}") from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{study_dir} is not a study directory: no readable study.json")
+        raise StudyDirError(f"{path}: must be a JSON object with name, axes, report and cells, got {type(meta).__name__}")
+    axes = meta.get("axes")
+    if axes is not None and (not isinstance(axes, list) or not all(isinstance(a, str) for a in axes)):
+        raise StudyDirError(f"{path}: axes={axes!r} is not valid; must be a list of dotted config fields")
+    for name in ("report",):
+        if meta.get(name) is not None and not isinstance(meta[name], dict):
+            raise StudyDirError(f"{path}: {name}={meta[name]!r} is not valid; must be an object")
+    report = meta.get("report") or {}
+    for name in ("lag", "method"):
+        if report.get(name) is not None and not isinstance(report[name], str):
+            raise StudyDirError(f"{path}: report.{name}={report[name]!r} is not valid; must be an axis name")
+    if report.get("reference") is not None and not isinstance(report["reference"], dict):
+        raise StudyDirError(f"{path}: report.reference={report['reference']!r} is not valid; must be an object")
+    return meta
+
+
+def _read_info(study_dir: Path) -> StudyInfo:
+    """study.json of a study directory (StudyDirError when it has none or it is damaged), without the cells."""
+    meta = _read_meta(study_dir / "study.json")
     axes = [str(a) for a in meta.get("axes") or []]
     report = meta.get("report") or {}
     lag = report.get("lag") or None
@@ -139,6 +171,37 @@ def _cell_frame(cell_id: str, state: str, axes: Mapping[str, Any], rows: list[di
     return frame
 
 
+def _read_metric_lines(path: Path) -> list[dict[str, Any]]:
+    """Every record of a cell's metrics.jsonl that reads: a line that is not UTF-8, not JSON or not an
+    object is named in a warning (file:line) and skipped, the others kept; the file unreadable: no rows."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        logger.warning("%s: cannot read it (%s); the cell has no rows", path, exc.strerror or exc)
+        return []
+    rows = []
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        partial = number == len(lines)  # no newline after it: a write cut short by a kill
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            logger.warning("%s:%d: not UTF-8 (byte 0x%02x at column %d); line skipped", path, number,
+                           raw[exc.start], exc.start + 1)
+            continue
+        except json.JSONDecodeError as exc:
+            if not partial:
+                logger.warning("%s:%d: not JSON (%s); line skipped", path, number, exc)
+            continue
+        if isinstance(record, dict):
+            rows.append(record)
+        else:
+            logger.warning("%s:%d: not a JSON object; line skipped", path, number)
+    return rows
+
+
 def read_study(study_dir: str | os.PathLike) -> StudyInfo:
     """study.json and every cell of a study directory (cells by id), the cells study.json lists
     without a directory as pending; ValueError without study.json."""
@@ -152,12 +215,7 @@ def read_study(study_dir: str | os.PathLike) -> StudyInfo:
         axes = _with_method(info, {**{a: axes.get(a) for a in info.axes}, **axes})
         status = _read_json(cell_dir / "status.json") or {}
         state = str(status.get("state") or PENDING)
-        rows: list[dict[str, Any]] = []
-        if (cell_dir / METRICS_FILE).is_file():
-            try:
-                rows = read_metrics(cell_dir / METRICS_FILE)
-            except (ValueError, OSError) as exc:
-                logger.warning("%s: metrics unreadable (%s); the cell has no rows", cell_dir, exc)
+        rows = _read_metric_lines(cell_dir / METRICS_FILE) if (cell_dir / METRICS_FILE).is_file() else []
         evals = _read_json(cell_dir / "eval.json")
         info.cells.append(_Cell(cell_id, axes, status, _cell_frame(cell_id, state, axes, rows),
                                 evals if isinstance(evals, dict) else None))

@@ -52,3 +52,13 @@ def make_echo(tag):
 
 def make_broken(tag):
     raise RuntimeError(f"cannot build {tag}")
+
+
+def _save_fails(self, step):
+    """What a full disk does to a rank's save: the one-line CheckpointSaveError (issue 46)."""
+    from entr_megatron.checkpoint.directory import CheckpointSaveError
+
+    raise CheckpointSaveError(f"saving the checkpoint of step {step} failed: no space left on device (ENOSPC)")
+
+
+EchoWorker.save_fails = _save_fails
