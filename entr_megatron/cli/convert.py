@@ -70,6 +70,7 @@ from entr_megatron.checkpoint.hf_files import INDEX_FILE, parse_size
 from entr_megatron.checkpoint.hf_files import staged_dir
 from entr_megatron.checkpoint.manifest import read_manifest
 from entr_megatron.checkpoint.model_inputs import TOKENIZER_FILES, check_model_dir, tokenizer_problem
+from entr_megatron.utils.outputs import check_output
 
 __all__ = ["add_parser"]
 
@@ -294,21 +295,7 @@ def _sources(args) -> list[tuple[str, str]]:
 
 def check_out(args) -> None:
     """OUT is not a source, inside one, or around one (real paths: symlinks followed); ValueError names both."""
-    out = os.path.realpath(args.out)
-    for flag, path in _sources(args):
-        src = os.path.realpath(path)
-        if out == src:
-            relation = "is"
-        elif out.startswith(src.rstrip(os.sep) + os.sep):
-            relation = "is inside"
-        elif src.startswith(out.rstrip(os.sep) + os.sep):
-            relation = "contains"
-        else:
-            continue
-        raise ValueError(f"--out {args.out} {relation} the source {flag} {path}" +
-                         (f" (real paths {out} and {src})" if (out, src) != (os.path.abspath(args.out),
-                                                                            os.path.abspath(path)) else "") +
-                         ": writing it would replace or mix with what is being read; choose another --out")
+    check_output("--out", args.out, _sources(args))
 
 
 class _Interrupts:

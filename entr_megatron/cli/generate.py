@@ -70,6 +70,7 @@ from entr_megatron.checkpoint.model_inputs import check_model_dir, tokenizer_pro
 from entr_megatron.config.rollout import ENGINES
 from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from entr_megatron.utils.outputs import check_output
 from entr_megatron.utils.run_log import PROGRESS_EVERY_S
 
 DTYPES = ("float32", "bfloat16")
@@ -325,6 +326,7 @@ def run(args) -> None:
 
 
 def _run(args) -> None:
+    check_output("--output", args.output, [("--input", args.input), ("--model", args.model)])  # never onto them
     check_engine_flags(args)
     config = _model_config(args.model)
     vocab_size = config.get("vocab_size")

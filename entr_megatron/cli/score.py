@@ -66,6 +66,7 @@ from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
 from entr_megatron.learner.scoring import DEFAULT_BATCH_TOKENS
 from entr_megatron.parallel.groups import LaunchInfo, launched_by_mpirun, resolve_launch_env
 from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
+from entr_megatron.utils.outputs import check_output
 from entr_megatron.utils.run_log import PROGRESS_EVERY_S
 from entr_megatron.utils.spawn import enter_rank, free_port, torchrun_env
 
@@ -316,6 +317,7 @@ def _resolve_model(path: str, step: int | None) -> tuple[dict | None, int | None
 
 
 def _run(args) -> None:
+    check_output("--output", args.output, [("--input", args.input), ("--model", args.model)])  # never onto them
     if args.tp < 1 or args.pp < 1:
         raise ValueError(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
     world = args.tp * args.pp

@@ -8,8 +8,10 @@ cell as an ordinary `train` run directory under DIR/cells/ (default DIR: runs/st
 Rerunning skips finished cells and resumes interrupted ones; a failed cell is recorded with its
 error message and the others go on (the exit code is 1 when any failed). One `run` at a time per
 DIR: a second one exits 2 at once, naming the first (pid, host, start time). `report` writes the
-results table (Parquet, CSV), plots and report.md (default: DIR/report), listing every cell of the
-spec: those never run as pending. The spec format: study/spec.py.
+results table (Parquet, CSV), plots and report.md (default: DIR/report; an --out that is DIR, lies
+in DIR/cells or contains DIR is refused), listing every cell of the spec: those never run as
+pending; a damaged study.json is an error naming it, a metrics line that is not UTF-8 or not JSON
+a warning naming it (the cell's other lines are kept). The spec format: study/spec.py.
 """
 
 from __future__ import annotations
@@ -70,11 +72,22 @@ def run(args) -> None:
 
 def report(args) -> None:
     from entr_megatron.study.report import write_report
+    from entr_megatron.study.results import StudyDirError
+    from entr_megatron.utils.outputs import check_output
 
     study = Path(args.dir)
     if not (study / "study.json").is_file():
         _fail(f"{study} is not a study directory (no study.json); give the --out of `study run`")
-    path = write_report(study, Path(args.out) if args.out else None, table=args.table)
+    try:  # the report goes beside the study's files (DIR/report by default), never among them
+        if args.out:
+            check_output("--out", args.out, [("DIR", study)], refused=("is", "contains"))
+            check_output("--out", args.out, [("DIR/cells", study / "cells")])
+    except ValueError as e:
+        _fail(str(e))
+    try:
+        path = write_report(study, Path(args.out) if args.out else None, table=args.table)
+    except StudyDirError as e:  # a damaged study.json
+        _fail(str(e))
     print(json.dumps({"report": str(path)}))
 
 

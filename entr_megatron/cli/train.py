@@ -3,7 +3,7 @@
     entr-megatron train --config examples/cpu_demo.yaml [--run-dir DIR] [--max-steps N] \\
         [--launcher local|ray] [--restart-from-scratch] [controller.mode=sync algorithm.tau=0.3 ...]
     entr-megatron sft   --config FILE [--run-dir DIR] [--steps N] [key=value ...]
-    entr-megatron eval  --config FILE (--run-dir DIR | --model HF_DIR) [--n N] [key=value ...]
+    entr-megatron eval  --config FILE (--run-dir DIR | --model HF_DIR) [--n N] [key=value ...]   (not both)
 
 The config (YAML plus dotted overrides) is validated before anything starts, and
 so is what it points to (the task's data files, the model against the parallel
@@ -39,7 +39,10 @@ def _load(args) -> object:
         cfg = load_config(args.config, overrides)
         from entr_megatron.controller.job import check_inputs
         from entr_megatron.controller.model_init import from_learner_checkpoint
+        from entr_megatron.controller.run_dir import check_run_dir
 
+        if args.command in ("train", "sft"):  # never writing onto what it reads
+            check_run_dir(cfg, args.run_dir or cfg.logging.run_dir)
         # model.path a learner checkpoint: the run starts from its HF export in run_dir/model_init
         cfg = from_learner_checkpoint(cfg, args.run_dir or cfg.logging.run_dir)
         _preflight(cfg, args.command)
@@ -146,7 +149,15 @@ def run_eval(args) -> None:
     from entr_megatron.controller.job import RunPaths
     from entr_megatron.controller.job import run_eval as job
 
+    if args.model and args.run_dir:
+        print("entr-megatron eval: --run-dir and --model are exclusive: --model names the model to evaluate, "
+              "--run-dir the run whose newest model is evaluated (final_model, sft/model, model_init)", file=sys.stderr)
+        sys.exit(2)
     cfg = _load(args)
+    if args.n is None and cfg.task.eval_size < 1:  # the evaluation would divide by its 0 problems
+        print(f"entr-megatron eval: task.eval_size={cfg.task.eval_size} is not valid for eval; 0 turns off train's "
+              "evaluations: pass --n N or set task.eval_size >= 1", file=sys.stderr)
+        sys.exit(2)
     if args.model:
         model = Path(args.model)
     else:

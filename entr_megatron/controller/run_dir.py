@@ -26,8 +26,10 @@ from typing import Any
 from entr_megatron.config.loader import dump_config
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
+from entr_megatron.utils.outputs import check_output, relation
 
-__all__ = ["RunPaths", "copy_tokenizer", "export_final_model", "read_eval", "save_eval", "write_config"]
+__all__ = ["WRITTEN", "RunPaths", "check_run_dir", "copy_tokenizer", "export_final_model", "read_eval", "run_inputs",
+           "save_eval", "write_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,35 @@ class RunPaths:
         """The run's newest HF model: final_model, else sft/model, else model_init (None: none yet)."""
         return next((p for p in (self.final_model, self.sft_model, self.model_init) if (p / "config.json").exists()),
                     None)
+
+
+WRITTEN = ("final_model", "final_model.previous", "sft", "checkpoints")
+"""What train and sft write (replace, or remove) in a run directory: no input may lie there."""
+
+
+def run_inputs(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(dotted field, path) of every file or directory a run's config makes it read."""
+    found = [("model.path", cfg.model.path), ("model.tokenizer", cfg.model.tokenizer)]
+    options = getattr(cfg.task, cfg.task.name, None)  # the chosen task's section: task.math, ...
+    for f in dataclasses.fields(options) if dataclasses.is_dataclass(options) else ():
+        if f.name.endswith("_files"):
+            found += [(f"task.{cfg.task.name}.{f.name}", p) for p in getattr(options, f.name) or ()]
+    if cfg.sft is not None:
+        found += [("sft.data_files", p) for p in cfg.sft.data_files or ()]
+    return [(field, str(p)) for field, p in found if p]
+
+
+def check_run_dir(cfg: RunConfig, run_dir: str | os.PathLike) -> None:
+    """The run directory of train or sft is not an input of `cfg`, nor inside one, and no input lies
+    where the run writes (WRITTEN: final_model is replaced, final_model.previous removed). ValueError
+    naming both (utils/outputs.py); run before anything is converted or written."""
+    instead = "choose another --run-dir (logging.run_dir), or copy the input out of it"
+    for field, src in run_inputs(cfg):
+        check_output("the run directory", run_dir, [(field, src)], refused=("is", "is inside"), instead=instead)
+        for name in WRITTEN:
+            if relation(Path(run_dir) / name, src) in ("is", "contains"):
+                raise ValueError(f"the run directory {run_dir} contains the source {field} {src} in {name}/, which "
+                                 f"the run writes: writing it would replace or mix with what is being read; {instead}")
 
 
 def write_config(cfg: RunConfig, paths: RunPaths) -> None:
