@@ -1,7 +1,7 @@
 """Worker groups: one object per learner rank, every call made on all ranks at once.
 
     group = ProcessWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))   # local processes
-    group = RayWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))       # Ray actors, placement group
+    group = RayWorkerGroup(world_size=2, factory=make_learner_worker, args=(spec,))       # Ray actors (ray_workers.py)
     metrics = group.call(LearnerWorker.train, batch, version)[0]   # blocks; a list, one result per rank
     pending = group.call_async(LearnerWorker.push, version)        # .result() later
 
@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import pickle
-import os
 import signal
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch.multiprocessing as mp
 
-from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.spawn import (
     die_with_parent,
     enter_rank,
@@ -43,7 +41,7 @@ from entr_megatron.utils.spawn import (
     torchrun_env,
 )
 
-__all__ = ["PendingCall", "ProcessWorkerGroup", "RayWorkerGroup", "WorkerError", "WorkerGroup", "WorkerMethod"]
+__all__ = ["PendingCall", "ProcessWorkerGroup", "WorkerError", "WorkerGroup", "WorkerMethod"]
 
 POLL_S = 0.5
 
@@ -283,160 +281,3 @@ class ProcessWorkerGroup:
             conn.close()
         self._procs, self._conns = [], []
 
-
-# --- Ray ---------------------------------------------------------------------------------------
-
-
-class _RayRank:
-    """A rank as a Ray actor (wrapped with `ray.remote` when the group is built)."""
-
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def free_port(self) -> int:
-        return free_port()
-
-    def start(self, env: dict, threads: int | None, factory: Callable, args: tuple) -> None:
-        # Rank 0's address is Ray's node address; gloo's interface is left to the cluster's environment.
-        enter_rank(env, threads, loopback_gloo=False)
-        forks_die_with_this_process()  # else a rank killed while its checkpoint writers run is not seen dead
-        self.worker = factory(*args)
-
-    def call(self, method: WorkerMethod, args: tuple, kwargs: dict) -> Any:
-        return method(self.worker, *args, **kwargs)
-
-    def stop(self) -> None:
-        worker = getattr(self, "worker", None)
-        if worker is not None and hasattr(worker, "shutdown"):
-            worker.shutdown()
-        self.worker = None
-
-
-class _RayPending:
-    def __init__(self, group: RayWorkerGroup, refs: list, what: str):
-        self.group, self.refs, self.what = group, refs, what
-        self._results: list[Any] | None = None
-
-    def result(self, timeout: float | None = None) -> list[Any]:
-        if self._results is None:
-            self._results = self.group._get(self.refs, self.what, timeout)
-        return self._results
-
-
-class RayWorkerGroup:
-    """Ranks as Ray actors in one placement group (one bundle per rank, packed onto few nodes).
-
-    `ray_address`: an existing cluster ("auto", "ray://host:10001") or None to start a local one.
-    Rank 0's node address and a free port there become MASTER_ADDR / MASTER_PORT. `env_from_driver`:
-    names of environment variables copied from this process into every rank's environment (actors
-    on other nodes inherit nothing from it), e.g. rollout.sglang.api_key_env. They travel as an
-    argument of the rank's start call, not in Ray's runtime_env (which the Ray dashboard shows).
-    """
-
-    def __init__(self, world_size: int, factory: Callable, args: tuple = (), *, threads_per_rank: int | None = None,
-                 gpus_per_rank: float = 0.0, ray_address: str | None = None, startup_timeout_s: float = 900.0,
-                 name: str = "learner", placement_strategy: str = "PACK", env_from_driver: Sequence[str] = ()):
-        ray = connect_ray(ray_address, log_to_driver=True)
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self.world_size, self.name = world_size, name
-        self._broken = False  # a call failed: shutdown kills without asking
-        cpus = float(threads_per_rank or 1)
-        bundle = {"CPU": cpus, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-        self._pg = placement_group([bundle] * world_size, strategy=placement_strategy)
-        if not ray.get(self._pg.ready(), timeout=startup_timeout_s):
-            raise WorkerError(f"{name}: Ray could not place {world_size} x {bundle}")
-        actor_cls = ray.remote(_RayRank)
-        self._actors = [
-            actor_cls.options(
-                num_cpus=cpus, num_gpus=gpus_per_rank, name=None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
-            ).remote()
-            for i in range(world_size)
-        ]
-        master = ray.get(self._actors[0].node_ip.remote(), timeout=startup_timeout_s)
-        port = ray.get(self._actors[0].free_port.remote(), timeout=startup_timeout_s)
-        ips = ray.get([a.node_ip.remote() for a in self._actors], timeout=startup_timeout_s)
-        local_rank: dict[str, int] = {}
-        refs = []
-        for rank, (actor, ip) in enumerate(zip(self._actors, ips)):
-            lr = local_rank.get(ip, 0)
-            local_rank[ip] = lr + 1
-            env = torchrun_env(rank, world_size, master, port, local_rank=lr, local_world_size=ips.count(ip))
-            env.update({k: os.environ[k] for k in env_from_driver if k in os.environ})
-            refs.append(actor.start.remote(env, threads_per_rank, factory, args))
-        self._busy = False
-        try:
-            self._get(refs, "startup", startup_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def wait_ready(self) -> RayWorkerGroup:
-        """The ranks are ready when the constructor returns (the same interface as the local group)."""
-        return self
-
-    def raise_if_dead(self, what: str, grace_s: float = 1.0) -> None:
-        """Raises WorkerError if a rank's actor has died (its cheap `node_ip` call fails within
-        `grace_s`); a rank busy in a call answers late, which counts as alive."""
-        import ray
-
-        refs = [a.node_ip.remote() for a in self._actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        for rank, ref in enumerate(refs):
-            if ref in ready:
-                try:
-                    ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - a dead actor: re-raised with the rank
-                    self._broken = True
-                    raise WorkerError(f"{self.name} rank {rank} died during {what}:\n{e}") from e
-
-    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> _RayPending:
-        _checked(method)
-        return _RayPending(self, [a.call.remote(method, args, kwargs) for a in self._actors], _what(method))
-
-    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.call_async(method, *args, **kwargs).result()
-
-    def _get(self, refs: Sequence, what: str, timeout: float | None) -> list[Any]:
-        import ray
-
-        pending = list(refs)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            for rank, ref in enumerate(refs):
-                if ref not in pending:
-                    try:
-                        ray.get(ref)
-                    except Exception as e:  # noqa: BLE001 - re-raised with the rank
-                        self._broken = True
-                        raise WorkerError(f"{self.name} rank {rank} failed in {what}:\n{e}") from e
-            if deadline is not None and time.monotonic() > deadline:
-                self._broken = True
-                raise WorkerError(f"{self.name} group: {what} did not finish within {timeout:.0f} s")
-        return ray.get(list(refs))
-
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Stops the ranks (their `shutdown` runs) and kills the actors; after a failed call they
-        are killed at once (a rank's peers may be stuck in a collective, behind which `stop` would
-        wait). Idempotent."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        if self._pg is None:
-            return
-        if not self._broken:
-            try:
-                ray.get([a.stop.remote() for a in self._actors], timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - killed below
-                pass
-        for actor in self._actors:
-            ray.kill(actor)
-        self._actors = []
-        remove_placement_group(self._pg)
-        self._pg = None
