@@ -38,6 +38,14 @@ ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CPU_MAX_TOTAL_TOKENS = 65536
 """rollout.sglang.max_total_tokens of a server launched on CPU when unset (SGLang's own sizing
 allocated 58 M tokens, about 20 GB of RAM, for the CPU demo's 0.8 M-parameter model)."""
+MAX_PROMPTS_PER_STEP = 65_536
+"""Upper bound of rollout.prompts_per_step (and the planner's workload.prompts_per_step)."""
+MAX_SAMPLES_PER_PROMPT = 1024
+"""Upper bound of rollout.sampling.n (and the planner's workload.n)."""
+MAX_NEW_TOKENS = 1_048_576
+"""Upper bound of rollout.sampling.max_new_tokens (and of the planner's token counts)."""
+MAX_ENGINES = 4096
+"""Upper bound of rollout.num_engines (and the planner's costs.engines)."""
 DEFAULT_WEIGHT_BUCKET_MIB = 512
 """rollout.weight_bucket_mib when unset: the one default of a weight-sync bucket's size (the
 learner's sender, the SGLang engine, `WeightSyncConfig`; read as `RolloutConfig.weight_bucket_bytes`)."""
@@ -60,17 +68,18 @@ class SamplingConfig:
     """Keep the k most likely tokens; -1 or 0: no top-k. >= -1."""
 
     max_new_tokens: int = 128
-    """Response length limit in tokens. >= 1."""
+    """Response length limit in tokens. In [1, MAX_NEW_TOKENS]."""
 
     n: int = 8
-    """Samples per prompt: the GRPO group size. >= 2 (group advantages need a baseline)."""
+    """Samples per prompt: the GRPO group size. In [2, MAX_SAMPLES_PER_PROMPT] (group advantages
+    need a baseline)."""
 
     def __post_init__(self) -> None:
         number(self, "temperature", low=0, low_open=True)
         number(self, "top_p", low=0, high=1, low_open=True)
         integer(self, "top_k", low=-1)
-        integer(self, "max_new_tokens", low=1)
-        integer(self, "n", low=2)
+        integer(self, "max_new_tokens", low=1, high=MAX_NEW_TOKENS)
+        integer(self, "n", low=2, high=MAX_SAMPLES_PER_PROMPT)
 
 
 @dataclass(frozen=True)
@@ -291,7 +300,7 @@ class RolloutConfig:
     servers: on GPUs, or on the CPU with launcher.device 'cpu')."""
 
     num_engines: int = 1
-    """Engine processes (SGLang servers, each of sglang.tp_size GPUs). >= 1."""
+    """Engine processes (SGLang servers, each of sglang.tp_size GPUs). In [1, MAX_ENGINES]."""
 
     dtype: EmbeddedDtype | SGLangDtype = "float32"
     """Engine numerics. embedded: float32 | bfloat16; sglang: auto | bfloat16 | float16 | float32.
@@ -313,7 +322,8 @@ class RolloutConfig:
     per tensor, per token or per 1 x 128 group of a token (following quantize_scale), as W8A8 kernels do."""
 
     prompts_per_step: int = 8
-    """Prompts (groups) per training step; a step trains on prompts_per_step * sampling.n sequences. >= 1."""
+    """Prompts (groups) per training step; a step trains on prompts_per_step * sampling.n sequences. In
+    [1, MAX_PROMPTS_PER_STEP]."""
 
     dynamic_filtering: bool = False
     """Drop groups whose rewards are all equal (zero advantage, no gradient) and sample more
@@ -379,9 +389,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         choice(self, "engine", Engine)
-        integer(self, "num_engines", low=1)
+        integer(self, "num_engines", low=1, high=MAX_ENGINES)
         choice(self, "dtype", EmbeddedDtype if self.engine == "embedded" else SGLangDtype)
-        integer(self, "prompts_per_step", low=1)
+        integer(self, "prompts_per_step", low=1, high=MAX_PROMPTS_PER_STEP)
         boolean(self, "dynamic_filtering")
         if self.kv_on_update is not None:
             choice(self, "kv_on_update", KvOnUpdate)

@@ -18,21 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from entr_megatron.config.controller import MAX_POLICY_LAG_LIMIT
+from entr_megatron.config.rollout import MAX_ENGINES, MAX_NEW_TOKENS, MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT
 from entr_megatron.config.validate import FieldError, integer, number
 
 __all__ = ["COST_FIELDS", "MODES", "Costs", "Plan", "Workload"]
 
 MODES = ("sync", "one_step_off", "fully_async", "fixed_lag")
 
-MAX_PROMPTS_PER_STEP = 65_536
-MAX_SAMPLES_PER_PROMPT = 1024
 MAX_STEPS = 100_000
 MAX_SIMULATED_SEQUENCES = 1_000_000
 """Most sequences one simulation draws (steps x prompts_per_step x n): some 15 s per mode on one core
 and a few hundred MB at most; the planner's own bound, beside each field's."""
-MAX_ENGINES = 4096
-MAX_TOKENS = 1_048_576
-"""Bound of the token counts: max_new_tokens, prompt_len, response_median, max_batch_size."""
+MAX_TOKENS = MAX_NEW_TOKENS
+"""Bound of the token counts: max_new_tokens, prompt_len, response_median, max_batch_size (train's
+bound of rollout.sampling.max_new_tokens; prompts_per_step, n and engines have train's bounds too)."""
 MAX_RESPONSE_SIGMA = 10
 """Lognormal spread of response lengths (beyond some 3 nearly every draw is clipped to 1 or max_new_tokens)."""
 
