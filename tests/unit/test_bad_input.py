@@ -289,9 +289,8 @@ def test_missing_or_unreadable_data_files_are_named_before_anything_is_written(t
     folder.mkdir()
     run = tmp_path / "run"
     for command in ("train", "sft", "eval"):
-        extra = ["--model", str(tmp_path)] if command == "eval" else []
-        code, err = _cli(capsys, command, "--config", str(DEMO), "--run-dir", str(run), *extra,
-                         *_math(tmp_path, missing))
+        where = ["--model", str(tmp_path)] if command == "eval" else ["--run-dir", str(run)]  # eval: one of the two
+        code, err = _cli(capsys, command, "--config", str(DEMO), *where, *_math(tmp_path, missing))
         assert code == 2, err
         assert f"invalid config: task.math.train_files=('{missing}',) is not valid; {missing} does not exist" in err
     code, err = _cli(capsys, "train", "--config", str(DEMO), "--run-dir", str(run), *_math(tmp_path, folder))
@@ -402,7 +401,7 @@ def test_train_and_sft_refuse_a_truncated_model_or_one_without_tokenizer(tmp_pat
 
 def test_eval_refuses_a_truncated_model(tmp_path, capsys):
     d, problem = _truncated_model(tmp_path)
-    code, err = _cli(capsys, "eval", "--config", str(DEMO), "--run-dir", str(tmp_path / "run"), "--model", str(d))
+    code, err = _cli(capsys, "eval", "--config", str(DEMO), "--model", str(d))
     assert (code, err) == (2, f"entr-megatron eval: --model {d}: {problem}\n")
 
 
