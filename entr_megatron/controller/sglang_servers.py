@@ -57,6 +57,12 @@ __all__ = ["PROBE_MAX_INTERVAL_S", "SGLangServers", "ServerRecovery", "server_co
 
 PROBE_MAX_INTERVAL_S = 60.0
 """Longest wait between two /health probes of a server given by URL that dropped out."""
+NO_PREFIX_CACHE = "--disable-radix-cache"
+"""Given to servers launched for kv_on_update 'keep': a weight update paused in place cannot flush
+SGLang's prefix cache (it refuses while requests run), so new requests would reuse prompt KV computed
+by older weights under the new version's label (seen on a real server: a new request's first token
+came from the previous version). Without it each request computes its prompt with the weights it
+is labelled with, as the embedded engine's new requests do."""
 RELAUNCH_GRACE_S = 5.0
 """A failed launched server's process group gets this long after SIGTERM before SIGKILL."""
 
@@ -182,7 +188,8 @@ def server_configs(cfg: RunConfig, model_dir: Path, routes: bool, threads: int |
     """How `train` launches its servers: on the GPUs after the local learner ranks' (which hold GPUs
     0 .. nproc_per_node - 1), or on this node's CPU with launcher.device 'cpu' (docs/SGLANG_ON_CPU.md:
     CPU flags, max_total_tokens bounded, `threads` OpenMP threads each (wiring.cpu_threads: an
-    embedded engine's share), gloo on loopback)."""
+    embedded engine's share), gloo on loopback). With kv_on_update 'keep' they run without the
+    prefix cache (`NO_PREFIX_CACHE`)."""
     from entr_megatron.config.rollout import CPU_MAX_TOTAL_TOKENS
     from entr_megatron.utils.spawn import is_loopback
 
@@ -195,12 +202,15 @@ def server_configs(cfg: RunConfig, model_dir: Path, routes: bool, threads: int |
         if is_loopback(s.host):  # the weight group's gloo pairs on the server's side, as ours (weight_sync/group.py)
             env["GLOO_SOCKET_IFNAME"] = "lo"
     total = s.max_total_tokens if s.max_total_tokens is not None or not cpu else CPU_MAX_TOTAL_TOKENS
+    extra = tuple(s.extra_args)
+    if (r.kv_on_update or "recompute") == "keep" and NO_PREFIX_CACHE not in extra:
+        extra += (NO_PREFIX_CACHE,)
     first_gpu = cfg.launcher.nproc_per_node
     return [SGLangServerConfig(str(model_dir), port=s.base_port + i, host=s.host, tp_size=s.tp_size, dtype=r.dtype,
                                mem_fraction_static=s.mem_fraction_static,
                                base_gpu_id=None if cpu else first_gpu + i * s.tp_size,
                                random_seed=cfg.controller.seed + i, return_routed_experts=routes,
-                               extra_args=s.extra_args, api_key_env=s.api_key_env, env=env,
+                               extra_args=extra, api_key_env=s.api_key_env, env=env,
                                python=None if s.python is None else str(Path(s.python).absolute()),
                                device="cpu" if cpu else None, max_total_tokens=total)
             for i in range(r.num_engines)]

@@ -46,10 +46,13 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
 SGLANG_VERSION = "0.5.23"
+_RECORDED = json.loads((Path(__file__).resolve().parent / "sglang_answers_0.5.23.json").read_text())
+"""What a real server answered (tests/sglang_real records it): /model_info and /server_info are served from it."""
 MOCK_ROUTE_LAYOUT = (2, 2, 8)
 """(num_layers, top_k, num_experts) of the mock served as a script with --enable-return-routed-experts."""
 
@@ -145,16 +148,29 @@ def weight_version_spans(events: list[tuple[str, int]], current: str, n: int) ->
     return [s for s in spans if s["start"] < n or s["start"] == 0]
 
 
+def aborted_in_queue(rid: str, version: str) -> dict:
+    """SGLang 0.5.23's answer to a request aborted in the waiting queue (never run, or retracted by a
+    pause): no tokens, even those a retracted request had generated (recorded: sglang_answers)."""
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}, "weight_version": version,
+        "e2e_latency": 0.0, "weight_versions": [{"version": version, "start": 0, "end": 0}], "input_token_logprobs": [],
+        "output_token_logprobs": [], "output_token_logprobs_length": 0, "completion_tokens": 0,
+        "response_sent_to_client_ts": time.time()}}
+
+
 class MockSGLangServer:
     """Threaded HTTP server on 127.0.0.1 with SGLang 0.5.23's endpoints (see the module docstring)."""
 
     def __init__(self, *, port: int = 0, vocab_size: int = 1000, eos_token_id: int | None = None,
                  token_delay_s: float = 0.0, weight_version: str = "default", tp_size: int = 1,
                  model_path: str = "mock-model", sessions: bool = True, api_key: str | None = None,
-                 routes: tuple[int, int, int] | None = None):
+                 routes: tuple[int, int, int] | None = None, param_shapes: dict[str, list[int]] | None = None):
         self.vocab_size, self.eos_token_id, self.token_delay_s = vocab_size, eos_token_id, token_delay_s
         self.weight_version, self.tp_size, self.model_path = weight_version, tp_size, model_path
         self.sessions = sessions
+        self.param_shapes = dict(param_shapes or {})
+        """name -> shape of the model's parameters: an update of another shape is refused as SGLang
+        refuses it (after loading what came before); other names load (SGLang skips unknown ones)."""
         self.routes = routes
         """(num_layers, top_k, num_experts): started with --enable-return-routed-experts; None: without."""
         """False: a server from before weight-update sessions (/begin_weight_update is 404)."""
@@ -224,17 +240,16 @@ class MockSGLangServer:
     # --- endpoints (return (status, body); body dict/list -> JSON, str -> text, None -> empty) ---
 
     def model_info(self) -> dict:
-        return {
-            "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
-            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-            "has_image_understanding": False, "has_audio_understanding": False, "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-        }
+        """A real server's /model_info (recorded) with this mock's model path and version."""
+        return {**_RECORDED["model_info"]["answer"], "model_path": self.model_path, "served_model_name": self.model_path,
+                "tokenizer_path": self.model_path, "weight_version": self.weight_version}
 
     def server_info(self) -> dict:
-        return {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": 1, "weight_version": self.weight_version,
-                "internal_states": [{}], "version": SGLANG_VERSION, "frontend": "python"}
+        """A real server's /server_info (recorded) with this mock's model path, tp size, version and key."""
+        info = dict(_RECORDED["server_info"]["answer"])
+        info.update(model_path=self.model_path, tokenizer_path=self.model_path, served_model_name=self.model_path,
+                    tp_size=self.tp_size, weight_version=self.weight_version, api_key=None)
+        return info
 
     def generate(self, body: dict) -> tuple[int, Any]:
         unknown = set(body) - GENERATE_FIELDS
@@ -292,10 +307,12 @@ class MockSGLangServer:
         if self.eos_token_id is not None and not sp.get("ignore_eos", False):
             stops.add(self.eos_token_id)
         finish: dict = {"type": "length", "length": sp.get("max_new_tokens", 128)}
+        queued = False  # aborted in the waiting queue (before its first step, or retracted): SGLang drops its tokens
         for t in range(sp.get("max_new_tokens", 128)):
             with self.cond:
                 self.cond.wait_for(lambda: self.paused is None or req.aborted)
                 if req.aborted:
+                    queued = t == 0 or self.paused == "retract"
                     finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                     break
                 self.stepping += 1  # a decode step: pause waits for it to end
@@ -312,14 +329,19 @@ class MockSGLangServer:
         with self.cond:
             self.live.pop(req.rid, None)
             version = self.weight_version
+        if queued:
+            return aborted_in_queue(req.rid, version)
         n = len(req.output_ids)
         meta: dict[str, Any] = {
             "id": req.rid, "finish_reason": finish, "prompt_tokens": len(prompt), "weight_version": version,
             "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0,
+            "cached_tokens_details": {"device": 0, "host": 0}, "dp_rank": None,
             "weight_versions": weight_version_spans(req.events, version, n), "e2e_latency": 0.0,
+            "response_sent_to_client_ts": time.time(),
         }
         if logprob:
             meta["output_token_logprobs"] = [[mock_logprob(tok, 1.0 if greedy else temperature), tok, None] for tok in req.output_ids]
+            meta["output_token_logprobs_length"] = n
             meta["input_token_logprobs"] = []
         if mask:
             meta["output_token_sampling_mask"] = [[tok] for tok in req.output_ids]
@@ -405,6 +427,13 @@ class MockSGLangServer:
             if self.paused is None:  # SGLang takes the writer lock: waits for running requests
                 self.cond.wait_for(lambda: not self.live, timeout=30)
         self.on_update_weights(body)
+        for name, shape in zip(names, shapes):
+            want = self.param_shapes.get(name)
+            if want is not None and list(shape) != list(want):
+                return 400, {"success": False, "message": (
+                    f"Failed to update parameter online: Attempted to load weight (torch.Size({list(shape)})) into "
+                    f"parameter (torch.Size({list(want)})). The full weights of the ModelRunner are partially "
+                    "updated. Please discard the whole weights.")}
         message = "Succeeded to update parameter online."
         with self.cond:
             if body.get("weight_version") is not None:

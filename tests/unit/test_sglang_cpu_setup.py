@@ -129,3 +129,23 @@ def test_start_checks_fail_in_seconds_with_one_line(tmp_path):
         assert f"127.0.0.1:{port} is taken" in one_line(e.value) and "base_port" in str(e.value)
     check_port("127.0.0.1", port)  # free again
     assert time.monotonic() - t0 < 30
+
+
+def test_train_launches_cpu_servers_with_the_cpu_settings(tmp_path):
+    from entr_megatron.config.loader import load_config
+    from entr_megatron.config.rollout import CPU_MAX_TOTAL_TOKENS
+    from entr_megatron.controller.sglang_servers import NO_PREFIX_CACHE, server_configs
+
+    cfg = load_config(None, ["rollout.engine=sglang", "launcher.device=cpu", "rollout.kv_on_update=keep",
+                             "rollout.sglang.python=.venv-sglang/bin/python", "rollout.num_engines=2"])
+    a, b = server_configs(cfg, tmp_path, routes=False, threads=1)
+    assert a.device == "cpu" and a.base_gpu_id is None and a.max_total_tokens == CPU_MAX_TOTAL_TOKENS
+    assert a.python == str(Path(".venv-sglang/bin/python").absolute()) and a.env == {"OMP_NUM_THREADS": "1",
+                                                                                       "GLOO_SOCKET_IFNAME": "lo"}
+    assert NO_PREFIX_CACHE in a.extra_args and (a.port, b.port) == (30000, 30001)
+    recompute = load_config(None, ["rollout.engine=sglang", "launcher.device=cpu", "rollout.sglang.max_total_tokens=512"])
+    (c,) = server_configs(recompute, tmp_path, routes=False)
+    assert NO_PREFIX_CACHE not in c.extra_args and c.max_total_tokens == 512 and "OMP_NUM_THREADS" not in c.env
+    gpu = load_config(None, ["rollout.engine=sglang", "launcher.device=cuda", "launcher.gpus_per_node=2"])
+    (g,) = server_configs(gpu, tmp_path, routes=False)
+    assert g.device is None and g.max_total_tokens is None and g.base_gpu_id == 1 and g.python is None

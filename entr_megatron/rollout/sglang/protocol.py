@@ -81,7 +81,9 @@ KV_ON_UPDATE = {"recompute": "retract", "keep": "in_place"}
 """Our name -> SGLang's pause mode during a weight update. "recompute": running requests go back
 to the queue and their KV cache (and the prefix cache) is rebuilt with the new weights. "keep":
 requests keep the KV cache of the old weights (in-flight update, as the embedded engine's
-default); the prefix cache cannot be flushed then and keeps serving old-weight prefixes."""
+default); the prefix cache cannot be flushed then and keeps serving old-weight prefixes to new
+requests (seen on a real 0.5.23 server), so `train` launches servers for "keep" with
+--disable-radix-cache (controller/sglang_servers.NO_PREFIX_CACHE); start servers given by URL so too."""
 SAMPLING_SEED_MODULUS = 1 << 63
 """SGLang's sampling_seed is an int64."""
 ROUTES_FLAG = "--enable-return-routed-experts"
