@@ -28,10 +28,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from sglang_answers import ANSWERS_PATH, compare_exchange  # noqa: E402
 
-ARCH = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
-        "rope_theta": 10000.0, "tie_word_embeddings": True}
-"""The CPU demo's model (examples/cpu_demo.yaml), 0.8 M parameters with the character tokenizer."""
+sys.path.insert(0, str(HERE))
+from real_server import ARCH  # noqa: E402
+
 SKIP_ENV, RECORD_ENV = "ENTR_SKIP_SGLANG_REAL", "ENTR_SGLANG_RECORD"
 
 

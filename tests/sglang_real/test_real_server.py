@@ -1,7 +1,7 @@
 """One real SGLang 0.5.23 server on CPU (conftest `server`), driven as learner rank 0 and the
 controller drive it: weights pushed over gloo through /begin_weight_update,
 /update_weights_from_distributed and /end_weight_update, generation through SGLangEngine. Every
-answer is checked against an independent reference: the same weights in transformers (helpers.Reference).
+answer is checked against an independent reference: the same weights in transformers (real_server.Reference).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from entr_megatron.rollout.engine import generate
 from entr_megatron.rollout.sglang import SGLangClient, SGLangEngine, SGLangEngineConfig, SGLangError
 from entr_megatron.rollout.tasks import build_char_tokenizer
 
-from helpers import (
+from real_server import (
     FLOAT32_ATOL,
     PROMPT,
     Reference,

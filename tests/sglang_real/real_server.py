@@ -1,6 +1,7 @@
-"""What the real-server tests share: the HF reference (the same weights in transformers, our venv),
-a link to a server (an SGLangEngine with SGLang's weight handshake over a gloo group whose rank 0 is
-this process, as learner rank 0's), and small waits."""
+"""What the real-server tests share (named apart from tests/helpers.py, which tests import as
+`helpers`): the HF reference (the same weights in transformers, our venv), a link to a server
+(an SGLangEngine with SGLang's weight handshake over a gloo group whose rank 0 is this process,
+as learner rank 0's), and small waits."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ and fused QKV / gate-up projections sum in another order than transformers' eage
 up to a few 1e-6; 1e-4 is a bound float32 rounding over 4 layers cannot reach, a wrong weight
 or position far exceeds)."""
 PROMPT = [5, 17, 9, 12, 30, 3]
+ARCH = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
+        "rope_theta": 10000.0, "tie_word_embeddings": True}
+"""The CPU demo's model (examples/cpu_demo.yaml), 0.8 M parameters with the character tokenizer."""
 
 
 class Reference:

@@ -21,8 +21,7 @@ from entr_megatron.rollout.sglang.preflight import ServerStartError
 from entr_megatron.utils.run_log import read_metrics
 from entr_megatron.utils.spawn import free_port
 
-from conftest import ARCH
-from helpers import FLOAT32_ATOL, PROMPT, Reference, max_diff
+from real_server import ARCH, FLOAT32_ATOL, PROMPT, Reference, max_diff
 
 
 def write_run(tmp: Path, name: str, mode: str, sglang: dict, steps: int, **rollout) -> tuple[Path, Path]:
