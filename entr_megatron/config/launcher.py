@@ -264,27 +264,8 @@ class LoggingConfig:
 
 
 CPU_RANKS_PER_CORE = 4
-"""Most local CPU learner ranks per core of this machine (`check_local_ranks`): each rank imports
-torch and Megatron (some 400 MB) and its gloo collectives wait on the slowest; past a few per core
-a job makes no progress."""
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity; os.cpu_count() where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def check_local_ranks(launcher: LauncherConfig) -> None:
-    """Local CPU learner ranks (kind 'local', device 'cpu') share this machine's cores: at most
-    CPU_RANKS_PER_CORE per core. Run where the job starts (controller/job.py `check_inputs`), not
-    when a config is built (a config is also loaded elsewhere, e.g. to plan a study)."""
-    if launcher.kind != "local" or launcher.device != "cpu":
-        return
-    cores = usable_cores()
-    if launcher.nproc_per_node > CPU_RANKS_PER_CORE * cores:
-        raise bad(launcher, "nproc_per_node", launcher.nproc_per_node,
-                  f"CPU learner ranks share this machine's {cores} cores: must be at most "
-                  f"{CPU_RANKS_PER_CORE * cores} ({CPU_RANKS_PER_CORE} per core)")
+"""Most local CPU learner ranks (launcher.nproc_per_node, kind 'local', device 'cpu') per core of the
+machine, checked when a job starts (controller/job.py `check_local_ranks`), not when a config is
+built (a config is also loaded elsewhere, e.g. to plan a study): each rank imports torch and
+Megatron (some 400 MB) and its gloo collectives wait on the slowest; past a few per core a job
+makes no progress."""

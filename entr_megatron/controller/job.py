@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from entr_megatron.checkpoint.directory import clean_stale
-from entr_megatron.config.launcher import check_local_ranks
+from entr_megatron.config.launcher import CPU_RANKS_PER_CORE, LauncherConfig
 from entr_megatron.config.run import RunConfig
 from entr_megatron.config.validate import FieldError, readable_files
 from entr_megatron.controller.console import StopFlag, say
@@ -43,6 +43,7 @@ from entr_megatron.controller.wiring import connect, make_engines, relaunch_lear
 from entr_megatron.controller.workers import WorkerError
 from entr_megatron.utils.megatron_warnings import fallback_summary
 from entr_megatron.utils.run_lock import RunLock
+from entr_megatron.utils.spawn import available_cores
 
 __all__ = ["RunPaths", "build_task", "check_inputs", "check_launch", "check_model_layout", "evaluate",
            "make_engines", "prepare_model", "run_eval", "run_sft", "run_train", "tokenizer_for"]
@@ -76,6 +77,18 @@ def check_inputs(cfg: RunConfig, command: str = "train") -> None:
         check_local_ranks(cfg.launcher)
     if command == "train":
         check_launch(cfg)
+
+
+def check_local_ranks(launcher: LauncherConfig) -> None:
+    """Local CPU learner ranks (kind 'local', device 'cpu') share this machine's cores: at most
+    CPU_RANKS_PER_CORE per core (FieldError naming launcher.nproc_per_node)."""
+    if launcher.kind != "local" or launcher.device != "cpu":
+        return
+    cores = available_cores()
+    if launcher.nproc_per_node > CPU_RANKS_PER_CORE * cores:
+        raise FieldError("launcher", "nproc_per_node", launcher.nproc_per_node,
+                         f"CPU learner ranks share this machine's {cores} cores: must be at most "
+                         f"{CPU_RANKS_PER_CORE * cores} ({CPU_RANKS_PER_CORE} per core)")
 
 
 def check_model_layout(cfg: RunConfig) -> None:

@@ -360,6 +360,7 @@ def enter_rank(env: Mapping[str, str], threads: int | None = None, *, loopback_g
 
 
 def _child(rank: int, fn: Callable, world_size: int, port: int, threads: int, args: tuple) -> None:
+    ignore_sigint()  # started with SIGINT held (`run_gloo`): Ctrl-C is the parent's, which ends the ranks
     enter_rank(torchrun_env(rank, world_size, LOOPBACK, port), threads)
     dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world_size)
     try:
@@ -386,10 +387,11 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
     gets ``threads`` intra-op threads (default: cores divided among ranks).
     """
     threads = threads or max(1, available_cores() // world_size)
-    ctx = mp.start_processes(
-        _child, args=(fn, world_size, free_port(), threads, args), nprocs=world_size,
-        join=False, start_method="spawn",
-    )
+    with sigint_held():  # a Ctrl-C while they import stays quiet in them
+        ctx = mp.start_processes(
+            _child, args=(fn, world_size, free_port(), threads, args), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

@@ -240,3 +240,43 @@ def test_ctrl_c_while_ranks_start_ends_the_group_at_once_without_a_traceback_per
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-3000:])
     assert "Traceback" not in err and err.strip().splitlines() == ["driver: interrupted"], err[-3000:]
+
+
+GLOO_START = """
+import sys, time
+from entr_megatron.utils.spawn import run_gloo
+
+if __name__ == "__mp_main__":  # a rank importing this module, slowly
+    time.sleep(20)
+
+def work(rank, world_size):
+    time.sleep(60)
+
+if __name__ == "__main__":
+    try:
+        print("spawning", flush=True)
+        run_gloo(work, 2, timeout_s=120)
+    except KeyboardInterrupt:
+        print("driver: interrupted", file=sys.stderr)
+        sys.exit(130)
+"""
+
+
+def test_ctrl_c_while_scores_ranks_start_is_one_line(tmp_path):
+    """`score` (and the tests' gloo helpers) start their ranks with run_gloo: quiet on Ctrl-C too."""
+    script = tmp_path / "driver.py"
+    script.write_text(GLOO_START)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline() == "spawning\n"
+        time.sleep(3.0)  # the ranks are spawned and importing
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-3000:])
+    assert "Traceback" not in err and err.strip().splitlines() == ["driver: interrupted"], err[-3000:]
