@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from typing import Any, get_args
 from urllib.parse import urlsplit
 
@@ -156,7 +157,7 @@ def url_tuple(obj: Any, name: str) -> None:
 
 
 def readable_files(obj: Any, name: str) -> None:
-    """Every path of the list field `name` must be a file this process can read. Not run when a
+    """Every path of the list field `name` must be a regular file this process can read. Not run when a
     section is built (a config is also loaded where its files are not, e.g. to plan a study):
     the job calls it before it starts (controller/job.py `check_inputs`)."""
     value = getattr(obj, name)
@@ -167,6 +168,8 @@ def readable_files(obj: Any, name: str) -> None:
             problem = "does not exist"
         elif not os.access(path, os.R_OK):
             problem = "is not readable (permissions)"
+        elif not stat.S_ISREG(os.stat(path).st_mode):  # /dev/zero: read without end
+            problem = "is not a regular file (a device, pipe or socket)"
         else:
             continue
         raise bad(obj, name, value, f"{path} {problem}")

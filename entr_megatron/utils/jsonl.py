@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -19,11 +20,14 @@ __all__ = ["atomic_output", "check_output_path", "check_token_ids", "read_jsonl_
 def read_jsonl_objects(path: str, flag: str = "--input") -> Iterator[tuple[int, str, dict[str, Any]]]:
     """(line number, "path:line", object) for every non-blank line; ValueError names the line
     that is not UTF-8 (the byte and column), not JSON or not an object, and `flag` when the file
-    cannot be read. A UTF-8 byte-order mark before the first line is allowed."""
+    cannot be read or is not a regular file. A UTF-8 byte-order mark before the first line is allowed."""
     try:
         f = open(path, "rb")  # bytes: a line that is not UTF-8 is named, not a decoder traceback
     except OSError as e:
         raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # /dev/zero would be one endless line
+        f.close()
+        raise ValueError(f"{flag}: {path} is not a regular file (a device, pipe or socket); give a JSONL file")
     with f:
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"

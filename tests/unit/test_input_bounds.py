@@ -280,3 +280,23 @@ def test_ctrl_c_while_scores_ranks_start_is_one_line(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-3000:])
     assert "Traceback" not in err and err.strip().splitlines() == ["driver: interrupted"], err[-3000:]
+
+
+def test_a_device_as_a_data_file_is_refused_before_it_is_read(tmp_path, capsys):
+    """Data files have the config's regular-file check: /dev/zero as a task's or score's input was
+    read as one endless line."""
+    from entr_megatron.cli.main import main
+    from entr_megatron.cli.score import read_input
+
+    zero = tmp_path / "zero.jsonl"
+    zero.symlink_to("/dev/zero")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(DEMO), "--run-dir", str(tmp_path / "run"), "task.name=math",
+              f"task.math.train_files=[{zero}]", f"model.tokenizer={tmp_path / 'tok'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert (f"task.math.train_files=('{zero}',) is not valid; {zero} is not a regular file (a device, pipe "
+            "or socket)") in err, err
+    with pytest.raises(ValueError) as e:
+        read_input(str(zero), 100)
+    assert str(e.value) == f"--input: {zero} is not a regular file (a device, pipe or socket); give a JSONL file"
