@@ -1,0 +1,58 @@
+"""tools/tail_precondition.py's counts on a hand-built set of tokens: which are rare at low entropy,
+which of them cross ENTR's threshold, IcePop's band and DPPO's, per 1k response tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("tool_tail_precondition", ROOT / "tools" / "tail_precondition.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_and_crossings_by_hand(tool):
+    # (mu, H(mu), pi) per token; tau 1, eps 0.01: ENTR's bound at H = 0.05 is sqrt(0.06) = 0.245
+    tokens = [
+        (0.005, 0.05, 0.005 * math.exp(0.5)),   # rare, low H, |delta| 0.5: crosses ENTR, inside IcePop's band
+        (0.005, 0.05, 0.005 * math.exp(0.05)),  # rare, low H, |delta| 0.05: crosses nothing
+        (0.002, 0.02, 0.002 * math.exp(-0.9)),  # rare, low H, delta -0.9: ENTR (bound 0.173) and IcePop (< log 0.5)
+        (0.005, 0.50, 0.005 * math.exp(0.5)),   # rare but H 0.5: not counted
+        (0.900, 0.05, 0.500),                   # low H but common: not counted; DPPO (|0.5 - 0.9| > 0.15)
+    ] + [(0.99, 0.05, 0.99)] * 995              # 1000 tokens in all
+    samples = [([1], [7] * len(tokens), [math.log(m) for m, _, _ in tokens], [h for _, h, _ in tokens])]
+    log_pi = torch.tensor([math.log(p) for _, _, p in tokens], dtype=torch.float64)
+    out = tool.measure(samples, log_pi, torch.zeros_like(log_pi), tau=1.0, eps=0.01)
+    assert out["response_tokens"] == 1000
+    assert out["rare_low_h_per_1k"] == pytest.approx(3.0)
+    assert out["rare_low_h_entr_per_1k"] == pytest.approx(2.0) and out["holds"]
+    shares = out["share_of_rare_low_h"]
+    assert shares["entr (H mu)"] == pytest.approx(2 / 3) and shares["icepop band"] == pytest.approx(1 / 3)
+    assert shares["dppo tv"] == 0.0
+    # with H(pi) = 0 the bound is sqrt(0.01) = 0.1: |delta| 0.5 and 0.9 cross it, 0.05 does not
+    assert shares["entr (H pi)"] == pytest.approx(2 / 3)
+    assert out["masked_per_1k_all_tokens"]["dppo tv"] == pytest.approx(1.0)
+    assert out["rare_low_h_abs_delta"]["max"] == pytest.approx(0.9)
+    cell = next(b for b in out["bins"] if b["H"] == [0.01, 0.1] and b["mu"] == [1e-3, 1e-2])
+    assert cell["tokens"] == 3 and cell["entr_share"] == pytest.approx(2 / 3)
+    assert sum(b["tokens"] for b in out["bins"]) == 1000
+
+
+def test_one_crossing_per_1k_does_not_hold(tool):
+    tokens = [(0.005, 0.05, 0.005 * math.exp(0.5))] + [(0.99, 0.05, 0.99)] * 999
+    samples = [([1], [7] * 1000, [math.log(m) for m, _, _ in tokens], [h for _, h, _ in tokens])]
+    log_pi = torch.tensor([math.log(p) for _, _, p in tokens], dtype=torch.float64)
+    out = tool.measure(samples, log_pi, torch.zeros_like(log_pi), tau=1.0, eps=0.01)
+    assert out["rare_low_h_entr_per_1k"] == pytest.approx(1.0) and not out["holds"]
+    assert "| [0.01, 0.1) |" in tool.markdown({"title": "t", "setup": "s", "rows": [
+        {"source": "numerics", "engine": "bf16", **out}]})
