@@ -7,6 +7,9 @@ from typing import Any, Literal, get_args
 
 from entr_megatron.config.validate import bad, boolean, choice, integer, string
 
+MAX_SEQ_LEN = 1_048_576
+"""Upper bound of model.max_seq_len and max_prompt_len (and of rollout.sampling.max_new_tokens)."""
+
 ModelDtype = Literal["float32", "bfloat16"]
 MODEL_DTYPES: tuple[str, ...] = get_args(ModelDtype)
 
@@ -45,10 +48,10 @@ class ModelConfig:
     with fp32 main weights, gradients and optimizer state)."""
 
     max_prompt_len: int = 512
-    """Longest prompt in tokens; longer prompts are skipped and counted. >= 1."""
+    """Longest prompt in tokens; longer prompts are skipped and counted. In [1, MAX_SEQ_LEN]."""
 
     max_seq_len: int = 2048
-    """Prompt + response limit in tokens (positions the model must cover). >= 2; at least
+    """Prompt + response limit in tokens (positions the model must cover). In [2, MAX_SEQ_LEN]; at least
     max_prompt_len + rollout.sampling.max_new_tokens."""
 
     def __post_init__(self) -> None:
@@ -65,8 +68,8 @@ class ModelConfig:
             raise bad(self, "architecture", self.architecture, "must name its model_type (e.g. qwen3)")
         string(self, "tokenizer", optional=True)
         choice(self, "dtype", ModelDtype)
-        integer(self, "max_prompt_len", low=1)
-        integer(self, "max_seq_len", low=2)
+        integer(self, "max_prompt_len", low=1, high=MAX_SEQ_LEN)
+        integer(self, "max_seq_len", low=2, high=MAX_SEQ_LEN)
 
 
 @dataclass(frozen=True)

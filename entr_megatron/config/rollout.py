@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from entr_megatron.config.model import MAX_SEQ_LEN
 from entr_megatron.config.validate import bad, boolean, choice, integer, number, str_tuple, string, url_tuple
 
 Engine = Literal["embedded", "sglang"]
@@ -42,8 +43,8 @@ MAX_PROMPTS_PER_STEP = 65_536
 """Upper bound of rollout.prompts_per_step (and the planner's workload.prompts_per_step)."""
 MAX_SAMPLES_PER_PROMPT = 1024
 """Upper bound of rollout.sampling.n (and the planner's workload.n)."""
-MAX_NEW_TOKENS = 1_048_576
-"""Upper bound of rollout.sampling.max_new_tokens (and of the planner's token counts)."""
+MAX_NEW_TOKENS = MAX_SEQ_LEN
+"""Upper bound of rollout.sampling.max_new_tokens: model.max_seq_len's (and of the planner's token counts)."""
 MAX_ENGINES = 4096
 """Upper bound of rollout.num_engines (and the planner's costs.engines)."""
 DEFAULT_WEIGHT_BUCKET_MIB = 512
