@@ -203,15 +203,12 @@ SLOW_START = """
 import sys, time
 from entr_megatron.controller.workers import ProcessWorkerGroup
 
-if __name__ == "__mp_main__":  # a rank importing this module: as slow as 64 ranks on 2 cores
-    time.sleep(20)
-
 def slow_factory():
     time.sleep(60)
 
 if __name__ == "__main__":
     try:
-        group = ProcessWorkerGroup(3, slow_factory, startup_timeout_s=120, wait=False)
+        group = ProcessWorkerGroup(6, slow_factory, startup_timeout_s=120, wait=False)
         print("spawned", flush=True)
         group.wait_ready()
     except KeyboardInterrupt:
@@ -229,7 +226,7 @@ def test_ctrl_c_while_ranks_start_ends_the_group_at_once_without_a_traceback_per
                             text=True, start_new_session=True, cwd=ROOT)
     try:
         assert proc.stdout.readline() == "spawned\n"
-        time.sleep(1.0)  # the ranks are importing torch
+        time.sleep(0.5)  # the ranks are importing this module, torch with it (6 ranks on a few cores)
         assert proc.poll() is None
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
@@ -246,16 +243,13 @@ GLOO_START = """
 import sys, time
 from entr_megatron.utils.spawn import run_gloo
 
-if __name__ == "__mp_main__":  # a rank importing this module, slowly
-    time.sleep(20)
-
 def work(rank, world_size):
     time.sleep(60)
 
 if __name__ == "__main__":
     try:
         print("spawning", flush=True)
-        run_gloo(work, 2, timeout_s=120)
+        run_gloo(work, 6, timeout_s=120)
     except KeyboardInterrupt:
         print("driver: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -270,7 +264,7 @@ def test_ctrl_c_while_scores_ranks_start_is_one_line(tmp_path):
                             text=True, start_new_session=True, cwd=ROOT)
     try:
         assert proc.stdout.readline() == "spawning\n"
-        time.sleep(3.0)  # the ranks are spawned and importing
+        time.sleep(1.0)  # the ranks are spawned and importing this module, torch with it
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
