@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import pickle
-import signal
 import time
 import traceback
 from collections.abc import Callable
