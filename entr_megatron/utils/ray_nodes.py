@@ -15,7 +15,10 @@ workers of its actors, what they spawn) is in that session: `kill` ends them all
 machine's power loss would. Only 127.0.0.0/8 addresses are taken (Linux routes all of them to
 the loopback device; elsewhere only 127.0.0.1 exists: `loopback_aliases_work` says).
 
-The nodes' `ray start` inherit `env` (e.g. PYTHONPATH for the actors' imports); `fast_failure`
+Ray's token authentication is on (a token of its own in the cluster's directory): Ray's own
+daemons listen on every interface, and a node or driver without the token is refused. A driver
+(`entr-megatron train`) joins with `driver_env` in its environment (RAY_AUTH_MODE,
+RAY_AUTH_TOKEN_PATH). The nodes' `ray start` inherit `env` (e.g. PYTHONPATH for the actors' imports); `fast_failure`
 lets the head declare a silent node dead after about 3 s instead of Ray's 30 s or more; Ray's
 memory monitor is off (`SHARED_MACHINE_ENV`: each node would count the whole machine).
 Nothing here imports Ray: it runs its `ray` command (the one beside this interpreter by default).
@@ -26,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -143,7 +147,15 @@ class LoopbackCluster:
         self.head = nodes[0]
         self._own_root = root is None
         self.root = Path(root or tempfile.mkdtemp(prefix="entr-ray-", dir="/tmp"))  # short: unix socket paths
-        self._env = {**os.environ, **SHARED_MACHINE_ENV, **(FAST_FAILURE_ENV if fast_failure else {}), **(env or {})}
+        self.root.mkdir(parents=True, exist_ok=True)
+        token = self.root / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.driver_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        """What a driver's environment needs to join (`{**os.environ, **cluster.driver_env}`): the
+        cluster's token (every node and driver must show it: Ray's daemons listen beyond loopback)."""
+        self._env = {**os.environ, **SHARED_MACHINE_ENV, **(FAST_FAILURE_ENV if fast_failure else {}), **(env or {}),
+                     **self.driver_env}
         self._env.pop("RAY_ADDRESS", None)  # a node joins the address given here, nothing else
         self._ray = ray or ray_command()
         self.port = _port_above_workers(self.head.address)

@@ -39,6 +39,11 @@ __all__ = ["BroadcastReceiver", "VersionAborted", "acknowledge", "joined_group",
 
 _RECEIVE_BUFFERS = 2
 """Per group: one on the wire while the loader copies the other into the stage."""
+JOIN_TIMEOUT_S = 120.0
+"""Longest wait of an engine for the other members of a group it joins (at its first update). A
+member that died before joining (its node lost as the group's first version went out) would
+otherwise hold this engine's join, and every update queued behind it, for the whole transfer
+timeout; the learner joins at once when it pushes."""
 
 
 class _Member:
@@ -58,7 +63,7 @@ def _member(spec: WeightGroup, rank: int, timeout_s: float) -> _Member:
     with _JOINED_LOCK:
         member = _JOINED.get(key)
     if member is None:
-        member = _Member(BroadcastGroup.join(spec, rank, timeout_s=timeout_s))
+        member = _Member(BroadcastGroup.join(spec, rank, timeout_s=timeout_s, join_timeout_s=JOIN_TIMEOUT_S))
         with _JOINED_LOCK:
             _JOINED[key] = member
     return member
