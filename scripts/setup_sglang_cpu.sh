@@ -9,6 +9,9 @@
 # step: docs/SGLANG_ON_CPU.md. About 3 minutes and 7 GB on a fresh machine; re-running is cheap
 # (skipped while the list and the stand-in are unchanged).
 #
+# The pinned wheels are CPython 3.11, x86_64 Linux (the resolution was made there); another
+# interpreter fails at pip with the wheel it cannot take.
+#
 #   bash scripts/setup_sglang_cpu.sh
 #   PYTHON=python3.11 VENV=/tmp/sgl bash scripts/setup_sglang_cpu.sh   # another interpreter / place
 set -euo pipefail

@@ -63,9 +63,15 @@ def build_model(path: Path, **arch) -> Path:
     return path
 
 
+SERVER_ARGS: list[str] = []
+"""--server-args: extra SGLang flags of the servers (rollout.sglang.extra_args)."""
+
+
 def run_config(threads: int, *extra: str):
     from entr_megatron.config.loader import load_config
 
+    if SERVER_ARGS:
+        extra = (*extra, "rollout.sglang.extra_args=[" + ", ".join(repr(a) for a in SERVER_ARGS) + "]")
     return load_config(str(ROOT / "examples" / "cpu_demo_sglang.yaml"),
                        [f"rollout.embedded.num_threads={threads}", "model.max_seq_len=88",
                         f"rollout.sglang.python={ROOT / '.venv-sglang' / 'bin' / 'python'}", *extra])
@@ -263,7 +269,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[2], help="OpenMP threads per engine")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--push-layers", type=int, default=8, help="layers of the larger push model (1024 hidden)")
+    parser.add_argument("--server-args", nargs="*", default=[], help="extra SGLang server flags, e.g. --server-args=--x")
     args = parser.parse_args(argv)
+    SERVER_ARGS[:] = args.server_args
     if not (ROOT / ".venv-sglang" / "bin" / "python").exists():
         sys.exit("no .venv-sglang: run bash scripts/setup_sglang_cpu.sh first")
     print(f"load average before: {os.getloadavg()}; cores: {os.cpu_count()}")

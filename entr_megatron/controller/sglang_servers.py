@@ -175,6 +175,7 @@ def start_servers(cfg: RunConfig, model_dir: Path, stack: ExitStack, log_dir: Pa
         servers.processes = list(launch_servers(configs, log_dir, startup_timeout_s=s.startup_timeout_s, progress=say))
     else:
         servers = SGLangServers(cfg, list(s.urls), kwargs, [None] * len(s.urls), [None] * len(s.urls), log_dir)
+        check_prefix_caches(cfg, servers)
     if s.router:
         router = launch_router(RouterConfig(worker_urls=tuple(servers.urls), host=s.host, port=free_port(),
                                             policy=s.router_policy, api_key_env=s.api_key_env),
@@ -214,6 +215,20 @@ def server_configs(cfg: RunConfig, model_dir: Path, routes: bool, threads: int |
                                python=None if s.python is None else str(Path(s.python).absolute()),
                                device="cpu" if cpu else None, max_total_tokens=total)
             for i in range(r.num_engines)]
+
+
+def check_prefix_caches(cfg: RunConfig, servers: SGLangServers) -> None:
+    """With kv_on_update 'keep', servers given by URL must run without the prefix cache (NO_PREFIX_CACHE:
+    a push paused in place would leave old weights' prompt KV to new requests). Asked of /server_info."""
+    if (cfg.rollout.kv_on_update or "recompute") != "keep":
+        return
+    for i, url in enumerate(servers.urls):
+        if not servers.client(i).server_info().get("disable_radix_cache", False):
+            raise ValueError(
+                f"rollout.kv_on_update='keep' needs SGLang servers without the prefix cache, and {url} "
+                f"(rollout.sglang.urls) has it: restart it with {NO_PREFIX_CACHE}, or set rollout.kv_on_update="
+                "'recompute' (a weight update paused in place cannot flush it, so new requests would reuse prompt "
+                "KV computed by older weights)")
 
 
 class _Prober(threading.Thread):

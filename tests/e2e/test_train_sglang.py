@@ -163,7 +163,8 @@ def vocab_size() -> int:
                                                         ("fully_async", 2, (1, 2), "keep")])
 def test_train_drives_sglang_servers(tmp_path, mode, bound, tp_sizes, kv):
     v = vocab_size()
-    servers = [MockSGLangServer(vocab_size=v, tp_size=tp, token_delay_s=0.002, weight_version="0").start()
+    servers = [MockSGLangServer(vocab_size=v, tp_size=tp, token_delay_s=0.002, weight_version="0",
+                                prefix_cache=kv != "keep").start()  # keep: started with --disable-radix-cache
                for tp in tp_sizes]
     gloo = [GlooServer(s) for s in servers]
     servers[0].fail_next["/generate"] = (500, {"error": {"message": "internal error (mock)"}})  # sent again: nothing lost

@@ -164,10 +164,13 @@ class MockSGLangServer:
     def __init__(self, *, port: int = 0, vocab_size: int = 1000, eos_token_id: int | None = None,
                  token_delay_s: float = 0.0, weight_version: str = "default", tp_size: int = 1,
                  model_path: str = "mock-model", sessions: bool = True, api_key: str | None = None,
-                 routes: tuple[int, int, int] | None = None, param_shapes: dict[str, list[int]] | None = None):
+                 routes: tuple[int, int, int] | None = None, param_shapes: dict[str, list[int]] | None = None,
+                 prefix_cache: bool = True):
         self.vocab_size, self.eos_token_id, self.token_delay_s = vocab_size, eos_token_id, token_delay_s
         self.weight_version, self.tp_size, self.model_path = weight_version, tp_size, model_path
         self.sessions = sessions
+        self.prefix_cache = prefix_cache
+        """False: a server started with --disable-radix-cache (what /server_info says)."""
         self.param_shapes = dict(param_shapes or {})
         """name -> shape of the model's parameters: an update of another shape is refused as SGLang
         refuses it (after loading what came before); other names load (SGLang skips unknown ones)."""
@@ -248,7 +251,8 @@ class MockSGLangServer:
         """A real server's /server_info (recorded) with this mock's model path, tp size, version and key."""
         info = dict(_RECORDED["server_info"]["answer"])
         info.update(model_path=self.model_path, tokenizer_path=self.model_path, served_model_name=self.model_path,
-                    tp_size=self.tp_size, weight_version=self.weight_version, api_key=None)
+                    tp_size=self.tp_size, weight_version=self.weight_version, api_key=None,
+                    disable_radix_cache=not self.prefix_cache)
         return info
 
     def generate(self, body: dict) -> tuple[int, Any]:
@@ -568,6 +572,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--mock-exit-code", type=int, default=None, help="exit at once with this code")
     parser.add_argument("--mock-startup-s", type=float, default=0.0, help="sleep before serving")
     args, unknown = parser.parse_known_args(argv)
@@ -580,7 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     assert args.host == "127.0.0.1", "the mock only listens on 127.0.0.1"
     server = MockSGLangServer(port=args.port, tp_size=args.tp_size, weight_version=args.weight_version,
                               model_path=args.model_path, api_key=args.api_key,
-                              routes=MOCK_ROUTE_LAYOUT if args.enable_return_routed_experts else None)
+                              routes=MOCK_ROUTE_LAYOUT if args.enable_return_routed_experts else None,
+                              prefix_cache=not args.disable_radix_cache)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.httpd.shutdown).start())
     print(f"The server is fired up and ready to roll! {server.url}", flush=True)
     server.httpd.serve_forever(poll_interval=0.05)

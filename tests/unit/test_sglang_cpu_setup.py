@@ -149,3 +149,23 @@ def test_train_launches_cpu_servers_with_the_cpu_settings(tmp_path):
     gpu = load_config(None, ["rollout.engine=sglang", "launcher.device=cuda", "launcher.gpus_per_node=2"])
     (g,) = server_configs(gpu, tmp_path, routes=False)
     assert g.device is None and g.max_total_tokens is None and g.base_gpu_id == 1 and g.python is None
+
+
+def test_servers_given_by_url_for_kv_keep_must_run_without_the_prefix_cache(tmp_path):
+    from contextlib import ExitStack
+
+    from entr_megatron.config.loader import load_config
+    from entr_megatron.controller.sglang_servers import start_servers
+
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    from sglang_mock import MockSGLangServer
+
+    for prefix_cache in (True, False):
+        with MockSGLangServer(prefix_cache=prefix_cache) as server, ExitStack() as stack:
+            cfg = load_config(None, ["rollout.engine=sglang", f"rollout.sglang.urls=['{server.url}']",
+                                     "rollout.kv_on_update=keep"])
+            if prefix_cache:
+                with pytest.raises(ValueError, match=r"rollout\.kv_on_update='keep'.*--disable-radix-cache"):
+                    start_servers(cfg, tmp_path, stack, tmp_path)
+            else:
+                assert start_servers(cfg, tmp_path, stack, tmp_path).urls == [server.url]

@@ -40,11 +40,12 @@ copy); requests stay. A bucket is SGLang's "flattened_bucket": the tensors' byte
 back to back in one uint8 tensor, no padding, every offset a multiple of the
 tensor's element size (flat_bucket.py).
 
-Not yet run against a real SGLang server (no GPU here); to confirm there:
-pydantic's handling of our control bodies, `/health` as a readiness check, the
-router's `/health`, that `output_token_sampling_logprobs` is present for every
-sample of a batch with top-p/top-k, and `meta_info.routed_experts` of a real MoE model
-(row count with the prefix cache and retraction, with EP / DP attention).
+Run against real 0.5.23 servers on CPU (tests/sglang_real, docs/SGLANG_ON_CPU.md): every
+endpoint above with our bodies, `/health` as the readiness check, the weight handshake over
+gloo, `output_token_sampling_logprobs` for every sample of a top-k batch; their answers are
+recorded in tests/unit/sglang_answers_0.5.23.json. Still to confirm on GPUs: the NCCL weight
+group, the router's `/health`, and `meta_info.routed_experts` of a real MoE model (row count
+with the prefix cache and retraction, with EP / DP attention).
 """
 
 from __future__ import annotations
