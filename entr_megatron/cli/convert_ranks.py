@@ -72,14 +72,14 @@ def full_logprobs(chunks, spec: models.ModelSpec, groups, sequences) -> list[tor
     """Next-token log-probs [L, V] (float64 log_softmax, true vocabulary) of equal-length sequences,
     one micro-batch each through Megatron's forward-only schedule; on the last stage (else None).
     The vocab-sharded logits are gathered over TP: meant for a few short verify sequences."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from entr_megatron.learner.schedule import run_pipeline
 
     length = len(sequences[0])
     assert all(len(s) == length for s in sequences) and length % groups.tp_size == 0, length
-    data = iter([(torch.tensor([list(s)]), torch.arange(length)[None]) for s in sequences])
+    data = [(torch.tensor([list(s)]), torch.arange(length)[None]) for s in sequences]
 
-    def forward_step(data_iterator, model):
-        ids, positions = next(data_iterator)
+    def forward_step(item, model):
+        ids, positions = item
         output = model(ids, positions, None)
 
         def loss_func(logits_BLv):
@@ -92,9 +92,7 @@ def full_logprobs(chunks, spec: models.ModelSpec, groups, sequences) -> list[tor
 
     for chunk in chunks:
         chunk.eval()
-    fwd_bwd = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size)
-    stored = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=chunks,
-                     num_microbatches=len(sequences), seq_length=length, micro_batch_size=1, forward_only=True)
+    stored = run_pipeline(chunks, data, forward_step, groups, forward_only=True, seq_length=length)
     return [out["lp"] for out in stored] if groups.is_last_stage() else None
 
 

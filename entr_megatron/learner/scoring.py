@@ -124,7 +124,9 @@ def score_sequences(
         batch_tokens: tokens per micro-batch (a longer sequence gets its own).
         progress: called as progress(sequences_done, total) after each group of micro-batches.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    # megatron.core is imported on first use: processes that only import this module's names (the
+    # CLI's argument parsing) do not pay for it.
+    from entr_megatron.learner.schedule import run_pipeline
 
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     for i, s in enumerate(seqs):
@@ -140,10 +142,9 @@ def score_sequences(
     device = next(chunks[0].parameters()).device
     multiple = groups.tp_size if unwrap_chunk(chunks[0]).config.sequence_parallel else 1
     batches, length = pack_sequences([len(s) for s in seqs], batch_tokens, multiple)
-    fwd_bwd = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size)
 
-    def forward_step(data_iterator, model):
-        ids, targets, positions, packed = next(data_iterator)
+    def forward_step(item, model):
+        ids, targets, positions, packed = item
         output = model(ids, positions, None, packed_seq_params=packed)
 
         weight = fused_output_weight(model)
@@ -173,10 +174,7 @@ def score_sequences(
                 calls += [MicroBatch([], [], length)] * (-len(calls) % groups.pp_size)
             data = [_tensors(mb, seqs, device) for mb in calls]
             with torch.no_grad():
-                stored = fwd_bwd(forward_step_func=forward_step,
-                                 data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),
-                                 model=chunks, num_microbatches=len(calls), seq_length=length, micro_batch_size=1,
-                                 forward_only=True)
+                stored = run_pipeline(chunks, data, forward_step, groups, forward_only=True, seq_length=length)
             if groups.is_last_stage():
                 for mb, out in zip(group, stored):
                     for i, start in zip(mb.indices, mb.starts):

@@ -3,7 +3,7 @@ puts them together): packed micro-batches and Megatron's pipeline schedules.
 
     TrainBatch (this DP rank's sequences)
       -> packed micro-batches (batching.py; counts and lengths agreed over DP)
-      -> get_forward_backward_func()  (no pipelining, 1F1B, or interleaved 1F1B)
+      -> run_pipeline (schedule.py): Megatron's schedule (no pipelining, 1F1B, or interleaved 1F1B)
            first stage: embeddings ... last stage: vocab-sharded logits
            -> loss_func (loss.py): vocab-parallel log-prob + entropy -> compute_policy_loss
       -> finalize_model_grads: DP sum, SP/qk-norm/embedding reductions, / global count
@@ -27,9 +27,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from entr_megatron.config.learner import LearnerConfig
@@ -41,6 +38,7 @@ from entr_megatron.learner.batching import (
 )
 from entr_megatron.learner.fused_output import fused_output_weight
 from entr_megatron.learner.routing_replay import ReplayStep
+from entr_megatron.learner.schedule import run_pipeline
 from entr_megatron.types import TrainBatch
 
 __all__ = ["check_layout", "current_device", "from_last_stage", "microbatches_for_step", "prepare_config", "required_pad_multiple",
@@ -109,13 +107,12 @@ def _on_device(mb: MicroBatch, device: torch.device) -> tuple[Tensor, Tensor, Pa
 
 def run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forward_only: bool,
                   replay: ReplayStep | None = None) -> list:
-    """Megatron's forward-backward over ``micro``; ``make_loss(index, mb)`` gives each loss_func;
-    ``replay`` sets (and reads back) each forward's MoE routes."""
-    config = get_model_config(model_chunks[0])
+    """Megatron's forward-backward over ``micro`` (schedule.run_pipeline); ``make_loss(index, mb)``
+    gives each loss_func; ``replay`` sets (and reads back) each forward's MoE routes."""
     device = current_device()
 
-    def forward_step(data_iterator, model):
-        index, mb = next(data_iterator)
+    def forward_step(item, model):
+        index, mb = item
         tokens, positions, packed = _on_device(mb, device)
         if replay is not None:
             replay.before_forward(model, mb)
@@ -127,22 +124,9 @@ def run_schedule(model_chunks, micro: list[MicroBatch], groups, make_loss, forwa
         # the fused output layer returned hidden states: the loss multiplies them by its weight
         return output, (loss if weight is None else partial(loss, output_weight=weight))
 
-    # One iterator per model chunk: each virtual stage walks the micro-batches on its own.
-    iterators = [iter(list(enumerate(micro))) for _ in model_chunks]
-    p2p = P2PCommunicator(pp_group=groups.pp, config=config) if groups.pp_size > 1 else None
-    fwd_bwd = get_forward_backward_func(pp_size=groups.pp_size, vp_size=groups.vpp_size)
-    return fwd_bwd(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
-        num_microbatches=len(micro),
-        # Shapes the p2p buffers when lengths are fixed (all equal then); ignored otherwise.
-        seq_length=max(mb.length for mb in micro),
-        micro_batch_size=1,
-        forward_only=forward_only,
-        p2p_communicator=p2p,
-        pg_collection=groups.pg_collection,
-    )
+    # Shapes the p2p buffers when lengths are fixed (all equal then); ignored otherwise.
+    return run_pipeline(model_chunks, list(enumerate(micro)), forward_step, groups, forward_only=forward_only,
+                        seq_length=max(mb.length for mb in micro))
 
 
 def check_layout(groups) -> None:

@@ -60,6 +60,17 @@ def test_only_groups_module_reads_megatron_parallel_state():
             assert not name.startswith("megatron.core.parallel_state"), f"{path.relative_to(PKG)} imports {name}"
 
 
+def test_one_module_drives_megatron_pipeline_schedules():
+    """Training, scoring and `convert --verify` run Megatron's schedules through one driver
+    (learner/schedule.py), so each gets the same p2p communicator and process groups."""
+    allowed = PKG / "learner" / "schedule.py"
+    for path in _py_files():
+        if path == allowed:
+            continue
+        for name, _ in _imports(path):
+            assert not name.startswith("megatron.core.pipeline_parallel"), f"{path.relative_to(PKG)} imports {name}"
+
+
 def test_gpu_and_cluster_packages_are_imported_lazily():
     for path in _py_files():
         for name, top in _imports(path):
