@@ -12,6 +12,8 @@ ControllerMode = Literal["sync", "one_step_off", "fully_async", "fixed_lag"]
 SEQUENTIAL_MODES = ("sync", "fixed_lag")
 """Controller modes in which the learner and the engines take turns (one waits while the other works)."""
 CONTROLLER_MODES: tuple[str, ...] = get_args(ControllerMode)
+LAGGED_MODES = ("one_step_off", "fully_async")
+"""Controller modes that train on samples at least one version old: they need max_policy_lag >= 1."""
 StalePolicy = Literal["drop", "regenerate"]
 STALE_POLICIES: tuple[str, ...] = get_args(StalePolicy)
 MAX_POLICY_LAG_LIMIT = 1024
@@ -96,7 +98,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         choice(self, "mode", ControllerMode)
         integer(self, "max_policy_lag", low=0, high=MAX_POLICY_LAG_LIMIT)
-        if self.mode in ("one_step_off", "fully_async") and self.max_policy_lag < 1:
+        if self.mode in LAGGED_MODES and self.max_policy_lag < 1:
             raise bad(
                 self, "max_policy_lag", self.max_policy_lag,
                 f"controller.mode={self.mode!r} trains on samples at least one version old; must be >= 1 "
@@ -129,3 +131,15 @@ class ControllerConfig:
     def intra_lag_stride_for(self, max_new_tokens: int) -> int:
         """Decode tokens between two switches inside a response (fixed_lag)."""
         return self.intra_lag_stride or max(max_new_tokens // (self.intra_lag + 1), 1)
+
+
+def fully_async_inflight_target(prompts_per_step: int, max_policy_lag: int, max_inflight_groups: int | None,
+                                buffered: int) -> int:
+    """fully_async: how many groups the engines should hold in flight, with `buffered` finished
+    groups waiting: `max_inflight_groups` (default 2 x prompts_per_step), never more than the lag
+    bound lets the learner consume (prompts_per_step x (max_policy_lag + 1) minus those buffered),
+    never fewer than the next step still needs. The training loop and the planner's simulation
+    both ask this function."""
+    target = max_inflight_groups or 2 * prompts_per_step
+    cap = prompts_per_step * (max_policy_lag + 1) - buffered
+    return max(min(target, cap), prompts_per_step - buffered)

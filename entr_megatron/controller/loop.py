@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from entr_megatron.algorithm.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
-from entr_megatron.config.controller import CONTROLLER_MODES, ControllerConfig
+from entr_megatron.config.controller import CONTROLLER_MODES, ControllerConfig, fully_async_inflight_target
 from entr_megatron.config.rollout import RolloutConfig
 from entr_megatron.controller.buffer import Group, GroupRef, StalenessBuffer, lag_metrics
 from entr_megatron.controller.console import say
@@ -257,9 +257,8 @@ class Controller:
         return self.rollout.prompts_per_step
 
     def _async_inflight_target(self) -> int:
-        target = self.opt.max_inflight_groups or 2 * self.P
-        cap = self.P * (self.opt.max_policy_lag + 1) - len(self.buffer)  # no more than the bound can consume
-        return max(min(target, cap), self.P - len(self.buffer))
+        return fully_async_inflight_target(self.P, self.opt.max_policy_lag, self.opt.max_inflight_groups,
+                                           len(self.buffer))
 
     def _collect(self, inflight_target: Callable[[], int]) -> tuple[list[Group], float]:
         """Submits (regenerations first) up to the target and receives until P fresh groups exist."""

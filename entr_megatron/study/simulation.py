@@ -16,7 +16,7 @@ import random
 from collections import deque
 from typing import Any
 
-from entr_megatron.config.controller import SEQUENTIAL_MODES
+from entr_megatron.config.controller import SEQUENTIAL_MODES, fully_async_inflight_target
 from entr_megatron.study.workload import Costs, Plan, Workload
 
 __all__ = ["SimulationBoundError", "default_max_events", "simulate"]
@@ -295,15 +295,14 @@ class _Simulation:
         """The loop's `_collect` with its fully_async in-flight target: groups not yet received
         count as in flight, so the engines get new work only once the controller has received."""
         P, lag = self.w.prompts_per_step, self.w.max_policy_lag
-        target = self.w.max_inflight_groups or 2 * P
         while True:
             fresh = [g for g in self.finished if g.oldest >= self.version - lag]
             stale = len(self.finished) - len(fresh)
             if stale:
                 self.dropped += stale
                 self.finished = deque(fresh)
-            cap = P * (lag + 1) - len(self.finished)
-            want = max(min(target, cap), P - len(self.finished)) - len(self.inflight)
+            want = fully_async_inflight_target(P, lag, self.w.max_inflight_groups, len(self.finished)) \
+                - len(self.inflight)
             if want > 0:
                 self.submit(want)
             if len(self.finished) >= P:

@@ -17,13 +17,16 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from entr_megatron.config.controller import MAX_POLICY_LAG_LIMIT
-from entr_megatron.config.rollout import MAX_ENGINES, MAX_NEW_TOKENS, MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT
+from entr_megatron.config.controller import CONTROLLER_MODES, LAGGED_MODES, MAX_POLICY_LAG_LIMIT, ControllerConfig
+from entr_megatron.config.rollout import (
+    MAX_ENGINES, MAX_NEW_TOKENS, MAX_PROMPTS_PER_STEP, MAX_SAMPLES_PER_PROMPT, RolloutConfig, SamplingConfig,
+)
 from entr_megatron.config.validate import FieldError, integer, number
 
 __all__ = ["COST_FIELDS", "MODES", "Costs", "Plan", "Workload"]
 
-MODES = ("sync", "one_step_off", "fully_async", "fixed_lag")
+MODES = CONTROLLER_MODES
+"""The modes the planner simulates: the run config's (config.controller.ControllerMode)."""
 
 MAX_STEPS = 100_000
 MAX_SIMULATED_SEQUENCES = 1_000_000
@@ -131,11 +134,12 @@ class Workload:
 
     SECTION = "workload"
 
-    prompts_per_step: int = 8
+    # Defaults are the run config's (one default per fact; tests/unit/test_one_default.py).
+    prompts_per_step: int = RolloutConfig.prompts_per_step
     """Groups (prompts) trained per step (rollout.prompts_per_step). In [1, MAX_PROMPTS_PER_STEP]."""
-    n: int = 8
+    n: int = SamplingConfig.n
     """Samples per prompt (rollout.sampling.n). In [1, MAX_SAMPLES_PER_PROMPT]."""
-    max_policy_lag: int = 4
+    max_policy_lag: int = ControllerConfig.max_policy_lag
     """Staleness bound (controller.max_policy_lag). In [0, MAX_POLICY_LAG_LIMIT]; one_step_off and
     fully_async need >= 1."""
     steps: int = 50
@@ -178,7 +182,7 @@ class Workload:
         """Refuses a workload that `train` would refuse in `mode` (a lag of 0 out of sync)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode in ("one_step_off", "fully_async") and self.max_policy_lag < 1:
+        if mode in LAGGED_MODES and self.max_policy_lag < 1:
             raise FieldError("workload", "max_policy_lag", self.max_policy_lag,
                              f"mode {mode!r} trains on samples at least one version old; must be >= 1 "
                              "(or leave the mode out: --modes sync,fixed_lag)")

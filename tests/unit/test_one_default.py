@@ -154,3 +154,37 @@ def test_train_checks_its_inputs_once(monkeypatch, tmp_path, argv):
     with pytest.raises(_Stop):
         main([argv[0], "--config", str(DEMO), "--run-dir", str(tmp_path / "run"), *argv[1:]])
     assert calls == [argv[0]]
+
+
+def test_the_planner_takes_the_run_configs_defaults_modes_lag_rule_and_inflight_target():
+    """study/workload.py and study/simulation.py restate no fact of the run config: the defaults of
+    prompts_per_step, n and max_policy_lag, the modes, which modes need a lag >= 1, and the
+    fully_async in-flight target all come from config/ (one source each)."""
+    from entr_megatron.config.controller import (
+        CONTROLLER_MODES, LAGGED_MODES, ControllerConfig, fully_async_inflight_target,
+    )
+    from entr_megatron.config.rollout import SamplingConfig
+    from entr_megatron.study.workload import MODES, Workload
+
+    w, rollout = Workload(), RolloutConfig()
+    assert (w.prompts_per_step, w.n, w.max_policy_lag) == (
+        rollout.prompts_per_step, SamplingConfig().n, ControllerConfig().max_policy_lag)
+    assert MODES is CONTROLLER_MODES
+    for mode in CONTROLLER_MODES:  # the planner refuses a lag of 0 exactly where train does
+        train_refuses = _refuses(lambda: ControllerConfig(mode=mode, max_policy_lag=0))
+        assert train_refuses == _refuses(lambda: Workload(max_policy_lag=0).check_mode(mode)) == (mode in LAGGED_MODES)
+    # the target by hand: 2 x P by default, capped by what the bound lets the learner consume
+    assert fully_async_inflight_target(8, 4, None, 0) == 16
+    assert fully_async_inflight_target(8, 1, None, 4) == 12 and fully_async_inflight_target(8, 0, 64, 8) == 0
+    # nobody else writes the formula: its `max_inflight_groups or ...` default lives in one function
+    writers = [f"{rel}:{node.lineno}" for rel, tree in _trees() for node in ast.walk(tree)
+               if isinstance(node, ast.BoolOp) and "max_inflight_groups" in ast.unparse(node)]
+    assert writers == [w for w in writers if w.startswith("config/controller.py")] and len(writers) == 1, writers
+
+
+def _refuses(build) -> bool:
+    try:
+        build()
+    except ValueError:
+        return True
+    return False
