@@ -1,4 +1,4 @@
-"""Modules stay small (STYLE.md; issue 32: none over 450 lines): split one by what it holds."""
+"""Modules stay small (docs/CONTRIBUTING.md; issue 32: none over 450 lines): split one by what it holds."""
 
 from __future__ import annotations
 

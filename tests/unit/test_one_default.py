@@ -1,5 +1,5 @@
 """One default per fact: a default tau, a bucket size, a timeout is defined once and every place
-that offers it agrees (STYLE.md); a check a job makes runs once per job."""
+that offers it agrees (docs/CONTRIBUTING.md); a check a job makes runs once per job."""
 
 from __future__ import annotations
 
