@@ -31,8 +31,15 @@ class Learner(Protocol):
 
 @runtime_checkable
 class PushHandle(Protocol):
+    """One weight version on its way to the engines (`WeightPusher.push`)."""
+
     def wait(self) -> None:
         """Returns once every engine samples from the pushed version."""
+        ...
+
+    def abandon(self, timeout_s: float = ABANDON_TIMEOUT_S) -> None:
+        """Gives the version up (the learner that sent it failed): waits up to `timeout_s` for each
+        engine's side to end and ignores its outcome."""
         ...
 
 

@@ -438,7 +438,7 @@ class Controller:
         within `timeout_s` thrown away (late samples are ignored by any controller), and the push
         in flight is given up, so that a controller restored from a checkpoint finds idle engines."""
         pending, self._push_handle = self._push_handle, None
-        if pending is not None and hasattr(pending, "abandon"):
+        if pending is not None:
             pending.abandon()
         self._inflight.give_up()
         deadline = time.monotonic() + timeout_s

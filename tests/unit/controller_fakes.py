@@ -382,6 +382,16 @@ class Recovery(RecoveryBase):
             self.replaced.append(version)
 
 
+class DeliveredPush:
+    """A `PushHandle` whose version has arrived: `wait` returns at once, nothing to abandon."""
+
+    def wait(self):
+        return {}
+
+    def abandon(self, timeout_s: float = 0.0) -> None:
+        pass
+
+
 class Pusher:
     """Pushes arrive at once: every engine of the set holds the newest version pushed."""
 
@@ -392,12 +402,7 @@ class Pusher:
         self.pushed.append(version)
         for e in self.engines.engines:
             e.version = max(e.version, version)
-
-        class Handle:
-            def wait(self):
-                return {}
-
-        return Handle()
+        return DeliveredPush()
 
 
 class Learner:

@@ -16,7 +16,7 @@ from entr_megatron.algorithm.advantages import grpo_advantages
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.controller.loop import Controller, ControllerHooks
 
-from controller_fakes import ClockedEngine, FakeClock
+from controller_fakes import ClockedEngine, DeliveredPush, FakeClock
 
 P, N = 3, 4
 
@@ -35,7 +35,7 @@ class FakePusher:
             self.on_tick()
         pusher = self
 
-        class Handle:
+        class Handle(DeliveredPush):
             def wait(self):
                 while not handle["done"]:
                     pusher.clock.advance(1)
@@ -325,7 +325,7 @@ def test_step_timings_name_where_the_controllers_time_went(mode):
         handle = push(version)
         wait = handle.wait
 
-        class Slow:
+        class Slow(DeliveredPush):
             def wait(self):
                 time.sleep(0.02)
                 return wait()

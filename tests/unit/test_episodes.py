@@ -20,6 +20,8 @@ from entr_megatron.rollout.episodes import RESUME, EpisodeBudgets, EpisodeEngine
 from entr_megatron.rollout.tasks.environment import Step
 from entr_megatron.types import TrainBatch
 
+from controller_fakes import DeliveredPush
+
 CALL, EOS, OBS = 3, 2, (7, 8)
 PROMPT = [1, 20, 21]
 SCRIPT = [10, 11, CALL, 12, 13, 14, CALL, 15, EOS]  # two tool calls, then the answer
@@ -294,12 +296,7 @@ class _Pusher:
 
     def push(self, version):
         self.engine.version = version
-
-        class Done:
-            def wait(self):
-                pass
-
-        return Done()
+        return DeliveredPush()
 
 
 class _Learner:

@@ -11,7 +11,7 @@ from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.config.loader import load_config
 from entr_megatron.controller.loop import Controller
 
-from controller_fakes import InstantEngine
+from controller_fakes import DeliveredPush, InstantEngine
 
 P, N = 2, 3
 
@@ -22,12 +22,7 @@ class Pusher:
 
     def push(self, version):
         self.engine.update_weights(None, version)
-
-        class Done:
-            def wait(self):
-                pass
-
-        return Done()
+        return DeliveredPush()
 
 
 class Learner:

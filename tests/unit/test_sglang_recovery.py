@@ -29,6 +29,7 @@ from contextlib import ExitStack
 import pytest
 
 import sglang_mock
+from controller_fakes import DeliveredPush
 from entr_megatron.config import ControllerConfig
 from entr_megatron.config.loader import load_config
 from entr_megatron.controller.engines import RestartsExhausted
@@ -79,12 +80,7 @@ class Pusher:
         self.pushed.append(version)
         if self.view is not None:
             self.view.confirm_version(version)
-
-        class Handle:
-            def wait(self):
-                return {}
-
-        return Handle()
+        return DeliveredPush()
 
 
 def version_of(url) -> str:
