@@ -36,6 +36,7 @@ __all__ = [
     "learner_transformer_config",
     "learner_vocab_size",
     "read_hf_config",
+    "transformer_config_class",
 ]
 
 
@@ -78,8 +79,6 @@ def learner_transformer_config(
     (DeepSeek-V3, GLM-4.5) keeps it as loaded (`moe_router_bias_update_rate=0`: the engines route
     with the same bias; aux-loss-free balancing is a pre-training device), unless overridden.
     """
-    from megatron.core import transformer
-
     kwargs = models.transformer_config_kwargs(spec)
     kwargs["activation_func"] = models.ACTIVATIONS[kwargs["activation_func"]]
     kwargs.update(
@@ -110,7 +109,15 @@ def learner_transformer_config(
         raise ValueError(f"algorithm.routing_replay={routing_replay!r} needs an MoE model; "
                          f"{spec.model_type} is dense (use 'off')")
     kwargs.update(overrides or {})
-    return getattr(transformer, models.transformer_config_class(spec))(**kwargs)
+    return transformer_config_class(spec)(**kwargs)
+
+
+def transformer_config_class(spec: models.ModelSpec) -> type:
+    """The megatron.core class `models.transformer_config_kwargs(spec)` is for: MLATransformerConfig
+    for multi-latent attention (its RoPE and rank fields), else TransformerConfig."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if spec.mla is not None else TransformerConfig
 
 
 def build_learner_model_from_hf(

@@ -51,7 +51,6 @@ from entr_megatron.models.mapping import (
 from entr_megatron.models.megatron_config import (
     ACTIVATIONS,
     gpt_model_kwargs,
-    transformer_config_class,
     transformer_config_kwargs,
 )
 from entr_megatron.models.sharding import (
@@ -111,7 +110,6 @@ __all__ = [
     "tp_split",
     "to_hf",
     "to_hf_state_dict",
-    "transformer_config_class",
     "transformer_config_kwargs",
     "unshard",
 ]

@@ -95,12 +95,6 @@ def transformer_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
     return kwargs
 
 
-def transformer_config_class(spec: ModelSpec) -> str:
-    """The megatron.core.transformer class `transformer_config_kwargs(spec)` is for:
-    "MLATransformerConfig" for multi-latent attention (its RoPE and rank fields), else "TransformerConfig"."""
-    return "MLATransformerConfig" if spec.mla is not None else "TransformerConfig"
-
-
 def gpt_model_kwargs(spec: ModelSpec) -> dict[str, Any]:
     """`megatron.core.models.gpt.GPTModel` constructor kwargs for this model.
 

@@ -174,8 +174,13 @@ def test_deepseek_v3():
         mscale=1.0, mscale_all_dim=1.0,
     )
     spec = models.model_spec(DEEPSEEK_V3)
-    assert (spec.mtp_layers, spec.moe_layers[:2], models.transformer_config_class(spec)) == (
-        1, (3, 4), "MLATransformerConfig")
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    from entr_megatron.learner.build import transformer_config_class
+
+    assert (spec.mtp_layers, spec.moe_layers[:2]) == (1, (3, 4))
+    assert transformer_config_class(spec) is MLATransformerConfig
+    assert transformer_config_class(models.model_spec(QWEN3_30B_A3B)) is TransformerConfig
     assert models.model_spec(DEEPSEEK_V3 | {"q_lora_rank": None}).mla.q_lora_rank is None  # V2-Lite style
     plain = models.get_family("deepseek_v3").transformer_config_kwargs(DEEPSEEK_V3 | {"rope_scaling": None})
     assert (plain["rope_type"], plain["rotary_scaling_factor"], plain["mscale_all_dim"]) == ("rope", 1.0, 0.0)
