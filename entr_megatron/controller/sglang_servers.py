@@ -90,7 +90,8 @@ class SGLangServers:
     def engine_config(self, indices: Sequence[int], **overrides: Any) -> SGLangEngineConfig:
         """An engine over the servers `indices` (no router)."""
         return SGLangEngineConfig.from_config(self.cfg.rollout, [self.urls[i] for i in indices],
-                                              tp_sizes=self.tp_sizes(indices), **{**self.engine_kwargs, **overrides})
+                                              tp_sizes=self.tp_sizes(indices), mode=self.cfg.controller.mode,
+                                              **{**self.engine_kwargs, **overrides})
 
     def one_engine(self) -> SGLangEngine:
         """One engine over every server, or over the router in front of them (`make_engines`)."""

@@ -544,3 +544,24 @@ def test_launch_failures_raise_with_the_log(tmp_path):
         launch_servers([SGLangServerConfig("m", port=free_port(), command_prefix=prefix, extra_args=("--mock-startup-s", "30"))],
                        tmp_path, startup_timeout_s=1.0, interval_s=0.1)
     assert time.monotonic() - t0 < 10
+
+
+def test_modes_that_push_between_rounds_do_not_pause(server):
+    """pause_for_updates False (sync, one_step_off, fixed_lag: nothing generates during a push): no
+    /pause_generation or /continue_generation around the update; a failed one still holds them paused."""
+    from entr_megatron.rollout.sglang.engine_config import pushes_in_flight
+
+    assert pushes_in_flight("fully_async") and not any(map(pushes_in_flight, ("sync", "one_step_off", "fixed_lag")))
+    with engine_for(server, pause_for_updates=False) as engine:
+        handshake = SGLangWeightUpdate(engine)
+        handshake.init_weights_update_group("127.0.0.1", 29559)
+        handshake.set_weight_sender(RecordingSender())
+        engine.update_weights({"w": torch.ones(1)}, version=1)
+        assert server.weight_version == "1" and server.paused is None
+        assert not server.calls_to("/pause_generation") and not server.calls_to("/continue_generation")
+        server.fail_next["/update_weights_from_distributed"] = (400, {"success": False, "message": "refused (mock)"})
+        with pytest.raises(SGLangError):
+            engine.update_weights({"w": torch.ones(1)}, version=2)
+        assert server.paused == "retract" and server.weight_version == "-1"  # held
+        engine.update_weights({"w": torch.ones(1)}, version=2)
+        assert server.paused is None and server.weight_version == "2"

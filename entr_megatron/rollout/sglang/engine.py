@@ -205,8 +205,8 @@ class SGLangEngine:
     def update_weights(self, weights: WeightSource, version: int) -> WeightUpdateReport:
         """Send a complete set of HF-named tensors to every server as `version` through the
         attached `WeightTransfer` (`set_weight_transfer`). Generation is paused for the
-        whole transfer (the report's swap_s); requests stay and their later tokens carry
-        `version`. On failure the servers are resumed and the error raised; the servers may
+        whole transfer (the report's swap_s; not with `pause_for_updates` False, where nothing
+        generates during a push); requests stay and their later tokens carry `version`. On failure the servers are resumed and the error raised; the servers may
         then hold a partial update (SGLang loads each bucket as it arrives): send it again.
         A transfer that failed after sending a bucket leaves the servers paused (`_hold`): SGLang
         loads each bucket as it arrives, so they hold part of the new version, and no token is
@@ -223,10 +223,11 @@ class SGLangEngine:
             if version <= self._version:
                 raise ValueError(f"weight version must increase: engine is at {self._version}, got {version}")
             t0 = time.time()
-            resume = not self._paused or self._held  # the caller's own pause is the caller's to end
+            # the caller's own pause is the caller's to end; without pause_for_updates nothing generates now
+            resume = (not self._paused and self.config.pause_for_updates) or self._held
             started = False
             try:
-                if not self._paused:  # resumed below even after a partial pause (harmless on a running server)
+                if not self._paused and self.config.pause_for_updates:  # resumed below even after a partial pause
                     self.pause()
                 t_paused = time.time()
                 with self._cond:
@@ -260,10 +261,12 @@ class SGLangEngine:
         weights are no version), until a complete update resumes them (best effort, noted on `error`)."""
         self._held = True
         try:
+            if not self._paused:  # pause_for_updates False: they were running
+                self.pause()
             wait_all([self._control.submit(s.update_weight_version, "-1", abort_all_requests=False)
                       for s in self.servers], self.config.request_timeout_s, "update_weight_version")
         except (EngineError, RuntimeError) as e:
-            error.add_note(f"relabelling the servers' weight version -1 failed too: {e}")
+            error.add_note(f"pausing the servers or relabelling their weight version -1 failed too: {e}")
         error.add_note(f"the servers hold part of weight version {version} (SGLang loads each bucket as it arrives): "
                        "they stay paused, labelled version -1, until a complete version is pushed")
 

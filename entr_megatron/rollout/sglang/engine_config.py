@@ -16,7 +16,13 @@ from entr_megatron.config.rollout import DEFAULT_WEIGHT_BUCKET_MIB, RolloutConfi
 from entr_megatron.rollout.sglang.answers import RouteLayout
 from entr_megatron.rollout.sglang.protocol import KV_ON_UPDATE
 
-__all__ = ["SGLangEngineConfig"]
+__all__ = ["SGLangEngineConfig", "pushes_in_flight"]
+
+
+def pushes_in_flight(mode: str) -> bool:
+    """Whether controller mode `mode` pushes weights while the engines generate (controller/loop.py:
+    fully_async swaps in flight; sync, one_step_off and fixed_lag push between rounds, engines idle)."""
+    return mode == "fully_async"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,11 @@ class SGLangEngineConfig:
     """/generate calls in flight at once (one per GenerateRequest; the rest wait)."""
     kv_on_update: str = "recompute"
     """See KV_ON_UPDATE: "recompute" (SGLang "retract" pause) or "keep" ("in_place")."""
+    pause_for_updates: bool = True
+    """Pause the servers around a weight update (`kv_on_update`'s mode) and continue them after.
+    False where nothing generates during a push (the controller modes that push between rounds:
+    sync, one_step_off, fixed_lag), which saves two HTTP round trips per version; a request that
+    does run then makes SGLang's update wait for it (its writer lock), as its own default does."""
     group_name: str = "weight_update_group"
     weight_bucket_bytes: int = DEFAULT_WEIGHT_BUCKET_MIB << 20
     weight_dtype: str | None = None
@@ -68,14 +79,16 @@ class SGLangEngineConfig:
     @classmethod
     def from_config(cls, rollout: RolloutConfig, urls: Sequence[str], *, router_url: str | None = None,
                     tp_sizes: tuple[int, ...] | None = None, weight_dtype: str | None = None,
-                    routes: RouteLayout | None = None, **overrides: Any) -> SGLangEngineConfig:
+                    routes: RouteLayout | None = None, mode: str | None = None, **overrides: Any) -> SGLangEngineConfig:
         """The engine over `urls` of the run's validated `rollout` section (kv_on_update, the weight
         bucket size and `rollout.sglang.max_concurrent_requests`, per server); `routes`: the
-        model's route layout when routes are recorded (controller/sglang_setup.py)."""
+        model's route layout when routes are recorded (controller/sglang_setup.py); `mode`: the
+        controller's (`pause_for_updates`; None: pause)."""
         s = rollout.sglang
         fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype, routes=routes,
                       max_concurrent_requests=s.max_concurrent_requests * len(urls),
                       kv_on_update=rollout.kv_on_update or "recompute",
+                      pause_for_updates=pushes_in_flight(mode) if mode is not None else True,
                       weight_bucket_bytes=rollout.weight_bucket_bytes,
                       request_timeout_s=s.request_timeout_s, generate_timeout_s=s.generate_timeout_s,
                       weight_update_timeout_s=s.weight_update_timeout_s, retries=s.http_retries,
@@ -83,6 +96,8 @@ class SGLangEngineConfig:
         return cls(**{**fields, **overrides})
 
     def __post_init__(self):
+        if not isinstance(self.pause_for_updates, bool):
+            raise ValueError(f"SGLangEngineConfig.pause_for_updates must be a bool, got {self.pause_for_updates!r}")
         if not self.urls:
             raise ValueError("SGLangEngineConfig.urls is empty: give at least one server")
         if self.kv_on_update not in KV_ON_UPDATE:
