@@ -25,7 +25,6 @@ across replicas yourself).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,49 +32,15 @@ import torch.distributed as dist
 from entr_megatron import models
 from entr_megatron.learner.fused_output import fused_output_weight
 from entr_megatron.learner.hf_load import unwrap_chunk
+from entr_megatron.learner.sequence_packing import DEFAULT_BATCH_TOKENS, MicroBatch, pack_sequences
 from entr_megatron.parallel.fused_output import vocab_parallel_linear_logprobs_entropy
 from entr_megatron.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
-__all__ = ["DEFAULT_BATCH_TOKENS", "MicroBatch", "pack_sequences", "score_sequences"]
+__all__ = ["score_sequences"]
 
-DEFAULT_BATCH_TOKENS = 4096
 # Micro-batches per schedule call: progress is reported between calls.
 _MICROBATCHES_PER_CALL = 16
 _FILLER_TOKEN = 0
-
-
-@dataclass
-class MicroBatch:
-    """Sequences `indices` packed into `length` tokens (the tail is one filler sequence)."""
-
-    indices: list[int]
-    starts: list[int]
-    length: int
-
-
-def pack_sequences(lengths: Sequence[int], batch_tokens: int, multiple_of: int = 1) -> tuple[list[MicroBatch], int]:
-    """Greedy in-order packing of sequences into micro-batches of one common length.
-
-    The common length is `batch_tokens`, or the longest sequence if longer,
-    rounded up to `multiple_of`. Returns (micro-batches, common length).
-    """
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    if any(n < 1 for n in lengths):
-        raise ValueError("every sequence needs at least one token")
-    length = max([batch_tokens, *lengths])
-    length = -(-length // multiple_of) * multiple_of
-    batches, current, starts, used = [], [], [], 0
-    for i, n in enumerate(lengths):
-        if current and used + n > length:
-            batches.append(MicroBatch(current, starts, length))
-            current, starts, used = [], [], 0
-        current.append(i)
-        starts.append(used)
-        used += n
-    if current:
-        batches.append(MicroBatch(current, starts, length))
-    return batches, length
 
 
 def _tensors(mb: MicroBatch, sequences, device):

@@ -316,7 +316,7 @@ def test_learner_matches_hf_at_tp2_pp2_ep2_and_exports_hf_weights(cases, deep_ca
 
 
 def test_packing_keeps_order_and_one_common_length():
-    from entr_megatron.learner.scoring import pack_sequences
+    from entr_megatron.learner.sequence_packing import pack_sequences
 
     batches, length = pack_sequences([5, 9, 2, 20, 3], batch_tokens=12, multiple_of=4)
     assert length == 20  # the longest sequence, already a multiple of 4

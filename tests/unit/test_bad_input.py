@@ -259,7 +259,7 @@ def test_a_model_path_is_read_from_its_config_json(tmp_path):
 
 def test_score_uses_the_same_rule_with_its_flags():
     from entr_megatron import models
-    from entr_megatron.cli.score import _check_layout
+    from entr_megatron.cli.sequence_scoring import _check_layout
 
     spec = models.model_spec(models.architecture_hf_config(load_config(DEMO).model.architecture))
     assert _message(_check_layout, spec, 3, 1).startswith("--tp 3 does not divide the model's num_attention_heads=4")
@@ -330,7 +330,7 @@ def test_train_reads_the_task_before_it_writes_config_yaml(tmp_path):
 
 
 def test_score_refuses_a_line_longer_than_the_models_positions(tmp_path):
-    from entr_megatron.cli.score import read_input
+    from entr_megatron.cli.sequence_scoring import read_input
 
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n\n" + json.dumps({"input_ids": [5] * 201}) + "\n")
@@ -345,10 +345,10 @@ def _failing_rank(rank, world, port, threads, job):
 
 
 def test_a_failed_score_rank_shows_its_own_error(monkeypatch):
-    from entr_megatron.cli import score
+    from entr_megatron.cli import sequence_scoring
 
-    monkeypatch.setattr(score, "_rank_main", _failing_rank)  # what the spawned rank runs
-    msg = _message(score._launch, 1, None, error=RuntimeError)
+    monkeypatch.setattr(sequence_scoring, "_rank_main", _failing_rank)  # what the spawned rank runs
+    msg = _message(sequence_scoring._launch, 1, None, error=RuntimeError)
     assert msg.startswith("rank 0 failed:") and "ValueError: rank 0 cannot load its shard" in msg, msg
 
 
@@ -420,18 +420,18 @@ def test_eval_n_must_be_a_positive_count(capsys, n):
 
 
 def test_generate_and_score_refuse_a_truncated_model_before_starting(tmp_path):
-    from entr_megatron.cli import generate, score
+    from entr_megatron.cli import generation, sequence_scoring
     from entr_megatron.cli.main import build_parser
 
     d, problem = _truncated_model(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"input_ids": [1, 2]}\n')
     io = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
     args = build_parser().parse_args(["generate", "--model", str(d), *io])
-    assert _message(generate.check_engine_flags, args) == f"--model {d}: {problem}"
+    assert _message(generation.check_engine_flags, args) == f"--model {d}: {problem}"
     args = build_parser().parse_args(["score", "--model", str(d), *io])
-    assert _message(score._run, args) == f"--model {d}: {problem}"
+    assert _message(sequence_scoring._run, args) == f"--model {d}: {problem}"
     (d / "config.json").write_text('{"model_type": "qwen2",')  # --sglang-url: only the config is read
-    assert _message(generate._model_config, str(d)) == (
+    assert _message(generation._model_config, str(d)) == (
         f"--model {d}: {d / 'config.json'}:1:24: not valid JSON (Expecting property name enclosed in double quotes)")
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -440,8 +440,8 @@ def test_generate_and_score_refuse_a_truncated_model_before_starting(tmp_path):
 
 
 def test_a_non_utf8_input_line_is_named_with_file_line_and_byte(tmp_path):
-    from entr_megatron.cli.generate import LazyTokenizer, read_prompts
-    from entr_megatron.cli.score import read_input
+    from entr_megatron.cli.generation import LazyTokenizer, read_prompts
+    from entr_megatron.cli.sequence_scoring import read_input
 
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\n\n{"input_ids": [3, 4], "note": "caf\xe9"}\n')

@@ -90,7 +90,7 @@ def test_overwrite_keeps_files_a_conversion_does_not_write(tmp_path, capsys, con
 
 
 def test_overwrite_patterns_are_what_each_direction_writes():
-    from entr_megatron.cli.convert import _WRITES
+    from entr_megatron.cli.conversion import _WRITES
 
     to_m, to_hf = _WRITES["hf-to-megatron"].match, _WRITES["megatron-to-hf"].match
     assert all(to_m(n) for n in ("latest", "model_config.json", "iter_0000000", "iter_0012345", "hf_assets",
@@ -227,7 +227,7 @@ def test_megatron_to_hf_without_a_tokenizer_warns_and_a_missing_tokenizer_dir_is
     """megatron-to-hf's source stood in for: a checkpoint root with no hf_assets/ (what --hf without tokenizer made)."""
     from entr_megatron import models
     from entr_megatron.checkpoint import hf_dir
-    from entr_megatron.cli import convert
+    from entr_megatron.cli import conversion
     from model_dir_fixture import CONFIG
 
     root = tmp_path / "ckpt"
@@ -235,8 +235,8 @@ def test_megatron_to_hf_without_a_tokenizer_warns_and_a_missing_tokenizer_dir_is
     monkeypatch.setattr(hf_dir, "resolve_source", lambda path: (root, None))
     monkeypatch.setattr(hf_dir, "source_model", lambda r: (CONFIG, models.model_spec(CONFIG)))
     monkeypatch.setattr(hf_dir, "checked_step", lambda r, step: (0, root / "iter_0000000"))
-    monkeypatch.setattr(convert, "read_manifest", lambda path: None)
-    monkeypatch.setattr(convert, "_saved_layout", lambda path: None)
+    monkeypatch.setattr(conversion, "read_manifest", lambda path: None)
+    monkeypatch.setattr(conversion, "_saved_layout", lambda path: None)
     monkeypatch.setattr(hf_dir, "write_hf_dir", lambda out, *a, **k: hf_dir.HfDir(
         {}, type("Files", (), {"nbytes": 0, "files": []})(), []))
     from entr_megatron.cli.main import main

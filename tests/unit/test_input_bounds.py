@@ -280,7 +280,7 @@ def test_a_device_as_a_data_file_is_refused_before_it_is_read(tmp_path, capsys):
     """Data files have the config's regular-file check: /dev/zero as a task's or score's input was
     read as one endless line."""
     from entr_megatron.cli.main import main
-    from entr_megatron.cli.score import read_input
+    from entr_megatron.cli.sequence_scoring import read_input
 
     zero = tmp_path / "zero.jsonl"
     zero.symlink_to("/dev/zero")
