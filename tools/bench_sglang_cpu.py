@@ -18,7 +18,7 @@ Push: one weight version to the SGLang server as learner rank 0 pushes it (`SGLa
 pause, /begin_weight_update, one /update_weights_from_distributed per bucket while the bucket is
 broadcast over gloo, /end_weight_update, continue), against a bare gloo broadcast of the same bytes
 as one flat buffer from this process to a peer process (the same one-connection group as SGLang's,
-then a one-integer acknowledgement, as our bucket protocol ends). Two models: the demo's (3.2 MB)
+then a one-integer acknowledgement, as our bucket protocol ends), push and broadcast alternating. Two models: the demo's (3.2 MB)
 and a larger one (`--push-layers` layers of 1024 hidden, float32), each a server of its own.
 
 Run it alone on the machine (it measures time); it prints the machine's load before and after.
@@ -161,26 +161,29 @@ def _bare_peer(spec, nbytes: int, reps: int) -> None:
     group.close()
 
 
-def bare_broadcast(nbytes: int, reps: int) -> list[float]:
-    """Seconds of one broadcast of `nbytes` as one flat buffer to a peer process, then its acknowledgement."""
-    from entr_megatron.utils.spawn import free_port
-    from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
+class BareBroadcast:
+    """A peer process in a one-connection gloo group (as SGLang's); `once()` times one broadcast of
+    `nbytes` as one flat buffer to it, then its acknowledgement. `count` broadcasts in all."""
 
-    spec = WeightGroup("127.0.0.1", free_port(), 2, "bare", "gloo", (1,))
-    peer = mp.get_context("spawn").Process(target=_bare_peer, args=(spec, nbytes, reps + 1))
-    peer.start()
-    group = BroadcastGroup.join(spec, 0, timeout_s=300)
-    flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    times = []
-    for rep in range(reps + 1):
+    def __init__(self, nbytes: int, count: int):
+        from entr_megatron.utils.spawn import free_port
+        from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
+
+        spec = WeightGroup("127.0.0.1", free_port(), 2, "bare", "gloo", (1,))
+        self.peer = mp.get_context("spawn").Process(target=_bare_peer, args=(spec, nbytes, count))
+        self.peer.start()
+        self.group = BroadcastGroup.join(spec, 0, timeout_s=300)
+        self.flat = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+
+    def once(self) -> float:
         t0 = time.perf_counter()
-        group.broadcast(flat)
-        group.all_reduce_sum(0)
-        if rep:
-            times.append(time.perf_counter() - t0)
-    group.close()
-    peer.join(60)
-    return times
+        self.group.broadcast(self.flat)
+        self.group.all_reduce_sum(0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.group.close()
+        self.peer.join(60)
 
 
 @contextlib.contextmanager
@@ -238,21 +241,24 @@ def bench_push(args, work: Path) -> None:
             update.init_weights_update_group("127.0.0.1", free_port(), backend="gloo",
                                              join=lambda spec: held.setdefault("g", BroadcastGroup.join(spec, 0)))
             update.set_weight_sender(held["g"])
-            totals, transfers = [], []
+            totals, transfers, bare = [], [], []
+            baseline = BareBroadcast(nbytes, args.reps + 1)  # alternating with the pushes: load drift hits both
             with timed_calls() as spent:
                 for rep in range(args.reps + 1):
                     version = {k: v + 0.01 * (rep + 1) for k, v in weights.items()}
                     report = engine.update_weights(version, engine.weight_version + 1)
+                    bare_s = baseline.once()
                     if rep:
                         totals.append(report.total_s)
                         transfers.append(report.transfer_s - report.wait_s)
+                        bare.append(bare_s)
                     else:
                         for v in spent.values():
                             v.clear()
+            baseline.close()
             update.destroy_weights_update_group()
             held["g"].close()
             engine.shutdown()
-        bare = bare_broadcast(nbytes, args.reps)
         ratio = [t / b for t, b in zip(totals, bare)]
         print(f"| {label} | {nbytes / 1e6:.1f} | {summary(totals, '{:.3f}')} | {summary(transfers, '{:.3f}')} | "
               f"{summary(bare, '{:.3f}')} | {summary(ratio, '{:.2f}')}x |", flush=True)

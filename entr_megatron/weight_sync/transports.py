@@ -218,6 +218,8 @@ class SGLangWeightUpdate:
         self.sent_buckets = 0
         """Buckets the last `transfer` sent to the servers (`SGLangEngine` holds them paused after a
         failure with one or more: they may hold part of the version)."""
+        self._pack_buffers: list[torch.Tensor] = []
+        """The two buffers buckets are packed into, kept from version to version (flat_bucket.py)."""
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, *, backend: str = "nccl",
@@ -295,7 +297,7 @@ class SGLangWeightUpdate:
         dtype = None if cfg.weight_dtype is None else getattr(torch, cfg.weight_dtype)
         flush = cfg.kv_on_update == "recompute"  # a pause in place leaves requests that block the flush
         num_tensors = num_bytes = 0
-        buckets = iter_flattened_buckets(items, cfg.weight_bucket_bytes, dtype)
+        buckets = iter_flattened_buckets(items, cfg.weight_bucket_bytes, dtype, buffers=self._pack_buffers)
         bucket = next(buckets, None)
         if bucket is None:
             raise ValueError("update_weights got no tensors")

@@ -565,3 +565,15 @@ def test_modes_that_push_between_rounds_do_not_pause(server):
         assert server.paused == "retract" and server.weight_version == "-1"  # held
         engine.update_weights({"w": torch.ones(1)}, version=2)
         assert server.paused is None and server.weight_version == "2"
+
+
+def test_buckets_pack_into_two_buffers_kept_across_versions():
+    tensors = [(f"w{i}", torch.full((4,), float(i))) for i in range(5)]
+    pool: list[torch.Tensor] = []
+    first = [(b.flat.data_ptr(), b.flat.clone()) for b in iter_flattened_buckets(tensors, 40, buffers=pool)]
+    assert len(first) == 3 and len(pool) == 2  # buckets 0 and 2 share slot 0: 2 was packed after 0 was sent
+    # consumed as the sender does (each bucket sent before the one after next is packed)
+    for b, (ptr, old) in zip(iter_flattened_buckets([(n, t + 1) for n, t in tensors], 40, buffers=pool), first,
+                             strict=True):
+        assert b.flat.data_ptr() == ptr  # the same memory, version after version
+        assert torch.equal(b.flat.view(torch.float32), old.view(torch.float32) + 1)

@@ -60,9 +60,25 @@ def unpack_flattened_bucket(bucket: FlatBucket) -> list[tuple[str, torch.Tensor]
 
 def iter_flattened_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None,
+    buffers: list[torch.Tensor] | None = None,
 ) -> Iterator[FlatBucket]:
     """Buckets of at most `bucket_bytes` (a larger tensor gets one of its own); floating tensors
     are cast to `dtype` when given (send what the servers store). A bucket is packed (copied)
-    as soon as the first tensor of the next one arrives."""
-    for layout, tensors in plan_flat_buckets(named_tensors, bucket_bytes, wire_dtype=floating_as(dtype)):
-        yield _bucket(layout, tensors)
+    as soon as the first tensor of the next one arrives.
+
+    buffers: a pool that bucket k packs into (slot k % 2, grown when too small) and that the caller
+    keeps from version to version, so that a version's copy writes into memory already paged in
+    (a fresh 370 MB buffer took 1.3-2 s to fill on the 2-core machine, a warm one 0.3 s). Two
+    slots: bucket k+1 is packed while bucket k is on the wire, and k+2 only after k was sent."""
+    for k, (layout, tensors) in enumerate(plan_flat_buckets(named_tensors, bucket_bytes, wire_dtype=floating_as(dtype))):
+        if buffers is None:
+            yield _bucket(layout, tensors)
+            continue
+        while len(buffers) <= k % 2:
+            buffers.append(torch.empty(0, dtype=torch.uint8))
+        if buffers[k % 2].numel() < layout.nbytes:
+            buffers[k % 2] = torch.empty(layout.nbytes, dtype=torch.uint8)
+        flat = buffers[k % 2][:layout.nbytes]
+        layout.fill(flat, tensors)
+        yield FlatBucket(names=list(layout.names), dtypes=[dtype_name(d) for d in layout.dtypes],
+                         shapes=[list(s) for s in layout.shapes], flat=flat)
