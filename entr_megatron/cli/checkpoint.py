@@ -16,12 +16,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from entr_megatron.checkpoint.directory import LATEST_FILE, CheckpointError, iter_dir, list_steps
+from entr_megatron.checkpoint.manifest import choose_checkpoint, read_manifest, verify_checkpoint
+
 __all__ = ["add_parser"]
 
 
 def _root_and_steps(path: Path) -> tuple[Path, list[int] | None]:
-    from entr_megatron.checkpoint.directory import LATEST_FILE, list_steps
-
     if path.name.startswith("iter_") and path.is_dir():
         return path.parent, [int(path.name.split("_", 1)[1])]
     for root in (path / "checkpoints", path):
@@ -31,9 +32,6 @@ def _root_and_steps(path: Path) -> tuple[Path, list[int] | None]:
 
 
 def verify(args) -> None:
-    from entr_megatron.checkpoint.directory import CheckpointError, iter_dir, list_steps
-    from entr_megatron.checkpoint.manifest import choose_checkpoint, read_manifest, verify_checkpoint
-
     path = Path(args.path)
     if not path.exists():
         print(f"entr-megatron checkpoint: {path} does not exist", file=sys.stderr)

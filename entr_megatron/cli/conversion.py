@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from entr_megatron import __version__, models
 from entr_megatron.checkpoint import convert as conv
 from entr_megatron.checkpoint import directory as ckpt_dir
@@ -28,6 +30,8 @@ from entr_megatron.checkpoint.hf_files import INDEX_FILE, parse_size
 from entr_megatron.checkpoint.hf_files import staged_dir
 from entr_megatron.checkpoint.manifest import read_manifest
 from entr_megatron.checkpoint.model_inputs import TOKENIZER_FILES, check_model_dir, tokenizer_problem
+from entr_megatron.cli.convert_ranks import RankJob, run_ranks, world_size
+from entr_megatron.learner import hf_load
 from entr_megatron.utils.outputs import check_output
 
 __all__ = ["run"]
@@ -63,7 +67,7 @@ def _check_layout(spec: models.ModelSpec, tp: int, pp: int, ep: int) -> None:
 def _progress() -> Iterator:
     """The conversion's progress on stderr; on an error or interrupt its line is ended (no summary)
     so the message that follows starts a line of its own."""
-    from entr_megatron.checkpoint.dist_convert import Progress
+    from entr_megatron.checkpoint.dist_convert import Progress  # lazy: megatron (below)
 
     progress = Progress("converting")
     try:
@@ -96,8 +100,6 @@ def _finish_verify(reference, converted, sequences, dtype: str, outcome: str = "
 
 def _run_verify(**kwargs) -> list:
     """The learner's log-probs of the verify sequences, the checkpoint loaded on spawned ranks."""
-    from entr_megatron.cli.convert_ranks import RankJob, run_ranks, world_size
-
     with tempfile.TemporaryDirectory(prefix="entr-convert-") as results:
         job = RankJob(results_dir=results, **kwargs)
         _say(f"  verifying on {world_size(job.tp, job.pp, job.ep)} rank(s): tp={job.tp} pp={job.pp} ep={job.ep}")
@@ -105,9 +107,9 @@ def _run_verify(**kwargs) -> list:
 
 
 def hf_to_megatron(args) -> None:
+    # lazy: megatron (checkpoint.state's records): a refused source or OUT is said before its seconds of import
     from entr_megatron.checkpoint.dist_convert import hf_to_dist
     from entr_megatron.checkpoint.hf_dir import ASSETS_DIR, DTYPES
-    from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
 
     started = time.monotonic()
     hf = Path(args.hf)
@@ -120,8 +122,8 @@ def hf_to_megatron(args) -> None:
         _say(f"warning: --hf {source.tokenizer_missing}: the checkpoint's {ASSETS_DIR}/ gets no tokenizer; "
              f"`train` with model.path {args.out} will need model.tokenizer "
              f"(a directory with {' or '.join(TOKENIZER_FILES[:2])}), and `convert megatron-to-hf` from it --tokenizer")
-    with HfCheckpoint(hf) as ckpt:
-        skipped = check_hf_checkpoint(ckpt, spec, args.allow_unmapped)  # every tensor named and shaped
+    with hf_load.HfCheckpoint(hf) as ckpt:
+        skipped = hf_load.check_hf_checkpoint(ckpt, spec, args.allow_unmapped)  # every tensor named and shaped
     conv.check_tied_embeddings(files, spec)
     for name in skipped:
         _say(f"  skipping {name} (--allow-unmapped)")
@@ -158,14 +160,13 @@ def hf_to_megatron(args) -> None:
 
 
 def megatron_to_hf(args) -> None:
-    from entr_megatron.checkpoint import hf_dir
-    from entr_megatron.learner.hf_load import read_hf_config
+    from entr_megatron.checkpoint import hf_dir  # lazy: megatron (see hf_to_megatron)
 
     started = time.monotonic()
     root, run = hf_dir.resolve_source(args.ckpt)
     config, spec = hf_dir.source_model(root)
     if args.hf_config:
-        conv.compare_model_configs(config, read_hf_config(args.hf_config), f"checkpoint's {ckpt_dir.MODEL_CONFIG_FILE}",
+        conv.compare_model_configs(config, hf_load.read_hf_config(args.hf_config), f"checkpoint's {ckpt_dir.MODEL_CONFIG_FILE}",
                                    f"--hf-config {args.hf_config}")
     _check_layout(spec, args.tp, args.pp, args.ep)
     step, path = hf_dir.checked_step(root, args.step)
@@ -209,9 +210,7 @@ def megatron_to_hf(args) -> None:
 
 def _saved_layout(path: Path) -> dict | None:
     """The layout (world size, TP/PP/...) the checkpoint was saved in, from its common record."""
-    import torch
-
-    from entr_megatron.checkpoint.state import INFO_KEY
+    from entr_megatron.checkpoint.state import INFO_KEY  # lazy: megatron (see hf_to_megatron)
 
     try:
         return torch.load(path / "common.pt", map_location="cpu", weights_only=False)[INFO_KEY]["layout"]
@@ -221,12 +220,11 @@ def _saved_layout(path: Path) -> dict | None:
 
 def verify_pair(args) -> None:
     """`convert verify`: an HF directory and a learner checkpoint compute the same log-probs."""
-    from entr_megatron.checkpoint import hf_dir
-    from entr_megatron.learner.hf_load import read_hf_config
+    from entr_megatron.checkpoint import hf_dir  # lazy: megatron (see hf_to_megatron)
 
     root, _ = hf_dir.resolve_source(args.ckpt)
     config, spec = hf_dir.source_model(root)
-    conv.compare_model_configs(config, read_hf_config(args.hf), f"checkpoint's {ckpt_dir.MODEL_CONFIG_FILE}",
+    conv.compare_model_configs(config, hf_load.read_hf_config(args.hf), f"checkpoint's {ckpt_dir.MODEL_CONFIG_FILE}",
                                f"HF config of {args.hf}")
     _check_layout(spec, args.tp, args.pp, args.ep)
     step, _ = hf_dir.checked_step(root, args.step)
@@ -281,8 +279,6 @@ class _Interrupts:
 
 
 def run(args) -> None:
-    from entr_megatron.checkpoint.directory import CheckpointError
-
     try:
         if getattr(args, "out", None):
             check_out(args)
@@ -302,7 +298,7 @@ def run(args) -> None:
             print(f"entr-megatron convert: interrupted ({name}); no partial output is left", file=sys.stderr,
                   flush=True)
             sys.exit(_SIGNAL_EXIT[interrupts.signum])
-        if isinstance(e, (ValueError, RuntimeError, CheckpointError)):
+        if isinstance(e, (ValueError, RuntimeError, ckpt_dir.CheckpointError)):
             sys.exit(f"entr-megatron convert: error: {e}")
         raise
 

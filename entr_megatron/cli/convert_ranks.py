@@ -25,6 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from entr_megatron import models
+from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+from entr_megatron.parallel.groups import destroy, initialize_model_parallel
+from entr_megatron.utils.spawn import run_gloo
 
 __all__ = ["DTYPES", "RankJob", "full_logprobs", "run_ranks", "world_size"]
 
@@ -50,7 +53,7 @@ class RankJob:
 
 def _build(job: RankJob, groups):
     """This rank's chunks, uninitialised (every weight is about to be overwritten), and the spec."""
-    from entr_megatron.learner.build import build_learner_model_from_hf
+    from entr_megatron.learner.build import build_learner_model_from_hf  # lazy: megatron, in the ranks only
 
     return build_learner_model_from_hf(job.hf_config, groups, load_weights=False, dtype=DTYPES[job.dtype],
                                        config_overrides={"perform_initialization": False})
@@ -72,7 +75,7 @@ def full_logprobs(chunks, spec: models.ModelSpec, groups, sequences) -> list[tor
     """Next-token log-probs [L, V] (float64 log_softmax, true vocabulary) of equal-length sequences,
     one micro-batch each through Megatron's forward-only schedule; on the last stage (else None).
     The vocab-sharded logits are gathered over TP: meant for a few short verify sequences."""
-    from entr_megatron.learner.schedule import run_pipeline
+    from entr_megatron.learner.schedule import run_pipeline  # lazy: megatron, in the ranks only
 
     length = len(sequences[0])
     assert all(len(s) == length for s in sequences) and length % groups.tp_size == 0, length
@@ -98,7 +101,7 @@ def full_logprobs(chunks, spec: models.ModelSpec, groups, sequences) -> list[tor
 
 def _verify(job: RankJob, groups) -> dict:
     """Load the checkpoint and write the last stage's log-probs (its TP/DP rank 0) for the parent."""
-    from entr_megatron.checkpoint.io import load_checkpoint
+    from entr_megatron.checkpoint.io import load_checkpoint  # lazy: megatron, in the ranks only
 
     chunks, spec = _build(job, groups)
     check_megatron_config(chunks, spec)
@@ -111,9 +114,6 @@ def _verify(job: RankJob, groups) -> dict:
 
 
 def _rank(rank: int, world: int, job: RankJob) -> None:
-    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
-    from entr_megatron.parallel.groups import destroy, initialize_model_parallel
-
     enable_cpu_compat()
     groups = initialize_model_parallel(job.tp, job.pp, ep=job.ep)
     record = _verify(job, groups)
@@ -131,8 +131,6 @@ def world_size(tp: int, pp: int, ep: int) -> int:
 def run_ranks(job: RankJob, timeout_s: float = 24 * 3600.0) -> dict:
     """Run the job on `world_size` spawned gloo ranks; rank 0's record with "verify" (the log-probs).
     A failed rank raises RuntimeError with its error's message (or its traceback)."""
-    from entr_megatron.utils.spawn import run_gloo
-
     try:
         run_gloo(_rank, world_size(job.tp, job.pp, job.ep), job, timeout_s=timeout_s)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from entr_megatron.checkpoint.model_inputs import check_model_dir, tokenizer_problem
-from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
+from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, RolloutEngine, SamplingParams
+from entr_megatron.rollout.hf_model import has_weights
+from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig, SGLangServerConfig, launch_servers, terminate_all
+from entr_megatron.utils.jsonl import atomic_output, check_output_path, check_token_ids, read_jsonl_objects
 from entr_megatron.utils.outputs import check_output
 from entr_megatron.utils.run_log import PROGRESS_EVERY_S
 
@@ -54,7 +57,7 @@ class LazyTokenizer:
         """The transformers tokenizer, or None (see `missing`)."""
         if self._tokenizer is None and self.missing is None:
             try:
-                import transformers
+                import transformers  # lazy: seconds of import, for "prompt" lines and output_text only
 
                 self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.source)
             except Exception as e:  # any loading failure means: no tokenizer, with the reason
@@ -170,21 +173,11 @@ class OrderedWriter:
 def open_engine(args) -> Iterator[RolloutEngine]:
     """The engine the flags ask for, shut down (and any server we launched stopped) on exit."""
     if args.engine == "embedded":
-        from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
         config = EmbeddedEngineConfig(model_dir=args.model, dtype=args.dtype or "float32", init="pretrained",
                                       seed=args.seed, max_batch_size=args.max_batch_size or 32)
         with EmbeddedEngine(config) as engine:
             yield engine
         return
-    from entr_megatron.rollout.sglang import (
-        SGLangEngine,
-        SGLangEngineConfig,
-        SGLangServerConfig,
-        launch_servers,
-        terminate_all,
-    )
-
     servers = []
     if args.sglang_url:
         urls = tuple(args.sglang_url)
@@ -237,8 +230,6 @@ def check_engine_flags(args) -> None:
             raise ValueError(f"--{given[0].replace('_', '-')} applies to --engine sglang only")
         if args.max_batch_size is not None and args.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-        from entr_megatron.rollout.hf_model import has_weights
-
         if args.model is None:
             raise ValueError("--model is required with --engine embedded")
         if not os.path.isfile(os.path.join(args.model, "config.json")):

@@ -1,7 +1,9 @@
 """The `entr-megatron` command line.
 
-This module imports only the standard library at its top: the commands (and torch with them) are
-imported inside `main`, so a Ctrl-C while they load ends the command with one line, as it does later.
+This module imports only the standard library at its top: the commands are imported inside `main`,
+so a Ctrl-C while they load ends the command with one line, as it does later. Building the parser
+imports each command's face (cli/<command>.py: flags, defaults, manual), never torch: a command
+imports its implementation, and torch with it, when it runs (tests/unit/test_cli_help.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from entr_megatron import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `entr-megatron` parser: every command's flags, each command's `func` set (nothing heavy imported)."""
+    # lazy: inside main's try, so a Ctrl-C while the commands load is one line
     from entr_megatron.cli import checkpoint, convert, demo, generate, plan, score, study, train
 
     parser = argparse.ArgumentParser(prog="entr-megatron", description="Megatron-scale asynchronous RL with ENTR.")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     try:  # the imports too: a Ctrl-C while torch loads is one line, not a traceback
-        from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks
+        from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks  # lazy: inside the try
 
         quiet_megatron_fallbacks()  # before any command imports megatron; the job says once what is missing
         args = build_parser().parse_args(argv)

@@ -28,7 +28,11 @@ import json
 import sys
 from pathlib import Path
 
+from entr_megatron.config.loader import load_config, read_yaml
 from entr_megatron.config.validate import FieldError
+from entr_megatron.controller.run_dir import RunPaths
+from entr_megatron.study.planner import (MODES, Costs, SimulationBoundError, Workload, costs_from_run, measure_engine,
+                                         read_engine_costs, simulate)
 
 __all__ = ["add_parser"]
 
@@ -39,8 +43,6 @@ def _fail(msg: str) -> None:
 
 
 def _read_yaml(path: str) -> dict:
-    from entr_megatron.config.loader import read_yaml
-
     try:
         return read_yaml(path)
     except (ValueError, FileNotFoundError) as e:
@@ -48,9 +50,6 @@ def _read_yaml(path: str) -> dict:
 
 
 def run(args) -> None:
-    from entr_megatron.study.planner import (MODES, Costs, SimulationBoundError, Workload, costs_from_run,
-                                             measure_engine, read_engine_costs, simulate)
-
     modes = args.modes.split(",") if args.modes else list(MODES)
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -65,13 +64,9 @@ def run(args) -> None:
             if args.engine_costs:
                 engine = read_engine_costs(_read_yaml(args.engine_costs), f"--engine-costs {args.engine_costs}")
             elif args.measure_engine:
-                from entr_megatron.controller.run_dir import RunPaths
-
                 model = RunPaths(run_dir).latest_model()
                 if model is None:
                     _fail(f"--measure-engine: {run_dir} holds no model to time")
-                from entr_megatron.config.loader import load_config
-
                 cfg = load_config(run_dir / "config.yaml")
                 engine = measure_engine(str(model), dtype=cfg.rollout.dtype,
                                         num_threads=cfg.rollout.embedded.num_threads,

@@ -24,7 +24,10 @@ from entr_megatron.algorithm import ENTR_DEFAULT_EPS, entr_mask, mismatch_metric
 from entr_megatron.checkpoint import directory as checkpoint_dir
 from entr_megatron.checkpoint.model_inputs import check_model_dir
 from entr_megatron.learner.hf_load import HfCheckpoint, check_hf_checkpoint
-from entr_megatron.parallel.groups import LaunchInfo, launched_by_mpirun, resolve_launch_env
+from entr_megatron.learner.scoring import score_sequences
+from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+from entr_megatron.parallel.groups import (LaunchInfo, destroy, init_distributed_from_env, initialize_model_parallel,
+                                           launched_by_mpirun, resolve_launch_env)
 from entr_megatron.utils.jsonl import atomic_output, check_token_ids, read_jsonl_objects
 from entr_megatron.utils.outputs import check_output
 from entr_megatron.utils.run_log import PROGRESS_EVERY_S
@@ -159,11 +162,8 @@ def _score_in_world(job: _Job, data: dict, info: LaunchInfo | None = None) -> di
     """This process as one rank (of our spawn, or of mpirun: `info`): join the process group, build
     and load the model, score `data` ({"input_ids", "lengths"}); rank 0 returns the flat
     {"logprobs", "entropy"} of all sequences, the other ranks None."""
-    # Megatron is imported in the ranks only: the parent validates and writes without it.
+    # lazy: megatron, in the ranks only (the parent validates and writes without it)
     from entr_megatron.learner.build import build_learner_model_from_hf
-    from entr_megatron.learner.scoring import score_sequences
-    from entr_megatron.parallel.cpu_compat import enable_cpu_compat
-    from entr_megatron.parallel.groups import destroy, init_distributed_from_env, initialize_model_parallel
 
     rank = init_distributed_from_env(info=info).rank
     results = None
@@ -173,7 +173,7 @@ def _score_in_world(job: _Job, data: dict, info: LaunchInfo | None = None) -> di
         if job.model_config is None:
             chunks, spec = build_learner_model_from_hf(job.model_dir, groups)
         else:
-            from entr_megatron.checkpoint.io import load_checkpoint
+            from entr_megatron.checkpoint.io import load_checkpoint  # lazy: megatron, in the ranks only
 
             # No random init: every weight comes from the checkpoint (a strict load).
             chunks, spec = build_learner_model_from_hf(job.model_config, groups, load_weights=False,

@@ -21,6 +21,11 @@ import json
 import sys
 from pathlib import Path
 
+from entr_megatron.config.launcher import check_ray_reachable
+from entr_megatron.study.spec import SpecError, load_spec
+from entr_megatron.utils.outputs import check_output
+from entr_megatron.utils.ray_connect import RayConnectError
+
 __all__ = ["add_parser"]
 
 
@@ -30,9 +35,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def run(args) -> None:
-    from entr_megatron.study.runner import StudyLockedError, run_study
-    from entr_megatron.study.spec import SpecError, load_spec
-    from entr_megatron.utils.ray_connect import RayConnectError
+    from entr_megatron.study.runner import StudyLockedError, run_study  # lazy: torch
 
     try:
         spec = load_spec(args.spec)
@@ -50,8 +53,6 @@ def run(args) -> None:
         return
     ray_address = None
     if args.launcher == "ray":
-        from entr_megatron.config.launcher import check_ray_reachable
-
         ray_address = spec.base_raw.get("launcher", {}).get("ray_address")
         try:  # before Ray's half-minute of connection retries
             check_ray_reachable(ray_address, "base.launcher.ray_address")
@@ -71,9 +72,9 @@ def run(args) -> None:
 
 
 def report(args) -> None:
+    # lazy: pandas (and matplotlib when it plots)
     from entr_megatron.study.report import write_report
     from entr_megatron.study.results import StudyDirError
-    from entr_megatron.utils.outputs import check_output
 
     study = Path(args.dir)
     if not (study / "study.json").is_file():

@@ -26,20 +26,26 @@ import json
 import sys
 from pathlib import Path
 
+from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
+from entr_megatron.config.launcher import check_ray_reachable
+from entr_megatron.config.loader import load_config
+from entr_megatron.controller.run_dir import check_run_dir
+from entr_megatron.controller.run_hooks import DiskSpaceError
+from entr_megatron.utils.ray_connect import RayConnectError
+from entr_megatron.utils.run_lock import RunLockedError
+
 __all__ = ["add_parsers"]
 
 
 def _load(args) -> object:
-    from entr_megatron.config.loader import load_config
-
     overrides = list(args.overrides)
     if getattr(args, "launcher", None):
         overrides.append(f"launcher.kind={args.launcher}")
     try:
         cfg = load_config(args.config, overrides)
+        # lazy: torch (the job and the model's files), after the config is known good
         from entr_megatron.controller.job import check_inputs
         from entr_megatron.controller.model_init import from_learner_checkpoint
-        from entr_megatron.controller.run_dir import check_run_dir
 
         if args.command in ("train", "sft"):  # never writing onto what it reads
             check_run_dir(cfg, args.run_dir or cfg.logging.run_dir)
@@ -57,11 +63,9 @@ def _preflight(cfg, command: str) -> None:
     """Before anything starts (ValueError): the files of model.path (train, sft: config.json, every
     safetensors header, the tokenizer unless model.tokenizer names another), a local model.tokenizer,
     and with launcher.kind 'ray' that launcher.ray_address answers."""
-    from entr_megatron.checkpoint.model_inputs import check_model_dir, check_tokenizer_dir
+    from entr_megatron.checkpoint.model_inputs import check_model_dir, check_tokenizer_dir  # lazy: torch
 
     if cfg.launcher.kind == "ray" and command in ("train", "sft"):  # seconds, not Ray's half-minute of retries
-        from entr_megatron.config.launcher import check_ray_reachable
-
         check_ray_reachable(cfg.launcher.ray_address)
     if cfg.model.tokenizer:
         check_tokenizer_dir(cfg.model.tokenizer, "model.tokenizer")
@@ -94,12 +98,9 @@ def _refused(command: str, job, *args, **kwargs):
     one message and exit 2
     (nothing started); a failed save (e.g. a full disk), an engine that failed once too often or a
     learner rank's node lost (Ray) one message and exit 1."""
-    from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
+    # lazy: torch (the controller's modules)
     from entr_megatron.controller.engines import RestartsExhausted
     from entr_megatron.controller.ray_workers import LearnerNodeLost
-    from entr_megatron.controller.run_hooks import DiskSpaceError
-    from entr_megatron.utils.ray_connect import RayConnectError
-    from entr_megatron.utils.run_lock import RunLockedError
 
     try:
         return job(*args, **kwargs)
@@ -123,7 +124,7 @@ def _refused(command: str, job, *args, **kwargs):
 
 
 def run_train(args) -> None:
-    from entr_megatron.controller.job import run_train as job
+    from entr_megatron.controller.job import run_train as job  # lazy: torch
 
     cfg = _load(args)
     if args.max_steps is not None and args.max_steps < 1:
@@ -135,7 +136,7 @@ def run_train(args) -> None:
 
 
 def run_sft(args) -> None:
-    from entr_megatron.controller.job import run_sft as job
+    from entr_megatron.controller.job import run_sft as job  # lazy: torch
 
     cfg = _load(args)
     if cfg.sft is None:
@@ -146,6 +147,7 @@ def run_sft(args) -> None:
 
 
 def run_eval(args) -> None:
+    # lazy: torch and the engine's modules
     from entr_megatron.controller.job import RunPaths
     from entr_megatron.controller.job import run_eval as job
 
@@ -167,7 +169,7 @@ def run_eval(args) -> None:
             print(f"entr-megatron eval: {paths.root} holds no model (final_model, sft/model or model_init); "
                   "pass --model", file=sys.stderr)
             sys.exit(2)
-    from entr_megatron.checkpoint.model_inputs import check_model_dir
+    from entr_megatron.checkpoint.model_inputs import check_model_dir  # lazy: torch
 
     try:  # the engine reads its config and weights; the tokenizer may come from the config instead
         check_model_dir(model, "--model" if args.model else "the run's model", tokenizer=False)
