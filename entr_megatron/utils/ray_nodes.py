@@ -77,6 +77,8 @@ if own:
 """
 """Run beside the cluster: when the process that started it dies without `stop` (SIGKILL, a
 timeout), it kills every node (their sessions are listed in ROOT/sessions)."""
+START_ATTEMPTS = 3
+"""Tries per node (see `LoopbackCluster._start`)."""
 RAY_WORKER_PORTS = (10002, 19999)
 """`ray start`'s default range of its workers' ports."""
 
@@ -190,24 +192,35 @@ class LoopbackCluster:
         return cmd + [f"--address={self.address}"]
 
     def _start(self, names: Sequence[str], timeout_s: float) -> None:
+        """Starts `names` at once; a node whose `ray start` gives up (Ray waits 30 s at most for its
+        raylet to register, which a loaded machine can miss) is started again, `START_ATTEMPTS` times."""
         for name in names:
-            log = (self.root / f"{name}.log").open("w")
-            # a session of its own: kill() reaches every process of the node, and nothing else
-            self._procs[name] = subprocess.Popen(self._command(self.nodes[name]), stdout=log, stderr=subprocess.STDOUT,
-                                                 env=self._env, start_new_session=True)
-            log.close()
-        (self.root / "sessions").write_text(" ".join(str(p.pid) for p in self._procs.values()))
+            self._launch(name)
         deadline = time.monotonic() + timeout_s
         for name in names:
+            attempt = 1
             while _STARTED not in self.log(name):
                 code = self._procs[name].poll()
+                if code is not None and attempt < START_ATTEMPTS and time.monotonic() < deadline:
+                    self.kill(name)  # what the failed start left running
+                    (self.root / f"{name}.log").rename(self.root / f"{name}.failed-{attempt}.log")
+                    attempt += 1
+                    self._launch(name)
+                    continue
                 if code is not None:
                     raise RuntimeError(f"Ray node {name} ({self.nodes[name].address}) exited with code {code} while "
-                                       f"starting:\n{self.log(name)[-3000:]}")
+                                       f"starting ({attempt} attempts):\n{self.log(name)[-3000:]}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"Ray node {name} ({self.nodes[name].address}) did not start within "
                                        f"{timeout_s:g} s:\n{self.log(name)[-3000:]}")
                 time.sleep(0.2)
+
+    def _launch(self, name: str) -> None:
+        with (self.root / f"{name}.log").open("w") as log:
+            # a session of its own: kill() reaches every process of the node, and nothing else
+            self._procs[name] = subprocess.Popen(self._command(self.nodes[name]), stdout=log, stderr=subprocess.STDOUT,
+                                                 env=self._env, start_new_session=True)
+        (self.root / "sessions").write_text(" ".join(str(p.pid) for p in self._procs.values()))
 
     def log(self, name: str) -> str:
         """What node `name`'s `ray start` printed."""
@@ -217,9 +230,9 @@ class LoopbackCluster:
     def pids(self, name: str) -> list[int]:
         """The live processes of node `name` (its session: `ray start`, raylet, agents, workers)."""
         proc = self._procs.get(name)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return []
-        sid = proc.pid
+        sid = proc.pid  # (its processes keep the session after `ray start` itself exited)
         out = []
         for entry in os.listdir("/proc"):
             if entry.isdigit():

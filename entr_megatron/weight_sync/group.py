@@ -143,8 +143,7 @@ class BroadcastGroup:
     def join(cls, spec: WeightGroup, rank: int, *, timeout_s: float = 600.0,
              join_timeout_s: float | None = None) -> BroadcastGroup:
         """Create this rank's side; blocks until every rank of the group has joined (or
-        `join_timeout_s`, default `timeout_s`: the store's timeout, which bounds the rendezvous);
-        `timeout_s` bounds each collective afterwards."""
+        `join_timeout_s`, default `timeout_s`); `timeout_s` bounds each collective afterwards."""
         if spec.backend not in BACKENDS:
             raise ValueError(f"WeightGroup.backend must be one of {BACKENDS}, got {spec.backend!r}")
         if not 0 <= rank < spec.world_size:
@@ -152,15 +151,17 @@ class BroadcastGroup:
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError(f"group {spec.group_name!r}: backend nccl needs CUDA; use gloo on CPU")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store_timeout = timeout if join_timeout_s is None else datetime.timedelta(seconds=min(join_timeout_s, timeout_s))
-        store = tcp_store(spec.master_address, spec.master_port, spec.world_size, rank == 0, store_timeout,
+        joining = timeout if join_timeout_s is None else datetime.timedelta(seconds=min(join_timeout_s, timeout_s))
+        store = tcp_store(spec.master_address, spec.master_port, spec.world_size, rank == 0, joining,
                           bind_address=spec.bind_address, multi_tenant=True)
         gloo_host = _gloo_hostname(spec)
         group_store = dist.PrefixStore(f"{spec.group_name}/", dist.PrefixStore(spec.group_name, store))
         device_type = _BACKEND_DEVICES[spec.backend]
         device_store = dist.PrefixStore(f"{device_type}/", group_store)
         if spec.backend == "gloo":
-            backend = _gloo_group(device_store, rank, spec.world_size, timeout, spec.streams, gloo_host)
+            # gloo's rendezvous waits as long as its group's timeout: the join's, then the collectives'
+            backend = _gloo_group(device_store, rank, spec.world_size, joining, spec.streams, gloo_host)
+            backend._set_default_timeout(timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = False

@@ -131,3 +131,49 @@ def test_loopback_nodes_take_loopback_addresses_only():
             RayNode("b", address)
     with pytest.raises(ValueError, match="unique"):
         LoopbackCluster([RayNode("h", "127.0.0.2"), RayNode("b", "127.0.0.2")], ray="ray")
+
+
+def _join(rank: int, port: int, world: int, sleep_s: float, queue) -> None:
+    import time
+
+    import torch
+
+    from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
+
+    spec = WeightGroup("127.0.0.1", port, world, "g", "gloo", tuple(range(1, world)), streams=2)
+    t0 = time.monotonic()
+    try:  # the learner (rank 0, the store's host) joins without a join timeout, as in a run
+        group = BroadcastGroup.join(spec, rank, timeout_s=600, join_timeout_s=None if rank == 0 else 3)
+    except Exception as e:  # noqa: BLE001 - reported
+        queue.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - t0))
+        return
+    t = torch.full((4,), 7.0 if rank == 0 else 0.0)
+    time.sleep(sleep_s)  # the sender waits past the join timeout: the collective's own timeout applies
+    group.broadcast(t)
+    queue.put((rank, t.tolist(), time.monotonic() - t0))
+
+
+def test_an_engine_gives_up_a_join_that_a_dead_member_holds_not_a_slow_transfer():
+    """weight_sync.receiver.JOIN_TIMEOUT_S: a member that died before joining (its node lost as
+    the group's first version went out) held an engine's join, and the updates queued behind it,
+    for the whole push timeout (600 s seen); the join has its own timeout, the transfer keeps its own."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_join, args=(r, port, 3, 0.0, queue), daemon=True) for r in (0, 1)]  # rank 2 never
+    for p in procs:
+        p.start()
+    rank, error, took = queue.get(timeout=300)  # (spawned processes import torch: slow on a busy machine)
+    assert rank == 1 and "timeout" in error and took < 30, (rank, error, took)
+    for p in procs:
+        p.kill()
+    port = free_port()
+    procs = [ctx.Process(target=_join, args=(r, port, 2, 6.0 if r == 0 else 0.0, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=300) for _ in procs)
+    assert [g[1] for g in got] == [[7.0] * 4, [7.0] * 4], got  # a broadcast 6 s after a 3 s join timeout arrives
+    for p in procs:
+        p.join(30)
