@@ -212,10 +212,11 @@ def test_abort_returns_the_tokens_so_far(url, ref, recorder):
                 assert nothing_for(engine, 2.0), "an aborted request paused in place ended before the resume"
                 engine.resume()
                 (s,) = results(engine, 1)
-            else:  # retracted: back in the queue, it ends at once, and its answer has no tokens (0.5.23)
-                (s,) = results(engine, 1, timeout_s=10)
+            else:  # retracted: back in the queue, it ends at once; its answer has no tokens (0.5.23), unless
+                (s,) = results(engine, 1, timeout_s=10)  # the abort reached it before the retraction did
                 engine.resume()
-                assert s.finish_reason == "abort" and s.output_ids == [] and s.versions == []
+                assert s.finish_reason == "abort" and len(s.output_ids) < LONG
+                assert s.output_ids == ref.greedy(weights, PROMPT, len(s.output_ids)), kv
                 continue
             assert s.finish_reason == "abort" and 0 < len(s.output_ids) < LONG, (kv, s.finish_reason, len(s.output_ids))
             assert s.output_ids == ref.greedy(weights, PROMPT, len(s.output_ids)), kv
@@ -237,7 +238,7 @@ def record_abort_while_paused(url: str, recorder, mode: str) -> None:
     t0 = time.monotonic()
     client.call("POST", "/generate", {**body, "rid": "rec-timing"})
     t_full = time.monotonic() - t0
-    for attempt, fraction in enumerate((0.4, 0.25, 0.15, 0.08)):
+    for attempt, fraction in enumerate((0.4, 0.25, 0.15, 0.08, 0.4, 0.25, 0.15, 0.08)):
         rid, box = f"rec-abort-{mode}-{attempt}", {}
         thread = threading.Thread(target=lambda: box.setdefault("answer", client.call("POST", "/generate", {**body, "rid": rid})))
         thread.start()
@@ -248,12 +249,14 @@ def record_abort_while_paused(url: str, recorder, mode: str) -> None:
         client.call("POST", "/continue_generation", {})
         thread.join(30)
         answer = box["answer"]
-        if answer["meta_info"]["finish_reason"]["type"] == "abort":
-            tokens = len(answer["output_ids"])
-            assert (0 < tokens < LONG) if mode == "in_place" else tokens == 0, (mode, tokens)
+        tokens = len(answer["output_ids"])
+        # in place: its tokens so far; retracted: "Abort in waiting queue", no tokens (the abort may also reach
+        # a request before its retraction: then it is the in-place answer, and we try again)
+        wanted = (0 < tokens < LONG) if mode == "in_place" else tokens == 0
+        if answer["meta_info"]["finish_reason"]["type"] == "abort" and wanted:
             recorder(f"generate_aborted_while_paused_{mode}", "POST", "/generate", {**body, "rid": rid}, 200, answer)
             return
-    raise AssertionError(f"no request was paused ({mode}) before it finished")
+    raise AssertionError(f"no request was caught paused ({mode}) and aborted in {attempt + 1} tries")
 
 
 def test_control_answers(url, recorder):
