@@ -17,6 +17,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# One set-up at a time (two test sessions may start it at once): a lock on this script's file.
+exec 9<"${BASH_SOURCE[0]}"
+flock 9
+
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv-sglang}
 REQUIREMENTS=requirements/sglang-cpu.txt
