@@ -10,6 +10,7 @@ no-ops where the optimizer keeps no per-param ``step``.
 from __future__ import annotations
 
 import torch
+from megatron.core.optimizer import DistributedOptimizer, distrib_optimizer
 
 from entr_megatron.checkpoint.directory import CheckpointError
 from entr_megatron.checkpoint.state import optimizer_parts
@@ -26,8 +27,6 @@ def prime_distributed_optimizer(optimizer) -> None:
     the first step fails. The state added is exactly what that first step would
     create (zero moments, step 0).
     """
-    from megatron.core.optimizer import DistributedOptimizer, distrib_optimizer
-
     if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
         return  # FusedAdam keeps its step in the param groups: nothing to prime
     for part in optimizer_parts(optimizer):
@@ -60,8 +59,6 @@ def load_optimizer_state(optimizer, state_dict) -> None:
 
     Both are no-ops where the optimizer keeps no per-param ``step`` (TE/Apex FusedAdam).
     """
-    from megatron.core.optimizer import DistributedOptimizer
-
     patched = []
     for part in optimizer_parts(optimizer):
         if isinstance(part, DistributedOptimizer) and getattr(part, "optimizer", None) is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from entr_megatron import models
 from entr_megatron.checkpoint import manifest
@@ -85,7 +86,6 @@ def check_tied_embeddings(files: HfFiles, spec: models.ModelSpec) -> None:
     head, embed = "lm_head.weight", "model.embed_tokens.weight"
     if not spec.tie_word_embeddings or head not in files.tensors or embed not in files.tensors:
         return
-    from safetensors import safe_open
 
     def read(name: str) -> torch.Tensor:
         with safe_open(str(files.dir / files.tensors[name].file), framework="pt") as f:
@@ -123,7 +123,7 @@ def verify_sequences(vocab_size: int, count: int = 4, length: int = 32, seed: in
 def hf_logprobs(hf_dir: str | os.PathLike, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """transformers' next-token log-probs [L, V] (float64 log_softmax of float32 logits) of each
     sequence under the HF model in `hf_dir`, loaded in float32."""
-    import transformers
+    import transformers  # lazy: seconds of import, for --verify only
 
     model = transformers.AutoModelForCausalLM.from_pretrained(os.fspath(hf_dir), dtype=torch.float32).eval()
     try:

@@ -59,7 +59,7 @@ class Progress:
         self.bar = None
         if enabled:
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # lazy: optional, without it progress lines on stderr
 
                 self.bar = tqdm(desc=what, unit="B", unit_scale=True, file=sys.stderr, mininterval=1.0)
             except ImportError:

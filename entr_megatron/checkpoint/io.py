@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core.utils import unwrap_model
@@ -110,8 +111,6 @@ def _writer_results_queue() -> None:
     Our saves are synchronous (`_write`): the results are put and taken in this process, so a
     thread-safe in-process queue does, with no manager process to start (a fresh interpreter,
     seconds on the first save) or to stop."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer
 from megatron.core.tensor_parallel import random as mp_random
 
 __all__ = [
@@ -88,15 +89,11 @@ def layout(chunks) -> dict[str, Any]:
 
 def optimizer_parts(optimizer) -> list:
     """The optimizers inside a Megatron ``ChainedOptimizer``, or ``[optimizer]``."""
-    from megatron.core.optimizer import ChainedOptimizer
-
     return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
 
 def uses_distributed_optimizer(optimizer) -> bool:
     """Whether any part of ``optimizer`` is Megatron's ``DistributedOptimizer``."""
-    from megatron.core.optimizer import DistributedOptimizer
-
     return any(isinstance(p, DistributedOptimizer) for p in optimizer_parts(optimizer))
 
 

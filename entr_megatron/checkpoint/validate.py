@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from entr_megatron.checkpoint.directory import CheckpointError
 from entr_megatron.checkpoint.state import FORMAT_VERSION, OPTIMIZER_KEY_PREFIX, RNG_KEY, uses_distributed_optimizer
@@ -70,10 +72,6 @@ def check_model_matches(path: Path, model_state: dict, strict: bool) -> None:
     (``decoder.layers.<name>`` of shape ``[num_layers, ...]``), so a different
     layer count shows up as a shape mismatch.
     """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
     wanted: dict[str, tuple | None] = {}
     for value in nested_values(model_state):
         for sh in nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]:

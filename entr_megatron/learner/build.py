@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
 from entr_megatron import models
 from entr_megatron.learner.hf_load import load_hf_weights, read_hf_config
@@ -115,8 +116,6 @@ def learner_transformer_config(
 def transformer_config_class(spec: models.ModelSpec) -> type:
     """The megatron.core class `models.transformer_config_kwargs(spec)` is for: MLATransformerConfig
     for multi-latent attention (its RoPE and rank fields), else TransformerConfig."""
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
     return MLATransformerConfig if spec.mla is not None else TransformerConfig
 
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from entr_megatron import models
 from entr_megatron.learner.hf_load import INDEX_FILE, SINGLE_FILE, global_param_names, tp_coords, unwrap_chunk
@@ -132,8 +133,6 @@ def _shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]
 
 
 def _write_hf_dir(path: str, state: Mapping[str, torch.Tensor], hf_config: Mapping, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(hf_config), f, indent=2, sort_keys=True)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from entr_megatron import models
 from entr_megatron.utils.hf_layout import HF_CONFIG_FILE, INDEX_FILE, SINGLE_FILE
@@ -95,8 +96,6 @@ class HfCheckpoint(contextlib.AbstractContextManager):
                     raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from None
             self._file_of = dict(weight_map)
         elif os.path.isfile(single):
-            from safetensors import safe_open
-
             with safe_open(single, framework="pt") as f:
                 self._file_of = {k: SINGLE_FILE for k in f.keys()}
         else:
@@ -117,8 +116,6 @@ class HfCheckpoint(contextlib.AbstractContextManager):
         if file is None:
             raise KeyError(f"{name!r} is not in the checkpoint {self.dir}")
         if file not in self._handles:
-            from safetensors import safe_open
-
             path = os.path.join(self.dir, file)
             if not os.path.isfile(path):
                 raise ValueError(f"{os.path.join(self.dir, INDEX_FILE)} maps {name} to {file}, which does not exist")

@@ -138,7 +138,7 @@ def optimizer_step(optimizer, scheduler: OptimizerParamScheduler | None, clip_gr
     with it, step) plus the finiteness check. The scheduler advances only on applied steps.
     ``before_update()`` runs right before the parameters change (not on a skipped step).
     """
-    from megatron.core.optimizer import clip_grads  # read at call time: the CPU compat layer wraps it
+    from megatron.core.optimizer import clip_grads  # lazy: read at call time, the CPU compat layer wraps it
 
     param_groups = optimizer.param_groups
     lr = float(param_groups[0]["lr"]) if param_groups else math.nan

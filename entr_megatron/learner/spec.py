@@ -34,10 +34,10 @@ import importlib.util
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_mlp_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -164,8 +164,6 @@ def get_layer_spec(config, use_te: bool | None = None, vp_stage: int | None = No
     if use_te:
         if not te_available():
             raise ValueError("use_te=True but TransformerEngine is not importable or no GPU is present")
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
         return get_gpt_decoder_block_spec(
             config, use_transformer_engine=True, normalization=config.normalization,
             vp_stage=vp_stage, pp_rank=pp_rank,
@@ -176,8 +174,6 @@ def get_layer_spec(config, use_te: bool | None = None, vp_stage: int | None = No
         moe = portable_layer_spec(config, moe=True)
     specs = [moe if is_moe else dense for is_moe in pattern]
     if config.pipeline_model_parallel_layout is not None:
-        from megatron.core.transformer.enums import LayerType
-
         ids = config.pipeline_model_parallel_layout.get_layer_id_list(
             layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
         )
