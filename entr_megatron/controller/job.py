@@ -27,6 +27,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from entr_megatron import models
 from entr_megatron.checkpoint.directory import clean_stale
 from entr_megatron.config.launcher import CPU_RANKS_PER_CORE, LauncherConfig
 from entr_megatron.config.run import RunConfig
@@ -41,6 +42,8 @@ from entr_megatron.controller.sft import warm_up
 from entr_megatron.controller.sglang_setup import check_launch
 from entr_megatron.controller.wiring import connect, make_engines, relaunch_learner, with_episodes
 from entr_megatron.controller.workers import WorkerError
+from entr_megatron.learner.hf_load import read_hf_config
+from entr_megatron.rollout.tasks import TASK_BUILDERS, check_task_files, load_tokenizer, task_class
 from entr_megatron.utils.megatron_warnings import fallback_summary
 from entr_megatron.utils.run_lock import RunLock
 from entr_megatron.utils.spawn import available_cores
@@ -58,8 +61,6 @@ def check_inputs(cfg: RunConfig, command: str = "train") -> None:
     sft) sft.data_files readable, or a task that generates SFT examples when there are none; for train and sft the model against the learner layout
     (`check_model_layout`); for train where SGLang servers may be launched (`check_launch`).
     Raises ValueError naming the field (the CLI prints it and exits 2)."""
-    from entr_megatron.rollout.tasks import TASK_BUILDERS, check_task_files, task_class
-
     if cfg.task.name not in TASK_BUILDERS:
         raise FieldError("task", "name", cfg.task.name, f"allowed: {', '.join(TASK_BUILDERS)} (the tasks train drives)")
     options = getattr(cfg.task, cfg.task.name, None)  # the section of the chosen task: task.math, ...
@@ -96,9 +97,6 @@ def check_model_layout(cfg: RunConfig) -> None:
     class: models.check_architecture) or model.path's config.json, against parallel.*: tp, pp (x vpp),
     ep and expert_tp must divide the heads, layers, experts... Megatron splits by them, and ep > 1
     needs an MoE model. Raises ValueError naming the field and both numbers."""
-    from entr_megatron import models
-    from entr_megatron.learner.hf_load import read_hf_config
-
     if cfg.model.path is None:
         hf_config, source = models.architecture_hf_config(cfg.model.architecture), "model.architecture"
     else:
@@ -259,8 +257,6 @@ def run_eval(cfg: RunConfig, model: Path, n: int | None = None, split: str = "te
     """Accuracy of the HF model in `model` on `n` (default `task.eval_size`) problems of the config's
     task (`split`: held-out "test", or "train"), with its own tokenizer when it has one.
     `inputs_checked`: as for `run_train`."""
-    from entr_megatron.rollout.tasks import load_tokenizer
-
     if not inputs_checked:
         check_inputs(cfg, "eval")
     if cfg.rollout.engine == "embedded":  # one engine is plenty for an evaluation

@@ -23,13 +23,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.learner import LearnerConfig
 from entr_megatron.config.run import RunConfig
+from entr_megatron.learner.fused_output import enable_fused_output
+from entr_megatron.learner.hf_export import save_hf_checkpoint
+from entr_megatron.learner.scoring import score_sequences
+from entr_megatron.parallel.cpu_compat import enable_cpu_compat
+from entr_megatron.parallel.groups import destroy, init_distributed_from_env, initialize_model_parallel
+from entr_megatron.rollout.engine import EngineError
+from entr_megatron.rollout.sglang import SGLangEngine
 from entr_megatron.types import TrainBatch
 from entr_megatron.utils.faults import maybe_fault
 from entr_megatron.utils.spawn import LOOPBACK, bind_ip, free_port_range
+from entr_megatron.weight_sync import (
+    BucketTransport,
+    ColocatedTransport,
+    SGLangTransport,
+    WeightSync,
+    WeightSyncConfig,
+    stage_groups,
+)
+from entr_megatron.weight_sync.sync import is_weight_sender
 
 __all__ = ["LearnerWorker", "LearnerWorkerSpec", "make_learner_worker", "sft_learner_config"]
 
@@ -77,17 +94,15 @@ class LearnerWorker:
     """One rank (see the module docstring); every public method is called on every rank."""
 
     def __init__(self, spec: LearnerWorkerSpec):
+        # lazy: megatron, in the rank's process only (the controller imports this module for its methods)
         from entr_megatron.learner.build import build_learner_model_from_hf, read_hf_config
         from entr_megatron.learner.optimizer import build_optimizer, wrap_model_chunks
         from entr_megatron.learner.trainer import RLTrainer
-        from entr_megatron.parallel.groups import init_distributed_from_env, initialize_model_parallel
 
         run = spec.run
         self.spec, self.run = spec, run
         self.info = init_distributed_from_env()
         if not torch.cuda.is_available():
-            from entr_megatron.parallel.cpu_compat import enable_cpu_compat
-
             enable_cpu_compat()
         p = run.parallel
         self.groups = initialize_model_parallel(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, vpp=p.vpp,
@@ -102,8 +117,6 @@ class LearnerWorker:
             routing_replay=run.algorithm.routing_replay if spec.phase != "sft" else "off",
         )
         if run.learner.fused_output:
-            from entr_megatron.learner.fused_output import enable_fused_output
-
             enable_fused_output(self.chunks)  # the last stage returns hidden states; the loss multiplies them
         if spec.phase == "sft":
             self.learner_cfg, self.algo_cfg = sft_learner_config(run), SFT_ALGORITHM
@@ -132,7 +145,7 @@ class LearnerWorker:
         trained (the controller's `Learner` protocol), becomes the batch's `policy_version`: a3po
         interpolates its proximal policy by each token's lag (policy-lag metrics are the
         controller's, computed from the samples)."""
-        from entr_megatron.learner.rollout_batch import merge_step_metrics
+        from entr_megatron.learner.rollout_batch import merge_step_metrics  # lazy: megatron (see __init__)
 
         t0 = time.perf_counter()
         # The weights a push borrowed must be on the wire before they change (the trainer times the
@@ -174,23 +187,11 @@ class LearnerWorker:
         then drives them itself through `SGLangTransport` (their weight-update group on
         `base_port`), and every rank cuts buckets the engine's way (its bucket bytes and dtype:
         `bucket_bytes`, `dtype` and `engine_ranks` are not used)."""
-        from entr_megatron.weight_sync import (
-            BucketTransport,
-            ColocatedTransport,
-            SGLangTransport,
-            WeightSync,
-            WeightSyncConfig,
-            stage_groups,
-        )
-        from entr_megatron.weight_sync.sync import is_weight_sender
-
         if self.sync is not None:  # rebuilt (an engine was replaced): leave the old group first
             self.sync.close(wait_s=5.0)
             self.sync = None
         sender = is_weight_sender(self.groups)
         if sglang is not None:
-            from entr_megatron.rollout.sglang import SGLangEngine
-
             if self.groups.pp_size != 1:
                 raise ValueError(f"SGLang servers take weights from one learner stage (parallel.pp=1), "
                                  f"got pp={self.groups.pp_size}")
@@ -225,8 +226,6 @@ class LearnerWorker:
         not reach the engines this rank updates itself (SGLang servers: an EngineError, or no end
         within `timeout_s`) is reported as {"engine_error": message}, not raised: the rank is
         fine, and the driver replaces the engine (controller/remote.py)."""
-        from entr_megatron.rollout.engine import EngineError
-
         if self._push is None:
             return {}
         try:
@@ -235,8 +234,6 @@ class LearnerWorker:
             if self._sglang is None:
                 raise
             return {"engine_error": f"{type(e).__name__}: {e}"}
-        from entr_megatron.weight_sync import ColocatedTransport
-
         handoff = self.sync.transport if isinstance(self.sync.transport, ColocatedTransport) else None
         return {"blocked_s": report.blocked_s, "transfer_s": report.transfer_s, "bytes": float(report.num_bytes),
                 "gbytes_per_s": report.gbytes_per_s, "sender": float(report.sender),
@@ -244,14 +241,14 @@ class LearnerWorker:
 
     # --- checkpoints ------------------------------------------------------------------------------
     def save(self, root: str, step: int, extra_state: Any = None, keep_last: int | None = None) -> str:
-        from entr_megatron.checkpoint.io import save_checkpoint
+        from entr_megatron.checkpoint.io import save_checkpoint  # lazy: megatron (see __init__)
 
         path = save_checkpoint(root, step, self.ddp, self.optimizer, self.scheduler, extra_state,
                                keep_last=keep_last, model_config=self.hf_config)
         return os.fspath(path)
 
     def load(self, root: str, step: int | None = None, verify: bool = True) -> tuple[int, Any]:
-        from entr_megatron.checkpoint.io import load_checkpoint
+        from entr_megatron.checkpoint.io import load_checkpoint  # lazy: megatron (see __init__)
 
         if self.sync is not None:
             self.sync.wait_borrowed()  # the weights are about to change
@@ -261,8 +258,6 @@ class LearnerWorker:
         """log p(target | prompt) of each (prompt ids, target ids[, target mask]) example under the
         current weights at temperature 1 (teacher forced; the sum over the target's tokens, only
         those the mask keeps: a tool trace's observations are given, not predicted), on every rank."""
-        from entr_megatron.learner.scoring import score_sequences
-
         sequences = [list(ex[0]) + list(ex[1]) for ex in examples]
         scored = score_sequences(self.chunks, self.model_spec, self.groups, sequences)
         out = []
@@ -275,16 +270,10 @@ class LearnerWorker:
 
     def export_hf(self, out_dir: str) -> str:
         """Writes the current weights as an HF directory (config.json, safetensors), atomically."""
-        from entr_megatron.learner.hf_export import save_hf_checkpoint
-
         save_hf_checkpoint(self.chunks, self.model_spec, self.groups, out_dir, hf_config=self.hf_config)
         return out_dir
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        from entr_megatron.parallel.groups import destroy
-
         if self.sync is not None:
             try:
                 self.sync.close()

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 
+from entr_megatron.checkpoint.hf_files import staged_dir
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.run_dir import RunPaths
+from entr_megatron.rollout.tasks import TASK_BUILDERS, default_tokenizer, load_tokenizer
 
 __all__ = ["build_task", "from_learner_checkpoint", "prepare_model", "tokenizer_for"]
 
@@ -37,8 +39,7 @@ def from_learner_checkpoint(cfg: RunConfig, run_dir: str | os.PathLike) -> RunCo
     """`cfg` itself, or when model.path is a learner checkpoint root or run directory, `cfg` with
     model.path set to run_dir/model_init holding that checkpoint's latest step as an HF directory
     (converted on the first start; a later start checks it came from the same step)."""
-    from entr_megatron.checkpoint import hf_dir
-    from entr_megatron.checkpoint.hf_files import staged_dir
+    from entr_megatron.checkpoint import hf_dir  # lazy: megatron (checkpoint.state), for a learner checkpoint only
 
     if not cfg.model.path or not hf_dir.is_learner_checkpoint(cfg.model.path):
         return cfg
@@ -69,8 +70,6 @@ def from_learner_checkpoint(cfg: RunConfig, run_dir: str | os.PathLike) -> RunCo
 def tokenizer_for(cfg: RunConfig) -> Any:
     """The tokenizer of `model.tokenizer` (else `model.path`); a generated task without either
     (arithmetic, calculator, search) gets the character tokenizer with its tool markers."""
-    from entr_megatron.rollout.tasks import default_tokenizer, load_tokenizer
-
     source = cfg.model.tokenizer or cfg.model.path
     if source:
         return load_tokenizer(source)
@@ -83,8 +82,6 @@ def tokenizer_for(cfg: RunConfig) -> Any:
 def build_task(cfg: RunConfig, tokenizer: Any) -> Any:
     """The task of `cfg.task` with the policy's tokenizer; prompts longer than model.max_prompt_len
     tokens are left out (math) or refused (arithmetic). Bad data files raise here, before training."""
-    from entr_megatron.rollout.tasks import TASK_BUILDERS
-
     # the config admits only these names
     task = TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer, cfg.model.max_prompt_len)
     if hasattr(task, "set_tool_limits"):  # tool tasks: rollout.agent's limits on every call
@@ -100,7 +97,7 @@ def prepare_model(cfg: RunConfig, paths: RunPaths, tokenizer: Any) -> Path:
     out = paths.model_init
     if (out / "config.json").exists():
         return out
-    import transformers
+    import transformers  # lazy: seconds of import, only to build a model from model.architecture
 
     arch = dict(cfg.model.architecture)
     model_type = arch.pop("model_type")

@@ -10,12 +10,15 @@ metrics.jsonl (and TensorBoard, the progress bar) per step, and checkpoints.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from entr_megatron.checkpoint.directory import LATEST_FILE, iter_dir, list_steps
+from entr_megatron.checkpoint.manifest import choose_checkpoint, read_manifest
 from entr_megatron.config.loader import config_as_dict
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
@@ -33,11 +36,6 @@ def check_disk(paths: Any, model_dir: Path, keep_last: int) -> None:
     """Before any process starts: the checkpoint directory is writable and its file system has room
     for one more checkpoint (the last one's size from its manifest, else about 3x the fp32 weights
     of `model_dir`: weights and Adam's two moments). Raises DiskSpaceError with the numbers."""
-    import shutil
-
-    from entr_megatron.checkpoint.directory import iter_dir, list_steps
-    from entr_megatron.checkpoint.manifest import read_manifest
-
     root = paths.checkpoints
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -67,9 +65,6 @@ def resume_point(paths: Any, restart_from_scratch: bool = False) -> int | None:
     checkpoints are all unusable (or whose `latest` names one that is gone) is an error, never a
     silent fresh start, unless `restart_from_scratch`: then the checkpoints and metrics are kept
     aside as `checkpoints.discarded-<time>` and `metrics.jsonl.discarded-<time>`."""
-    from entr_megatron.checkpoint.directory import LATEST_FILE, list_steps
-    from entr_megatron.checkpoint.manifest import choose_checkpoint
-
     root = paths.checkpoints
     if restart_from_scratch:
         stamp = time.strftime("%Y%m%d-%H%M%S")

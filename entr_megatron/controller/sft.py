@@ -21,6 +21,7 @@ from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.console import say
 from entr_megatron.controller.remote import RemoteLearner
 from entr_megatron.controller.run_dir import RunPaths, copy_tokenizer
+from entr_megatron.controller.sft_data import load_sft_file_examples
 from entr_megatron.controller.wiring import learner_group
 from entr_megatron.types import Sample, TrainBatch
 from entr_megatron.utils.run_log import MetricsLogger, ProgressBar
@@ -37,8 +38,6 @@ repeat some)."""
 
 def sft_examples(cfg: RunConfig, task: Any, step: int) -> list[tuple[list[int], list[int]]]:
     """The (prompt ids, target ids) pairs of warm-up step `step`."""
-    from entr_megatron.controller.sft_data import load_sft_file_examples
-
     n = cfg.sft.batch_size
     if cfg.sft.data_files:
         return load_sft_file_examples(cfg.sft.data_files, task.tokenizer, n, step, seed=cfg.controller.seed)
