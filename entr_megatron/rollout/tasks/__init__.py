@@ -34,6 +34,7 @@ from entr_megatron.rollout.tasks.countdown import CountdownProblem, CountdownTas
 from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environment, Step
 from entr_megatron.rollout.tasks.math_data import MathProblem, MathTask, check_math_files, load_problems
 from entr_megatron.rollout.tasks.math_reward import math_verify_reward, normalised_match_reward
+from entr_megatron.rollout.tasks.search import SearchTask, search_tokenizer
 
 if TYPE_CHECKING:
     from entr_megatron.config.run import TaskConfig
@@ -53,14 +54,13 @@ __all__ = [
 TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "math": MathTask, "calculator": CalculatorTask,
                           "countdown": CountdownTask}
 """Task name -> class; each implements `Task` (prompts, reward, new_environment). The search task
-(`search.py`, needs bm25s: the "agent" extra) is imported on use: `make_task("search")`."""
+(`search.py`; its BM25 index needs bm25s, the "agent" extra, imported when an index is built) is
+`task_class("search")`, made by `make_task("search")`."""
 
 
 def task_class(name: str) -> type:
     """The class of task `name` (TASKS, and the search task imported on use)."""
     if name == "search":
-        from entr_megatron.rollout.tasks.search import SearchTask
-
         return SearchTask
     if name not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS) + ['search']}, got {name!r}")
@@ -120,8 +120,6 @@ def _countdown(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None)
 
 
 def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> Task:
-    from entr_megatron.rollout.tasks.search import SearchTask
-
     s = t.search
     task = SearchTask(num_entities=s.num_entities, hops=s.hops, top_k=s.top_k, corpus_seed=s.corpus_seed,
                       python_tool=s.python_tool, python_tool_allow_weak_containment=s.python_tool_allow_weak_containment,
@@ -137,8 +135,6 @@ def default_tokenizer(task_name: str) -> Any:
     if task_name in ("arithmetic", "calculator", "countdown"):
         return build_char_tokenizer()
     if task_name == "search":
-        from entr_megatron.rollout.tasks.search import search_tokenizer
-
         return search_tokenizer()
     return None
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from entr_megatron.rollout.tasks.base import check_split, decode_response, split_of
+from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.types import Sample
 
 __all__ = ["OPS", "ArithmeticTask", "Problem", "arithmetic_reward", "draw_problems"]
@@ -136,8 +137,6 @@ class ArithmeticTask:
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward!r}")
         if tokenizer is None:
-            from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
-
             tokenizer = build_char_tokenizer()
         self.digits, self.ops, self.reverse_answer, self.pad_operands = digits, ops, reverse_answer, pad_operands
         self.allow_negative, self.test_fraction, self.split_seed = allow_negative, test_fraction, split_seed

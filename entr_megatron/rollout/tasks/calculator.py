@@ -28,6 +28,7 @@ from typing import Any
 from entr_megatron.rollout.tasks.base import (
     answer_after, check_split, final_answer_reward, single_token_id, split_of,
 )
+from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.rollout.tasks.environment import Step
 from entr_megatron.rollout.tools.calls import ToolOutcome
 from entr_megatron.types import Sample
@@ -169,8 +170,6 @@ class CalculatorTask:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
         if tokenizer is None:
-            from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
-
             tokenizer = build_char_tokenizer()
         single_token_id(tokenizer, CALL_CLOSE, "the calculator", CALC_MARKERS)
         self.digits, self.test_fraction, self.split_seed = digits, test_fraction, split_seed

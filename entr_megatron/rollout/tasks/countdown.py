@@ -57,6 +57,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from entr_megatron.rollout.tasks.base import check_split, decode_response, split_of
+from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.rollout.tasks.countdown_labels import (
     ANSWER, ARITHMETIC, CHOICE, FORCED, TOKEN_LABELS, label_response, label_tokens,
 )
@@ -130,8 +131,6 @@ class CountdownTask:
         if not 0.0 <= format_reward < 1.0:
             raise ValueError(f"format_reward must be in [0, 1), got {format_reward!r}")
         if tokenizer is None:
-            from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer
-
             tokenizer = build_char_tokenizer()
         self.num_operands, self.min_number, self.max_number = num_operands, min_number, max_number
         self.max_value, self.min_target, self.max_target, self.ops = max_value, min_target, max_target, ops

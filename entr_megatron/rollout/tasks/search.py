@@ -43,6 +43,7 @@ from typing import Any, get_args
 
 from entr_megatron.config.task import SearchWorld
 from entr_megatron.rollout.tasks.base import answer_after, check_split, final_answer_reward, split_of
+from entr_megatron.rollout.tasks.char_tokenizer import CHARS, build_char_tokenizer
 from entr_megatron.rollout.tasks.search_corpus import (
     MAX_ENTITIES, MIN_ENTITIES, RELATIONS, Corpus, OpenTool, SearchTool,
 )
@@ -53,6 +54,7 @@ from entr_megatron.rollout.tasks.tool_env import ToolEnv
 from entr_megatron.rollout.tools.calls import (
     TOOL_RESPONSE_CLOSE, TOOL_TOKENS, Tool, ToolCall, ToolRunner, format_tool_call,
 )
+from entr_megatron.rollout.tools.sandbox import PythonTool, SandboxLimits
 from entr_megatron.types import Sample
 
 __all__ = ["EXTRA_CHARS", "HOPS", "MAX_TOP_K", "WORLDS", "WORLD_CACHE", "SearchProblem", "SearchTask",
@@ -72,8 +74,6 @@ search results, and the capitals and quotes of error messages ("LookupError: no 
 def search_tokenizer() -> Any:
     """The character tokenizer of the search task: the base characters + `EXTRA_CHARS`, and the
     Hermes markers (`rollout.tools.TOOL_TOKENS`) as single tokens."""
-    from entr_megatron.rollout.tasks.char_tokenizer import CHARS, build_char_tokenizer
-
     return build_char_tokenizer(chars=CHARS + EXTRA_CHARS, tool_tokens=TOOL_TOKENS)
 
 
@@ -126,8 +126,6 @@ def _check_int(name: str, value: Any, lo: int, hi: float) -> None:
 
 def _sandbox_limits(tool_timeout_s: float) -> Any:
     """The python tool's sandbox ends its process before the runner gives up on the call."""
-    from entr_megatron.rollout.tools.sandbox import SandboxLimits
-
     wall = min(0.8 * tool_timeout_s, SandboxLimits.wall_s)
     return SandboxLimits(wall_s=wall, cpu_s=min(SandboxLimits.cpu_s, wall))
 
@@ -219,8 +217,6 @@ class SearchTask:
         self._timeout_s, self._max_output_chars = float(timeout_s), max_output_chars
         self._python: Tool | None = None
         if self.python_tool:
-            from entr_megatron.rollout.tools.sandbox import PythonTool
-
             self._python = PythonTool(_sandbox_limits(timeout_s),
                                       allow_weak_containment=self.python_tool_allow_weak_containment)
         if self.corpus is not None:

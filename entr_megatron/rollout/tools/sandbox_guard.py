@@ -50,6 +50,7 @@ def stub_processes_and_threads():
 
     stub.fork_exec = refused
     sys.modules["_posixsubprocess"] = stub
+    # lazy: after the stub, before the hook (their order is the wall; module docstring)
     import _thread
     import pathlib  # noqa: F401  (the hook reads its classes)
     import subprocess  # noqa: F401  (binds the stub)
@@ -63,6 +64,7 @@ def stub_processes_and_threads():
 
 def install(scratch, roots, read_devices):
     """Adds the audit hook (module docstring) for scratch `scratch` and readable `roots`."""
+    # lazy: bound here, before the hook, for the hook alone (user code may patch the modules' names)
     import pathlib
     from stat import S_ISDIR, S_ISLNK
 

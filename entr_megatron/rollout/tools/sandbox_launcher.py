@@ -27,6 +27,7 @@ root cannot be built, or the filter installed while the host user is root, the l
 containment (then the audit hook of stage 2 is the only wall for files).
 """
 
+import ctypes
 import json
 import os
 import resource
@@ -67,8 +68,6 @@ exec it holds no capability there, so it can neither undo a mount nor leave the 
 
 
 def _libc():
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -261,8 +260,6 @@ def task_filter(machine):
 def refuse_new_tasks(libc, get_errno):
     """Installs `task_filter` on this process (inherited by what it execs): no fork, clone or thread.
     Needs no_new_privs (set before). Raises OSError where the kernel or the machine has no filter."""
-    import ctypes
-
     prog = task_filter(os.uname().machine)
     if prog is None:
         raise OSError(38, f"no seccomp syscall table for {os.uname().machine}")
