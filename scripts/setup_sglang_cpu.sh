@@ -6,7 +6,7 @@
 # requirements/sglang-cpu.txt: sglang's full resolution less its GPU-only kernels, each pinned to a
 # version and a wheel hash, installed without resolution (--no-deps --require-hashes); then our
 # pure-torch stand-in for sgl_kernel's CPU ops (sglang_cpu/sgl_kernel) is copied in. Why each
-# step: docs/SGLANG_ON_CPU.md. About 3 minutes and 7 GB on a fresh machine; re-running is cheap
+# step: docs/SGLANG_ON_CPU.md. 3-7 minutes and 7 GB on a fresh machine; re-running is cheap
 # (skipped while the list and the stand-in are unchanged).
 #
 # The pinned wheels are CPython 3.11, x86_64 Linux (the resolution was made there); another

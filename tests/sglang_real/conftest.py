@@ -1,6 +1,6 @@
 """Tests against real SGLang 0.5.23 servers on this CPU (marker `sglang_real`; docs/SGLANG_ON_CPU.md).
 
-The session builds .venv-sglang when it is missing or stale (scripts/setup_sglang_cpu.sh, about 3
+The session builds .venv-sglang when it is missing or stale (scripts/setup_sglang_cpu.sh, 3-7
 minutes and 7 GB the first time, seconds after) and fails, naming the script's error, when it
 cannot; ENTR_SKIP_SGLANG_REAL=1 skips these tests instead (a machine without the registry). A
 server takes 60-100 s to start on 2 cores, so the modules share one (`server`, started once per
