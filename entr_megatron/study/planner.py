@@ -35,11 +35,15 @@ measurements here. Every name is importable from this module.
 from __future__ import annotations
 
 import dataclasses
+import time
+from pathlib import Path
 from typing import Any
 
 from entr_megatron.config.controller import SEQUENTIAL_MODES
+from entr_megatron.config.loader import load_config
 from entr_megatron.study.simulation import SimulationBoundError, default_max_events, simulate
 from entr_megatron.study.workload import COST_FIELDS, MODES, Costs, Plan, Workload
+from entr_megatron.utils.run_log import read_metrics
 
 __all__ = ["COST_FIELDS", "ENGINE_COST_FIELDS", "MODES", "Costs", "Plan", "SimulationBoundError", "Workload",
            "costs_from_run", "default_max_events", "fit_line", "measure_engine", "read_engine_costs", "simulate"]
@@ -86,8 +90,7 @@ def measure_engine(model_dir: str, dtype: str = "float32", prompt_len: int = 16,
     """Decode cost of the embedded engine on `model_dir`: b sequences decoding `tokens` tokens each
     (EOS ignored) for every b in `batch_sizes`, timed (the median of `repeats`); the line
     step_s = base + per_seq * b fitted. Returns {"decode_base_s", "decode_per_seq_s", "prefill_per_token_s"}."""
-    import time
-
+    # lazy: torch (the engine), only when --measure-engine times one
     from entr_megatron.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from entr_megatron.rollout.engine import GenerateRequest, SamplingParams, generate
 
@@ -120,11 +123,6 @@ def costs_from_run(run_dir: str, engine_costs: dict[str, float], skip_steps: int
     push time it logged, its response lengths and its workload; the engine's decode costs given
     (`measure_engine`, or a cluster's numbers) and, for a sync or fixed_lag run, scaled to the
     run's measured generation time (`calibrate_engine`)."""
-    from pathlib import Path
-
-    from entr_megatron.config.loader import load_config
-    from entr_megatron.utils.run_log import read_metrics
-
     root = Path(run_dir)
     cfg = load_config(root / "config.yaml")
     rows = read_metrics(root / "metrics.jsonl")[skip_steps:]

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from entr_megatron.utils.wandb_log import WandbSink
+
 __all__ = ["METRICS_FILE", "PROGRESS_EVERY_S", "TENSORBOARD_DIR", "MetricsLogger", "ProgressBar", "read_metrics"]
 
 logger = logging.getLogger(__name__)
@@ -136,8 +138,6 @@ class MetricsLogger:
         self._writer = _summary_writer(self.run_dir / TENSORBOARD_DIR, resume_from_step) if tensorboard else None
         self._wandb = None
         if wandb is not None:  # a logging.wandb section: W&B too (utils/wandb_log.py)
-            from entr_megatron.utils.wandb_log import WandbSink
-
             self._wandb = WandbSink(self.run_dir, wandb, config)
 
     def log(self, metrics: Mapping[str, Any]) -> None:
@@ -242,7 +242,7 @@ class ProgressBar:
             use_tqdm = bool(getattr(stream, "isatty", lambda: False)())
         self._bar = None
         if enabled and use_tqdm:
-            from tqdm import tqdm
+            from tqdm import tqdm  # lazy: 30-140 ms of import, for a terminal only (light processes read metrics here)
 
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=stream, dynamic_ncols=True)
 

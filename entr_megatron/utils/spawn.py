@@ -22,10 +22,12 @@ its peers.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import errno
 import ipaddress
 import logging
+import multiprocessing.util
 import os
 import random
 import signal
@@ -33,6 +35,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from multiprocessing import resource_tracker
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -80,8 +83,6 @@ _PR_SET_PDEATHSIG = 1
 def _prctl():
     """libc's prctl, or None where there is none (not Linux)."""
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return None
@@ -120,8 +121,6 @@ def sigint_held() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    from multiprocessing import resource_tracker
-
     resource_tracker.ensure_running()  # started by the first spawn, it unblocks SIGINT after its own start
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -144,8 +143,6 @@ def exit_now(code: int = 0) -> NoReturn:
     `os._exit`, skipping the interpreter's teardown (torch's operator-library finalizers alone
     take ~2 s of CPU in a process that imported torch and transformers). Only for workers whose
     other resources (process groups, files) were released already: atexit handlers do not run."""
-    import multiprocessing.util
-
     multiprocessing.util._exit_function()  # what multiprocessing's bootstrap runs last in a child
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -159,8 +156,6 @@ def name_process(name: str) -> None:
     """This process's name in ps, top and psutil (Linux PR_SET_NAME, 15 bytes at most; a no-op
     elsewhere), so that an operator (or a fault test) tells the job's processes apart."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass  # not Linux: the process keeps its interpreter's name

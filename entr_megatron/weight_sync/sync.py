@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 import torch
 
 from entr_megatron.config.rollout import DEFAULT_WEIGHT_BUCKET_MIB
+from entr_megatron.learner.hf_export import iter_hf_weights
+from entr_megatron.models.mapping import HF_TIED_OUTPUT
 from entr_megatron.rollout.engine import WeightUpdateReport
 from entr_megatron.utils.buckets import dtype_from_name
 from entr_megatron.weight_sync.buckets import plan_buckets
@@ -220,9 +222,6 @@ class WeightSync:
         `transport` is required on the sender rank (`is_weight_sender(groups)`) and ignored elsewhere.
         Tied output embeddings are not sent (engines tie them to the input embedding).
         """
-        from entr_megatron.learner.hf_export import iter_hf_weights
-        from entr_megatron.models.mapping import HF_TIED_OUTPUT
-
         sender = is_weight_sender(groups)
         if sender and transport is None:
             raise ValueError("this rank sends its pipeline stage's weights (is_weight_sender(groups)): give it a transport")
