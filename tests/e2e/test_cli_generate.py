@@ -235,7 +235,9 @@ def test_prompt_without_tokenizer_and_missing_model(hf_model, tmp_path, capsys):
     code, _, err = generate_in_process(capsys, "--model", hf_model[2], "--input", str(inp), "--output", out)
     msg = str(code) + err
     assert 'in.jsonl:2: "prompt" needs the model\'s tokenizer' in msg and "has no tokenizer" in msg, msg
-    code, _, err = generate_in_process(capsys, "--model", str(tmp_path), "--input", str(inp), "--output", out)
+    not_a_model = tmp_path / "not_a_model"  # beside the input and output: never write into a --model
+    not_a_model.mkdir()
+    code, _, err = generate_in_process(capsys, "--model", str(not_a_model), "--input", str(inp), "--output", out)
     assert "is not an HF model directory (no config.json)" in str(code) + err
 
 

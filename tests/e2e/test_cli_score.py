@@ -114,7 +114,9 @@ def test_unknown_model_dir_or_unsplittable_layout_is_refused(hf_model, tmp_path,
     path, _ = hf_model
     inp, out = tmp_path / "in.jsonl", str(tmp_path / "o.jsonl")
     inp.write_text('{"input_ids": [1, 2, 3]}\n')
-    err = score_in_process(capsys, "--model", str(tmp_path), "--input", str(inp), "--output", out)
+    not_a_model = tmp_path / "not_a_model"  # beside the input and output: never write into a --model
+    not_a_model.mkdir()
+    err = score_in_process(capsys, "--model", str(not_a_model), "--input", str(inp), "--output", out)
     assert "neither an HF model directory" in err and "learner checkpoint root" in err, err
     err = score_in_process(capsys, "--model", path, "--tp", "3", "--input", str(inp), "--output", out)
     assert "--tp 3 does not divide the model's num_attention_heads=4" in err, err
