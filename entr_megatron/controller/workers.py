@@ -279,4 +279,3 @@ class ProcessWorkerGroup:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
-

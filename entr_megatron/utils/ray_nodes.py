@@ -19,7 +19,7 @@ Ray's token authentication is on (a token of its own in the cluster's directory)
 daemons listen on every interface, and a node or driver without the token is refused. A driver
 (`entr-megatron train`) joins with `driver_env` in its environment (RAY_AUTH_MODE,
 RAY_AUTH_TOKEN_PATH). The nodes' `ray start` inherit `env` (e.g. PYTHONPATH for the actors' imports); `fast_failure`
-lets the head declare a silent node dead after about 3 s instead of Ray's 30 s or more; Ray's
+lets the head declare a silent node dead within seconds instead of Ray's 30 s or more; Ray's
 memory monitor is off (`SHARED_MACHINE_ENV`: each node would count the whole machine).
 Nothing here imports Ray: it runs its `ray` command (the one beside this interpreter by default).
 """
@@ -51,11 +51,12 @@ monitor would kill this cluster's workers for memory others use. The kernel's OO
 FAST_FAILURE_ENV = {
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_failure_threshold": "5",
 }
-"""The head's GCS calls a node dead after three missed 1 s health checks (Ray's default: 5 of
-3 s, and its raylet's own gRPC timeouts on top)."""
+"""The head's GCS calls a node dead after five health checks in a row, 1 s apart, went
+unanswered for 3 s each (about 5-15 s; Ray's own defaults take half a minute or more). Lenient
+enough for a machine whose load average is ten times its cores."""
 
 _STARTED = "Ray runtime started"
 _WATCHDOG = """

@@ -128,7 +128,9 @@ def test_checkpoint_refusals(saved, tmp_path, capsys):
     assert code is not None and f"--model {ckpt} --step N" in code, code
     code, _ = _score(capsys, "--model", hf_dir, "--step", "5", *io)
     assert code is not None and "is an HF model directory" in code, code
-    code, _ = _score(capsys, "--model", str(tmp_path), *io)
+    neither = tmp_path / "neither"  # beside the input and output: --model may not contain them
+    neither.mkdir()
+    code, _ = _score(capsys, "--model", str(neither), *io)
     assert code is not None and "neither an HF model directory" in code and "learner checkpoint root" in code, code
 
     inp.write_text(f'{{"input_ids": [1, {VOCAB}]}}\n')  # the vocabulary comes from model_config.json

@@ -225,7 +225,7 @@ def test_train_launches_sglang_with_the_routes_flag_only_when_recording(tmp_path
     class Launched(Exception):
         pass
 
-    def launch_servers(configs, log_dir, startup_timeout_s):
+    def launch_servers(configs, log_dir, startup_timeout_s, progress=None):
         raise Launched([sglang.server_command(c) for c in configs])
 
     monkeypatch.setattr(sglang, "launch_servers", launch_servers)
