@@ -25,6 +25,6 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def tok():
     """The character-level tokenizer of the built-in tasks (one per test module)."""
-    from entr_megatron.rollout.tasks import build_char_tokenizer
+    from entr_megatron.tasks import build_char_tokenizer
 
     return build_char_tokenizer()

@@ -51,7 +51,7 @@ SMALL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_at
 def build_model(path: Path, **arch) -> Path:
     import transformers
 
-    from entr_megatron.rollout.tasks import build_char_tokenizer
+    from entr_megatron.tasks import build_char_tokenizer
 
     tok = build_char_tokenizer()
     config = transformers.Qwen3Config(**arch, vocab_size=len(tok), tie_word_embeddings=True, rope_theta=10000.0,
@@ -79,7 +79,7 @@ def run_config(threads: int, *extra: str):
 
 @contextlib.contextmanager
 def sglang_server(model_dir: Path, threads: int, log_dir: Path):
-    from entr_megatron.controller.sglang_servers import server_configs
+    from entr_megatron.controller.job.sglang_servers import server_configs
     from entr_megatron.rollout.sglang import launch_servers
     from entr_megatron.utils.spawn import free_port
 
@@ -124,7 +124,7 @@ def summary(values: list[float], fmt: str = "{:.0f}") -> str:
 
 def bench_generate(args, work: Path) -> None:
     from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
-    from entr_megatron.rollout.tasks import build_char_tokenizer
+    from entr_megatron.tasks import build_char_tokenizer
 
     vocab = len(build_char_tokenizer())
     model_dir = build_model(work / "small", **SMALL)

@@ -21,7 +21,7 @@ What differs, and why it is fair:
 - TRL's gradient checkpointing (on by default) is turned off: ours does not recompute activations.
 - Our correction (`algorithm.correction`, ENTR in the demo) runs in ours; TRL has no off-policy
   correction (it is on-policy). In sync mode ours is on-policy too and the mask is idle.
-Held-out accuracy of every final model is measured by our evaluation (`controller/evaluation.py`:
+Held-out accuracy of every final model is measured by our evaluation (`controller/job/evaluation.py`:
 greedy and sampled, `task.eval_size` test problems drawn with the run's seed), for TRL by
 `entr-megatron eval --model`, for ours by `train`'s own eval after RL: the same function, problems
 and seed.
@@ -101,9 +101,9 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.interfaces import PromptStream
-    from entr_megatron.controller.model_init import build_task
-    from entr_megatron.rollout.tasks import load_tokenizer
+    from entr_megatron.controller.rl.interfaces import PromptStream
+    from entr_megatron.controller.job.model_init import build_task
+    from entr_megatron.tasks import load_tokenizer
     from entr_megatron.types import Sample
     from entr_megatron.utils.spawn import available_cores
 

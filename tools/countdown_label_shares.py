@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from entr_megatron.rollout.tasks.countdown import CountdownTask  # noqa: E402
+from entr_megatron.tasks.countdown import CountdownTask  # noqa: E402
 from entr_megatron.types import TOKEN_LABELS, Sample  # noqa: E402
 
 TRACES, SEED = 4096, 0

@@ -3,7 +3,7 @@
     python tools/lm_testbed.py --out runs/lm_testbed            # 25-90 min on 2 cores (alone / shared); resumable
 
 Writes, under --out:
-  tokenizer/           the BPE (rollout/tasks/bpe_tokenizer.py), trained on Python's standard library
+  tokenizer/           the BPE (tasks/bpe_tokenizer.py), trained on Python's standard library
   lm/                  the pretrained model, an HF directory (Qwen3, tied embeddings) with the tokenizer:
                        what examples/studies/lm_tail/base.yaml starts every warm-up from
   pretrain.jsonl       loss per logged step, held-out loss per eval
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from entr_megatron.rollout.tasks.bpe_tokenizer import (  # noqa: E402
+from entr_megatron.tasks.bpe_tokenizer import (  # noqa: E402
     corpus_digest, iter_corpus_texts, stdlib_corpus_files, train_bpe_tokenizer,
 )
 

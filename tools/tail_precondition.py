@@ -45,7 +45,7 @@ from entr_megatron.rollout.decoder import BatchDecoder  # noqa: E402
 from entr_megatron.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm  # noqa: E402
 from entr_megatron.rollout.quantize import install_rounding  # noqa: E402
-from entr_megatron.rollout.tasks import TASK_BUILDERS, load_tokenizer  # noqa: E402
+from entr_megatron.tasks import TASK_BUILDERS, load_tokenizer  # noqa: E402
 
 ENGINES = {  # name: (dtype, quantize, scale, activations)
     "fp32": ("float32", "none", "per_channel", False),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.run_dir import RunPaths
+from entr_megatron.controller.job.run_dir import RunPaths
 from entr_megatron.study.planner import costs_from_run, measure_engine, simulate
 from entr_megatron.utils.run_log import read_metrics
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from entr_megatron.config.loader import load_config, read_yaml
 from entr_megatron.config.validate import FieldError
-from entr_megatron.controller.run_dir import RunPaths
+from entr_megatron.controller.job.run_dir import RunPaths
 from entr_megatron.study.planner import (MODES, Costs, SimulationBoundError, Workload, costs_from_run, measure_engine,
                                          read_engine_costs, simulate)
 

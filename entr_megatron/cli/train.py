@@ -13,7 +13,7 @@ root / run directory (e.g. `convert hf-to-megatron`'s output), whose latest step
 converted into RUN_DIR/model_init (once, streamed) and the run started from that.
 `train` runs the SFT warm-up when the config has an `sft` section and the run
 directory has no SFT model yet, then RL; it resumes a run directory where it
-stopped, from its newest checkpoint that verifies (see controller/run_dir.py for
+stopped, from its newest checkpoint that verifies (see controller/job/run_dir.py for
 the layout; --restart-from-scratch starts over, keeping the old ones aside). A
 second job on a run directory in use exits 2 naming the holder. Ctrl-C or SIGTERM
 saves a checkpoint at the end of the step and exits 0; a second signal stops at once.
@@ -29,8 +29,8 @@ from pathlib import Path
 from entr_megatron.checkpoint.directory import CheckpointError, CheckpointSaveError
 from entr_megatron.config.launcher import check_ray_reachable
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.run_dir import check_run_dir
-from entr_megatron.controller.run_hooks import DiskSpaceError
+from entr_megatron.controller.job.run_dir import check_run_dir
+from entr_megatron.controller.job.run_hooks import DiskSpaceError
 from entr_megatron.utils.ray_connect import RayConnectError
 from entr_megatron.utils.run_lock import RunLockedError
 
@@ -44,8 +44,8 @@ def _load(args) -> object:
     try:
         cfg = load_config(args.config, overrides)
         # lazy: torch (the job and the model's files), after the config is known good
-        from entr_megatron.controller.job import check_inputs
-        from entr_megatron.controller.model_init import from_learner_checkpoint
+        from entr_megatron.controller.job.run import check_inputs
+        from entr_megatron.controller.job.model_init import from_learner_checkpoint
 
         if args.command in ("train", "sft"):  # never writing onto what it reads
             check_run_dir(cfg, args.run_dir or cfg.logging.run_dir)
@@ -99,8 +99,8 @@ def _refused(command: str, job, *args, **kwargs):
     (nothing started); a failed save (e.g. a full disk), an engine that failed once too often or a
     learner rank's node lost (Ray) one message and exit 1."""
     # lazy: torch (the controller's modules)
-    from entr_megatron.controller.engines import RestartsExhausted
-    from entr_megatron.controller.ray_workers import LearnerNodeLost
+    from entr_megatron.controller.rl.engines import RestartsExhausted
+    from entr_megatron.controller.ranks.ray_workers import LearnerNodeLost
 
     try:
         return job(*args, **kwargs)
@@ -124,7 +124,7 @@ def _refused(command: str, job, *args, **kwargs):
 
 
 def run_train(args) -> None:
-    from entr_megatron.controller.job import run_train as job  # lazy: torch
+    from entr_megatron.controller.job.run import run_train as job  # lazy: torch
 
     cfg = _load(args)
     if args.max_steps is not None and args.max_steps < 1:
@@ -136,7 +136,7 @@ def run_train(args) -> None:
 
 
 def run_sft(args) -> None:
-    from entr_megatron.controller.job import run_sft as job  # lazy: torch
+    from entr_megatron.controller.job.run import run_sft as job  # lazy: torch
 
     cfg = _load(args)
     if cfg.sft is None:
@@ -148,8 +148,8 @@ def run_sft(args) -> None:
 
 def run_eval(args) -> None:
     # lazy: torch and the engine's modules
-    from entr_megatron.controller.job import RunPaths
-    from entr_megatron.controller.job import run_eval as job
+    from entr_megatron.controller.job.run import RunPaths
+    from entr_megatron.controller.job.run import run_eval as job
 
     if args.model and args.run_dir:
         print("entr-megatron eval: --run-dir and --model are exclusive: --model names the model to evaluate, "

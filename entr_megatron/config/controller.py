@@ -57,7 +57,7 @@ class ControllerConfig:
     (lags K + J - j), with each group's centre c chosen so the mean token lag is K whatever J and
     the responses' lengths (c averages the measured token-weighted mean segment index: the last
     segment, the rest of a response, weighs more than the others). J then changes only the number
-    of switches inside a response, not the data's age (controller/fixed_lag.py). Needs
+    of switches inside a response, not the data's age (controller/rl/fixed_lag.py). Needs
     inter_lag >= ceil(intra_lag / 2)."""
 
     stale_policy: StalePolicy = "regenerate"

@@ -265,7 +265,7 @@ class LoggingConfig:
 
 CPU_RANKS_PER_CORE = 4
 """Most local CPU learner ranks (launcher.nproc_per_node, kind 'local', device 'cpu') per core of the
-machine, checked when a job starts (controller/job.py `check_local_ranks`), not when a config is
+machine, checked when a job starts (controller/job/run.py `check_local_ranks`), not when a config is
 built (a config is also loaded elsewhere, e.g. to plan a study): each rank imports torch and
 Megatron (some 400 MB) and its gloo collectives wait on the slowest; past a few per core a job
 makes no progress."""

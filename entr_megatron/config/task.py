@@ -12,7 +12,7 @@ MAX_EVAL_SIZE = 100_000
 MAX_SFT_BATCH = 65_536
 """Upper bound of sft.batch_size."""
 
-TaskName = Literal["arithmetic", "math", "calculator", "search", "countdown"]  # = rollout.tasks.TASK_BUILDERS
+TaskName = Literal["arithmetic", "math", "calculator", "search", "countdown"]  # = tasks.TASK_BUILDERS
 MULTI_TURN_TASKS = ("calculator", "search")
 """Tasks whose samples are multi-turn tool episodes (rollout.agent)."""
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
@@ -60,7 +60,7 @@ class ArithmeticTaskConfig:
 
 @dataclass(frozen=True)
 class CountdownTaskConfig:
-    """Countdown with a scratchpad (rollout/tasks/countdown.py, docs/tasks.md): combine the numbers into
+    """Countdown with a scratchpad (tasks/countdown.py, docs/tasks.md): combine the numbers into
     the target, one step at a time, restating what remains; reward 1 when every step is valid."""
 
     SECTION = "task.countdown"
@@ -127,7 +127,7 @@ class MathTaskConfig:
     prompt_template: str = "{problem}"
     """The prompt around the problem text (`{problem}`; literal braces as `{{ }}`). The default, the
     bare problem, costs no tokens of model.max_prompt_len (the data may carry its own instruction);
-    examples/qwen3_*.yaml ask for a boxed answer (rollout.tasks.math_data.BOXED_TEMPLATE)."""
+    examples/qwen3_*.yaml ask for a boxed answer (tasks.math_data.BOXED_TEMPLATE)."""
 
     def __post_init__(self) -> None:
         for name in ("train_files", "eval_files"):
@@ -172,7 +172,7 @@ class SearchTaskConfig:
     memorises its facts instead of learning to read: docs/DEMOS.md, "The CPU agent demo"). 'per_episode':
     every question is asked of its own world of num_entities entities, named by a tag in the prompt
     ("w4821 q: home of founder of velora?") and drawn from it and corpus_seed
-    (rollout/tasks/search_worlds.py), so an answer can only be read, never recalled; the splits are
+    (tasks/search_worlds.py), so an answer can only be read, never recalled; the splits are
     drawn by tag: held-out questions never share a world with training ones."""
 
     name_pool: int | None = None
@@ -196,7 +196,7 @@ class SearchTaskConfig:
     questions and worlds). >= 0."""
 
     python_tool: bool = False
-    """Also offer a sandboxed `python` tool (rollout/tools/sandbox.py: its own process, CPU-time,
+    """Also offer a sandboxed `python` tool (tasks/tools/sandbox.py: its own process, CPU-time,
     memory, output and rollout.agent.tool_timeout_s wall-clock limits, no network, no files
     outside a scratch directory)."""
 
@@ -204,7 +204,7 @@ class SearchTaskConfig:
     """Run the python tool even where the kernel cannot confine its reads to its scratch directory
     (no user or mount namespaces, no pivot_root): its audit hook is then the only wall, and native
     code (readline, sqlite3) can read any file the training user can. False: the task refuses to
-    build there (rollout/tools/sandbox.py: what is contained)."""
+    build there (tasks/tools/sandbox.py: what is contained)."""
 
     sft_questions: int | None = None
     """Training questions with a demonstration (the SFT warm-up's expert traces: a fixed subset); RL

@@ -159,7 +159,7 @@ def url_tuple(obj: Any, name: str) -> None:
 def readable_files(obj: Any, name: str) -> None:
     """Every path of the list field `name` must be a regular file this process can read. Not run when a
     section is built (a config is also loaded where its files are not, e.g. to plan a study):
-    the job calls it before it starts (controller/job.py `check_inputs`)."""
+    the job calls it before it starts (controller/job/run.py `check_inputs`)."""
     value = getattr(obj, name)
     for path in value:
         if os.path.isdir(path):

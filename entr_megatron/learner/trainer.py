@@ -9,7 +9,7 @@
                 -> make_policy_loss_func (loss.py): vocab-parallel log-prob + entropy -> policy loss
            -> optimizer_step (optimizer.py)
 
-The controller reaches it through `LearnerWorker.train` (controller/learner_worker.py), which
+The controller reaches it through `LearnerWorker.train` (controller/ranks/learner_worker.py), which
 holds one `RLTrainer` per rank. `train_step`, `train_rollout_batch` and `compute_logprobs` below
 are one-call forms for tests and benchmarks (a trainer built for that one call).
 

@@ -292,6 +292,19 @@ class RolloutEngine(Protocol):
         ...
 
 
+
+@runtime_checkable
+class EngineGroup(RolloutEngine, Protocol):
+    """The engines a controller drives: a `RolloutEngine` (an `EngineSet` of engines, or a view or
+    episode driver over one) that also says which of its requests still run, so that the requests
+    lost with a replaced engine are found and generated again."""
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether a request submitted here is unfinished and still runs (False once its last
+        sample was polled, and for a request lost with a failed or replaced engine)."""
+        ...
+
+
 def generate(
     engine: RolloutEngine, requests: Sequence[GenerateRequest], timeout_s: float = 600.0,
     idle_timeout_s: float | None = None, on_silence: Callable[[], None] | None = None,

@@ -5,7 +5,7 @@
 
 A batch call over `episodes.EpisodeEngine` (what `train` drives for tool tasks, one environment
 factory per task); here every episode brings its own environment. One episode becomes ONE `Sample`
-(rollout/tasks/environment.py: what its positions hold).
+(tasks/environment.py: what its positions hold).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
 from entr_megatron.rollout.episodes import ENVIRONMENT, EpisodeBudgets, EpisodeEngine
-from entr_megatron.rollout.tasks.environment import Environment
+from entr_megatron.tasks.environment import Environment
 from entr_megatron.types import Sample
 from entr_megatron.utils.seeding import mix_seed
 

@@ -50,7 +50,6 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -58,11 +57,12 @@ from entr_megatron.rollout.engine import (
     EngineHealth,
     GenerateRequest,
     GenerateResult,
+    EngineGroup,
     RolloutEngine,
     WeightSource,
     WeightUpdateReport,
 )
-from entr_megatron.rollout.tasks.environment import OBSERVATION_LOGPROB, Environment, Step
+from entr_megatron.tasks.environment import OBSERVATION_LOGPROB, Environment, Step
 from entr_megatron.types import Sample
 from entr_megatron.utils.seeding import mix_seed
 
@@ -144,6 +144,9 @@ class EpisodeEngine:
         if tool_workers < 1:
             raise ValueError(f"tool_workers must be >= 1, got {tool_workers!r}")
         self.engine, self.new_environment, self.budgets = engine, new_environment, budgets
+        self._inner_live: Callable[[str], bool] | None = engine.is_live if isinstance(engine, EngineGroup) else None
+        """The inner engine's own `is_live` where it tracks its requests (an `EngineSet`: a request
+        lost with a replaced engine); a single engine's requests run until their samples come."""
         self._pool = ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="entr-tool")
         self._episodes: dict[str, list[_Episode | None]] = {}  # outer id -> episodes (None: returned)
         self._by_inner: dict[str, _Episode] = {}
@@ -361,7 +364,7 @@ class EpisodeEngine:
         episodes = self._episodes.get(request_id)
         if episodes is None:
             return False
-        inner_live = getattr(self.engine, "is_live", None)
+        inner_live = self._inner_live
         if inner_live is None or all(ep is None or ep.inner is None or inner_live(ep.inner) for ep in episodes):
             return True
         self._drop(request_id)
@@ -378,9 +381,9 @@ class EpisodeEngine:
                 live.append(ep.inner)
             if ep in self._tooling:
                 self._tooling.remove(ep)
-        inner_live = getattr(self.engine, "is_live", lambda rid: True)
-        live = [rid for rid in live if inner_live(rid)]
-        self._ignored = {rid for rid in self._ignored if inner_live(rid)}
+        if self._inner_live is not None:
+            live = [rid for rid in live if self._inner_live(rid)]
+            self._ignored = {rid for rid in self._ignored if self._inner_live(rid)}
         if live:
             self.engine.abort(live)
 
@@ -388,10 +391,6 @@ class EpisodeEngine:
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
-
-    @property
-    def failed(self) -> Any:
-        return getattr(self.engine, "failed", {})
 
     def pause(self) -> None:
         self.engine.pause()
@@ -412,11 +411,6 @@ class EpisodeEngine:
     def shutdown(self) -> None:
         self.close()
         self.engine.shutdown()
-
-    def __getattr__(self, name: str) -> Any:  # EngineSet extras (live_samples, engines, ...)
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
 
 def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:

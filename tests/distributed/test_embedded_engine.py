@@ -339,7 +339,7 @@ def test_rejected_updates_leave_the_engine_as_it_was(engine, hf_model):
 
 
 def test_after_forget_version_one_update_may_go_back(engine, hf_model):
-    """A learner relaunched from an older checkpoint pushes a version below the engine's (controller/job.py)."""
+    """A learner relaunched from an older checkpoint pushes a version below the engine's (controller/job/run.py)."""
     sd, v = hf_model.state_dict(), engine.weight_version
     engine.update_weights(sd, version=v + 2)
     engine.forget_version()

@@ -474,8 +474,8 @@ def test_train_starts_from_a_converted_checkpoint(tmp_path, capsys):
     import sys
 
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.model_init import from_learner_checkpoint
-    from entr_megatron.rollout.tasks import default_tokenizer
+    from entr_megatron.controller.job.model_init import from_learner_checkpoint
+    from entr_megatron.tasks import default_tokenizer
     from entr_megatron.utils.run_log import read_metrics
 
     tokenizer = default_tokenizer("arithmetic")

@@ -325,7 +325,7 @@ def test_eval_greedy_accuracy_matches_transformers_generate(tmp_path, sft_model)
     import torch
     import transformers
 
-    from entr_megatron.rollout.tasks import ArithmeticTask, load_tokenizer
+    from entr_megatron.tasks import ArithmeticTask, load_tokenizer
 
     config, _ = rl_config(tmp_path, sft_model, "eval")
     out = json.loads(cli("eval", "--config", str(config), "--model", str(sft_model), "--n", "24")
@@ -359,7 +359,7 @@ def test_fixed_lag_is_reproducible_and_carries_the_prescribed_versions(tmp_path,
     second kills itself (SIGKILL) when it is first asked to generate at version 2, while it
     generates ahead after step 1 (utils/faults.py: deterministic, no polling race), and is
     replaced (the segments it was generating are generated again with the same seeds:
-    controller/replacing.py); and every step's policy lag lies in [K, K + J] once v >= K + J
+    controller/rl/replacing.py); and every step's policy lag lies in [K, K + J] once v >= K + J
     (clamped at version 0 before)."""
     K, J = 2, 1
     jobs = []
@@ -398,7 +398,7 @@ def test_sft_expected_accuracy_matches_transformers_and_the_target_stops_it(tmp_
     from transformers import AutoModelForCausalLM
 
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.model_init import build_task, tokenizer_for
+    from entr_megatron.controller.job.model_init import build_task, tokenizer_for
 
     rows = read_metrics(sft_model.parent / "metrics.jsonl")
     checked = [r for r in rows if "sft/expected_accuracy" in r]

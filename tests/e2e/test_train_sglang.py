@@ -154,7 +154,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def vocab_size() -> int:
-    from entr_megatron.rollout.tasks import build_char_tokenizer
+    from entr_megatron.tasks import build_char_tokenizer
 
     return len(build_char_tokenizer())
 
@@ -217,7 +217,7 @@ def test_launched_servers_are_configured_and_stopped(tmp_path, monkeypatch):
     """`train`'s launch path: `python -m sglang.launch_server` with the run's settings, one server
     per engine on the GPUs after the learner's, driven by one SGLangEngine, stopped by the ExitStack."""
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.job import check_launch, make_engines
+    from entr_megatron.controller.job.run import check_launch, make_engines
     from entr_megatron.rollout.engine import GenerateRequest, SamplingParams, generate
     from entr_megatron.utils.spawn import free_port
 

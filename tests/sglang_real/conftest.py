@@ -62,7 +62,7 @@ def build_model(path: Path, seed: int = 0) -> Path:
     """An HF model directory with ARCH, random weights (seeded) and the character tokenizer."""
     import transformers
 
-    from entr_megatron.rollout.tasks import build_char_tokenizer
+    from entr_megatron.tasks import build_char_tokenizer
 
     tok = build_char_tokenizer()
     arch = dict(ARCH)

@@ -15,7 +15,7 @@ import torch
 
 from entr_megatron.rollout.engine import generate
 from entr_megatron.rollout.sglang import SGLangClient, SGLangEngine, SGLangEngineConfig, SGLangError
-from entr_megatron.rollout.tasks import build_char_tokenizer
+from entr_megatron.tasks import build_char_tokenizer
 
 from real_server import (
     FLOAT32_ATOL,

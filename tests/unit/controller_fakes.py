@@ -18,8 +18,8 @@ import itertools
 import time
 from collections.abc import Callable
 
-from entr_megatron.controller.engines import RestartsExhausted
-from entr_megatron.controller.interfaces import Recovery as RecoveryBase
+from entr_megatron.controller.rl.engines import RestartsExhausted
+from entr_megatron.controller.rl.interfaces import Recovery as RecoveryBase
 from entr_megatron.rollout.engine import EngineError, EngineHealth, GenerateResult, WeightUpdateReport
 
 

@@ -13,8 +13,8 @@ pytest.importorskip("bm25s")
 
 from entr_megatron.rollout.engine import EngineHealth, GenerateRequest, GenerateResult, SamplingParams, generate  # noqa: E402
 from entr_megatron.rollout.episodes import EpisodeBudgets, EpisodeEngine, episode_metrics  # noqa: E402
-from entr_megatron.rollout.tasks.search import SearchTask  # noqa: E402
-from entr_megatron.rollout.tools import TOOL_RESPONSE_CLOSE, TRUNCATION_MARK  # noqa: E402
+from entr_megatron.tasks.search import SearchTask  # noqa: E402
+from entr_megatron.tasks.tools import TOOL_RESPONSE_CLOSE, TRUNCATION_MARK  # noqa: E402
 
 
 def call(name, **arguments):

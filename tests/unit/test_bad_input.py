@@ -94,7 +94,7 @@ def test_cli_prints_one_line_naming_the_file_and_exits_2(tmp_path, capsys):
     ("rope_thetaa", "rope_theta"),
 ])
 def test_an_architecture_typo_is_refused_with_the_closest_names(key, suggestion):
-    from entr_megatron.controller.job import check_inputs
+    from entr_megatron.controller.job.run import check_inputs
 
     cfg = load_config(DEMO, [f"model.architecture.{key}=2"])  # the loader takes any key: transformers decides
     msg = _message(check_inputs, cfg)
@@ -212,7 +212,7 @@ def test_a_bands_upper_end_is_the_one_place_inf_is_allowed():
 
 
 def _layout_error(overrides, config=DEMO) -> str:
-    from entr_megatron.controller.job import check_model_layout
+    from entr_megatron.controller.job.run import check_model_layout
 
     return _message(check_model_layout, load_config(config, overrides))
 
@@ -229,7 +229,7 @@ def test_pp_and_vpp_must_divide_the_layers():
     msg = _layout_error(["parallel.pp=2", "parallel.vpp=4", "launcher.nproc_per_node=2"])
     assert msg.startswith("parallel.vpp=4 is not valid with parallel.pp=2; pp * vpp = 8 must divide "
                           "num_hidden_layers=4 of the model"), msg
-    from entr_megatron.controller.job import check_model_layout
+    from entr_megatron.controller.job.run import check_model_layout
 
     check_model_layout(load_config(DEMO, ["parallel.pp=2", "parallel.vpp=2", "launcher.nproc_per_node=2"]))
 
@@ -305,8 +305,8 @@ def test_an_unknown_task_name_is_refused(tmp_path, capsys, monkeypatch):
     code, err = _cli(capsys, "train", "--config", str(DEMO), "--run-dir", str(tmp_path / "run"), "task.name=chess")
     assert code == 2 and "task.name='chess' is not valid; allowed: arithmetic, math" in err, err
     # A name the config admits but no task builder serves (the two lists out of step) is refused too.
-    from entr_megatron.controller.job import check_inputs
-    from entr_megatron.rollout import tasks
+    from entr_megatron.controller.job.run import check_inputs
+    from entr_megatron import tasks
 
     monkeypatch.delitem(tasks.TASK_BUILDERS, "arithmetic")
     msg = _message(check_inputs, load_config(DEMO), error=FieldError)
@@ -314,8 +314,8 @@ def test_an_unknown_task_name_is_refused(tmp_path, capsys, monkeypatch):
 
 
 def test_train_reads_the_task_before_it_writes_config_yaml(tmp_path):
-    from entr_megatron.controller.job import run_train
-    from entr_megatron.rollout.tasks import build_char_tokenizer, save_char_tokenizer
+    from entr_megatron.controller.job.run import run_train
+    from entr_megatron.tasks import build_char_tokenizer, save_char_tokenizer
 
     save_char_tokenizer(build_char_tokenizer(), str(tmp_path / "tok"))
     broken = tmp_path / "broken.jsonl"
@@ -353,7 +353,7 @@ def test_a_failed_score_rank_shows_its_own_error(monkeypatch):
 
 
 def test_a_warm_up_without_examples_is_refused_before_anything_starts(tmp_path, capsys):
-    from entr_megatron.rollout.tasks import build_char_tokenizer, save_char_tokenizer
+    from entr_megatron.tasks import build_char_tokenizer, save_char_tokenizer
 
     save_char_tokenizer(build_char_tokenizer(), str(tmp_path / "tok"))
     good = tmp_path / "train.jsonl"

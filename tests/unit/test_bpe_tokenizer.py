@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from entr_megatron.rollout.tasks.bpe_tokenizer import (
+from entr_megatron.tasks.bpe_tokenizer import (
     corpus_digest, stdlib_corpus_files, train_bpe_tokenizer,
 )
-from entr_megatron.rollout.tasks.char_tokenizer import SPECIAL_TOKENS
+from entr_megatron.tasks.char_tokenizer import SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def test_a_failed_save_on_a_rank_reaches_the_driver_as_itself():
     """ENOSPC mid-run: the rank's CheckpointSaveError (one line, the numbers) came back as a
     WorkerError holding its traceback, which the CLI does not catch (82 lines, 4 tracebacks)."""
     from entr_megatron.checkpoint.directory import CheckpointSaveError
-    from entr_megatron.controller.workers import ProcessWorkerGroup
+    from entr_megatron.controller.ranks.workers import ProcessWorkerGroup
     from workers_fixture import EchoWorker, make_echo
 
     group = ProcessWorkerGroup(2, make_echo, ("t",))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from entr_megatron.controller.buffer import Group, StalenessBuffer, lag_metrics, oldest_version
+from entr_megatron.controller.rl.buffer import Group, StalenessBuffer, lag_metrics, oldest_version
 from entr_megatron.types import Sample
 
 

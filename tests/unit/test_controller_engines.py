@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from entr_megatron.controller.engines import EngineSet
+from entr_megatron.controller.rl.engines import EngineSet
 from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, WeightUpdateReport
 
 from controller_fakes import ManualEngine

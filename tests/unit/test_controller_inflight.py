@@ -1,11 +1,11 @@
-"""The controller's in-flight bookkeeping (controller/inflight.py) on hand-built arrivals: a group
+"""The controller's in-flight bookkeeping (controller/rl/inflight.py) on hand-built arrivals: a group
 leaves flight when its n-th sample arrives, in any order; samples of a group given up on are
 swallowed exactly as many times as they were still owed; lost groups are those no engine holds."""
 
 from __future__ import annotations
 
-from entr_megatron.controller.buffer import GroupRef
-from entr_megatron.controller.inflight import InFlight
+from entr_megatron.controller.rl.buffer import GroupRef
+from entr_megatron.controller.rl.inflight import InFlight
 from entr_megatron.rollout.engine import GenerateResult
 
 

@@ -14,7 +14,7 @@ import torch
 
 from entr_megatron.algorithm.advantages import grpo_advantages
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
-from entr_megatron.controller.loop import Controller, ControllerHooks
+from entr_megatron.controller.rl.loop import Controller, ControllerHooks
 
 from controller_fakes import ClockedEngine, DeliveredPush, FakeClock
 

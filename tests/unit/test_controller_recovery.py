@@ -16,9 +16,9 @@ import pytest
 
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.engines import EngineSet, RestartsExhausted
-from entr_megatron.controller.loop import Controller
-from entr_megatron.controller.wiring import EngineRecovery
+from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.rl.loop import Controller
+from entr_megatron.controller.job.wiring import EngineRecovery
 from entr_megatron.rollout.engine import EngineError
 
 from controller_fakes import Engine, Learner, Pusher, Recovery
@@ -152,8 +152,8 @@ class Group:
 
 
 def test_relaunched_learner_ranks_get_the_running_engines_and_may_push_an_older_version(monkeypatch):
-    from entr_megatron.controller import wiring
-    from entr_megatron.controller.remote import RemotePusher
+    from entr_megatron.controller.job import wiring
+    from entr_megatron.controller.ranks.remote import RemotePusher
 
     forgotten = []
 
@@ -240,7 +240,7 @@ class FakeRay:
 
 class FakeActor:
     def __init__(self, ray, engine):
-        from entr_megatron.controller.ray_engine import ACTOR_CONCURRENCY, _EngineActor
+        from entr_megatron.controller.ranks.ray_engine import ACTOR_CONCURRENCY, _EngineActor
 
         self.ray, self.engine, self.dead, self.running = ray, engine, False, threading.Event()
         self.running.set()
@@ -296,8 +296,9 @@ class PushGroup(Group):
 def ray_run(monkeypatch, engines=2, **rollout):
     """A controller over RayEngines (fake Ray) with the real EngineRecovery of launcher.kind ray
     and the real RemotePusher (push_timeout_s 1 s) over fake learner ranks."""
-    from entr_megatron.controller import ray_engine, wiring
-    from entr_megatron.controller.remote import RemotePusher
+    from entr_megatron.controller.job import wiring
+    from entr_megatron.controller.ranks import ray_engine
+    from entr_megatron.controller.ranks.remote import RemotePusher
 
     fake = FakeRay()
     monkeypatch.setattr(ray_engine, "RayEngine", functools.partial(ray_engine.RayEngine, ray_module=fake))
@@ -338,7 +339,8 @@ def test_ray_engines_load_at_the_same_time(monkeypatch):
     """make_engines starts every actor before waiting for any: each start call here returns
     only once all three actors are loading (a barrier), which one-after-another starts never
     reach (shown below: one engine alone waiting for a second that is not started)."""
-    from entr_megatron.controller import ray_engine, wiring
+    from entr_megatron.controller.job import wiring
+    from entr_megatron.controller.ranks import ray_engine
     from entr_megatron.rollout.embedded_protocol import EmbeddedEngineConfig
 
     fake = FakeRay()
@@ -359,7 +361,7 @@ def test_ray_engines_load_at_the_same_time(monkeypatch):
 
 
 def test_ray_engine_calls_fail_like_a_local_engines_and_a_slow_poll_loses_nothing():
-    from entr_megatron.controller.ray_engine import RayEngine
+    from entr_megatron.controller.ranks.ray_engine import RayEngine
     from entr_megatron.rollout.embedded_protocol import EmbeddedEngineConfig
     from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
 

@@ -1,6 +1,6 @@
 """Engine replacement outside the main loop's groups, and a learner that fails: fixed_lag's
 generate-ahead and the held-out evaluations generate their round again on a new engine with the
-same seeds (controller/replacing.py), so their results equal an undisturbed run's; a failed
+same seeds (controller/rl/replacing.py), so their results equal an undisturbed run's; a failed
 learner's groups in flight are aborted (`Controller.abandon`) and never reach the controller that
 takes over; an EngineSet engine can be parked (out of service) and taken back.
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
-from entr_megatron.controller.engines import EngineSet, RestartsExhausted
-from entr_megatron.controller.evaluation import evaluate
-from entr_megatron.controller.loop import Controller
-from entr_megatron.controller.replacing import generate_replacing
+from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.job.evaluation import evaluate
+from entr_megatron.controller.rl.loop import Controller
+from entr_megatron.controller.rl.replacing import generate_replacing
 from entr_megatron.rollout.engine import EngineError, GenerateRequest, SamplingParams
 
 from controller_fakes import Engine, Learner, Pusher, Recovery

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.learner_worker import LearnerWorker
-from entr_megatron.controller.remote import RemoteLearner, RemotePusher
-from entr_megatron.controller.sglang_setup import PushedVersionView
+from entr_megatron.controller.ranks.learner_worker import LearnerWorker
+from entr_megatron.controller.ranks.remote import RemoteLearner, RemotePusher
+from entr_megatron.controller.job.sglang_setup import PushedVersionView
 
 from controller_fakes import OneTokenEngine
 
@@ -35,8 +35,8 @@ class FakeGroup:
 
 def test_task_registry_is_exactly_the_configs_task_names(tok):
     from entr_megatron.config.task import TASK_NAMES
-    from entr_megatron.controller.job import build_task
-    from entr_megatron.rollout.tasks import TASK_BUILDERS, ArithmeticTask
+    from entr_megatron.controller.job.run import build_task
+    from entr_megatron.tasks import TASK_BUILDERS, ArithmeticTask
 
     assert set(TASK_BUILDERS) == set(TASK_NAMES)
     cfg = load_config(None, ["task.arithmetic.digits=3", "task.arithmetic.reverse_answer=true"])
@@ -97,9 +97,9 @@ def test_sglang_view_takes_its_version_from_delivered_pushes():
 
 
 def test_evaluation_and_sft_seeds_are_mixed_from_the_run_seed(tok):
-    from entr_megatron.controller.evaluation import evaluate
-    from entr_megatron.controller.job import build_task
-    from entr_megatron.controller.sft import sft_examples
+    from entr_megatron.controller.job.evaluation import evaluate
+    from entr_megatron.controller.job.run import build_task
+    from entr_megatron.controller.job.sft import sft_examples
 
     cfg = load_config(None, ["controller.seed=3", "task.arithmetic.digits=1"])
     task = build_task(cfg, tok)
@@ -129,7 +129,7 @@ def test_evaluation_and_sft_seeds_are_mixed_from_the_run_seed(tok):
 
 
 def test_run_dir_files(tmp_path):
-    from entr_megatron.controller.run_dir import RunPaths, export_final_model, read_eval, save_eval, write_config
+    from entr_megatron.controller.job.run_dir import RunPaths, export_final_model, read_eval, save_eval, write_config
 
     paths = RunPaths(tmp_path / "run")
     write_config(load_config(None, []), paths)

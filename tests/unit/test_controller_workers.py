@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from entr_megatron.controller.workers import ProcessWorkerGroup, WorkerError, WorkerGroup
+from entr_megatron.controller.ranks.workers import ProcessWorkerGroup, WorkerError, WorkerGroup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workers_fixture import EchoWorker, make_broken, make_echo  # noqa: E402
@@ -81,7 +81,7 @@ def test_a_push_broken_by_a_dead_rank_is_the_learners_failure(group):
     then raises the rank's WorkerError (the job relaunches the learner), not EnginePushError
     (which, with every engine healthy, ended the job: seen in the fault e2e test). With the ranks
     alive the engines' error stands."""
-    from entr_megatron.controller.remote import EnginePushError, RemotePush, RemotePusher
+    from entr_megatron.controller.ranks.remote import EnginePushError, RemotePush, RemotePusher
 
     class BrokenUpdate:  # an engine's side of the push that saw its broadcast peer go away
         error = RuntimeError("gloo: Connection reset by peer")
@@ -113,7 +113,7 @@ def test_ray_ranks_get_the_driver_variables_they_are_given_and_no_others(monkeyp
     which holds the rank's sockets) is seen dead by `raise_if_dead` and fails the call at once,
     and the child dies with it."""
     ray = pytest.importorskip("ray")
-    from entr_megatron.controller.ray_workers import RayWorkerGroup
+    from entr_megatron.controller.ranks.ray_workers import RayWorkerGroup
 
     here = str(Path(__file__).parent)  # the cluster's workers import workers_fixture from here
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))

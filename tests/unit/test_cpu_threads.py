@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller import wiring
+from entr_megatron.controller.job import wiring
 
 
 def config(*overrides: str):

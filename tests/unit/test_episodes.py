@@ -17,7 +17,7 @@ from entr_megatron.algorithm import compute_policy_loss
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.rollout.engine import EngineHealth, GenerateRequest, GenerateResult, SamplingParams, generate
 from entr_megatron.rollout.episodes import RESUME, EpisodeBudgets, EpisodeEngine, episode_metrics
-from entr_megatron.rollout.tasks.environment import Step
+from entr_megatron.tasks.environment import Step
 from entr_megatron.types import TrainBatch
 
 from controller_fakes import DeliveredPush
@@ -324,7 +324,7 @@ class _Task:
 ])
 def test_the_controller_trains_whole_episodes_in_every_mode(mode, extra):
     from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
-    from entr_megatron.controller.loop import Controller
+    from entr_megatron.controller.rl.loop import Controller
 
     inner = ScriptedPolicy(switch_every=10**9)  # versions move only by pushes
     engine = EpisodeEngine(inner, ToyEnv)

@@ -103,7 +103,7 @@ def test_progress_counts_to_the_steps_of_this_start(tmp_path, capsys):
     from contextlib import ExitStack
 
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.run_hooks import step_recorder
+    from entr_megatron.controller.job.run_hooks import step_recorder
 
     cfg = load_config(None, ["controller.train_steps=250", "logging.log_interval=10", "logging.tensorboard=false"])
     pusher = types.SimpleNamespace(last_push_report={})

@@ -9,7 +9,7 @@ import pytest
 
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.loop import Controller
+from entr_megatron.controller.rl.loop import Controller
 
 from controller_fakes import DeliveredPush, InstantEngine
 

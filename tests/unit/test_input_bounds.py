@@ -201,7 +201,7 @@ def test_more_cpu_learner_ranks_than_cores_are_refused_before_anything_starts(tm
 
 SLOW_START = """
 import sys, time
-from entr_megatron.controller.workers import ProcessWorkerGroup
+from entr_megatron.controller.ranks.workers import ProcessWorkerGroup
 
 def slow_factory():
     time.sleep(60)

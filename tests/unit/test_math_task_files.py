@@ -10,8 +10,8 @@ pytest.importorskip("transformers")
 
 from entr_megatron.config.loader import load_config  # noqa: E402
 from entr_megatron.config.task import MathTaskConfig, TaskConfig  # noqa: E402
-from entr_megatron.controller.model_init import build_task  # noqa: E402
-from entr_megatron.rollout.tasks import (  # noqa: E402
+from entr_megatron.controller.job.model_init import build_task  # noqa: E402
+from entr_megatron.tasks import (  # noqa: E402
     build_char_tokenizer, check_task_files, load_problems, save_char_tokenizer,
 )
 

@@ -16,10 +16,10 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from entr_megatron.config.loader import load_config  # noqa: E402
-from entr_megatron.controller.model_init import build_task, tokenizer_for  # noqa: E402
-from entr_megatron.rollout.tasks import MathTask, build_char_tokenizer, save_char_tokenizer  # noqa: E402
-from entr_megatron.rollout.tasks.base import stable_hash  # noqa: E402
-from entr_megatron.rollout.tasks.math_data import BOXED_TEMPLATE, DEFAULT_TEMPLATE  # noqa: E402
+from entr_megatron.controller.job.model_init import build_task, tokenizer_for  # noqa: E402
+from entr_megatron.tasks import MathTask, build_char_tokenizer, save_char_tokenizer  # noqa: E402
+from entr_megatron.tasks.base import stable_hash  # noqa: E402
+from entr_megatron.tasks.math_data import BOXED_TEMPLATE, DEFAULT_TEMPLATE  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 BOXED_OVERHEAD = 1 + len("\n") + len("Put your final answer within ") + len("\\boxed{}") + len(".")
@@ -49,7 +49,7 @@ def test_long_prompts_are_skipped_counted_and_reported_once(tmp_path, tok, caplo
     # problem k is k ones: its prompt is k + 1 tokens; limit 10 keeps k = 1..9 and skips 10..30
     train = _jsonl(tmp_path / "t.jsonl", ["1" * k for k in range(1, 31)])
     test = _jsonl(tmp_path / "e.jsonl", ["2" * k for k in (3, 12, 14)])
-    with caplog.at_level(logging.WARNING, logger="entr_megatron.rollout.tasks.math_data"):
+    with caplog.at_level(logging.WARNING, logger="entr_megatron.tasks.math_data"):
         task = MathTask(tok, {"train": train, "test": test}, max_prompt_len=10, reward_backend="normalise")
     assert task.skipped_too_long == 21 + 2
     assert [r.getMessage() for r in caplog.records] == [

@@ -1,7 +1,7 @@
 """The pieces of many-node runs that need no cluster: where gloo listens once a process knows its
 node (utils/node_address.py), ports free on a given address, the launcher's Ray placement fields,
 whether a placement group fits the live nodes and whether a failed rank's node is lost
-(controller/ray_workers.py), and the loopback cluster's node specs (utils/ray_nodes.py)."""
+(controller/ranks/ray_workers.py), and the loopback cluster's node specs (utils/ray_nodes.py)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_ray_placement_fields_are_checked_naming_the_field(override, rule):
 
 
 def test_a_placement_group_fits_only_whole_bundles_on_live_nodes():
-    from entr_megatron.controller.ray_workers import _placeable
+    from entr_megatron.controller.ranks.ray_workers import _placeable
 
     a = {"Alive": True, "Resources": {"CPU": 2.0, "learner": 2.0}}
     b = {"Alive": True, "Resources": {"CPU": 3.0, "engine": 2.0}}
@@ -103,7 +103,7 @@ class FakeRay:
 
 
 def test_a_failed_ranks_node_is_lost_when_ray_says_dead_or_its_raylet_refuses():
-    from entr_megatron.controller.ray_workers import node_lost
+    from entr_megatron.controller.ranks.ray_workers import node_lost
 
     with socket.socket() as listening:
         listening.bind((NODE, 0))
@@ -167,8 +167,9 @@ def test_an_engine_gives_up_a_join_that_a_dead_member_holds_not_a_slow_transfer(
         p.start()
     rank, error, took = queue.get(timeout=300)  # (spawned processes import torch: slow on a busy machine)
     assert rank == 1 and "timeout" in error and took < 30, (rank, error, took)
-    for p in procs:
-        p.kill()
+    procs[1].join(60)  # it ends by itself: killed while its queue's feeder thread writes, the queue's
+    procs[0].kill()    # lock would stay held and the next put block forever
+    queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_join, args=(r, port, 2, 6.0 if r == 0 else 0.0, queue)) for r in (0, 1)]
     for p in procs:

@@ -94,7 +94,9 @@ def test_a_named_default_is_assigned_in_one_module(name):
 
 
 def test_the_abandon_timeout_is_one_value():
-    from entr_megatron.controller import interfaces, loop, remote, wiring
+    from entr_megatron.controller.job import wiring
+    from entr_megatron.controller.ranks import remote
+    from entr_megatron.controller.rl import interfaces, loop
 
     assert interfaces.ABANDON_TIMEOUT_S == 30.0
     assert loop.ABANDON_TIMEOUT_S is remote.ABANDON_TIMEOUT_S is wiring.ABANDON_TIMEOUT_S is interfaces.ABANDON_TIMEOUT_S
@@ -142,7 +144,7 @@ class _Stop(Exception):
 @pytest.mark.parametrize("argv", [["train", "--max-steps", "1"], ["sft"]])
 def test_train_checks_its_inputs_once(monkeypatch, tmp_path, argv):
     from entr_megatron.cli.main import main
-    from entr_megatron.controller import job
+    from entr_megatron.controller.job import run as job
 
     calls = []
     monkeypatch.setattr(job, "check_inputs", lambda cfg, command="train": calls.append(command))

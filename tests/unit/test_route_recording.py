@@ -173,7 +173,7 @@ def test_routing_replay_config_names_the_field():
 
 
 def test_sglang_route_layout_comes_from_the_model_config(tmp_path):
-    from entr_megatron.controller.sglang_setup import route_layout
+    from entr_megatron.controller.job.sglang_setup import route_layout
     from entr_megatron.rollout.sglang import RouteLayout
 
     configs = tiny_configs()
@@ -220,7 +220,7 @@ def test_train_launches_sglang_with_the_routes_flag_only_when_recording(tmp_path
 
     import entr_megatron.rollout.sglang as sglang
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.sglang_servers import sglang_engine
+    from entr_megatron.controller.job.sglang_servers import sglang_engine
 
     class Launched(Exception):
         pass

@@ -216,7 +216,7 @@ def test_an_engine_on_the_gpu_is_colocated_with_a_local_cuda_learner():
         msg = str(info.value)
         assert field in msg and f"must be {want}" in msg and "rollout.embedded.device='cuda'" in msg, msg
     cfg = load_config(None, gpu + ["rollout.placement=colocated", "rollout.num_engines=3"])
-    from entr_megatron.controller.wiring import _embedded_config, engine_device
+    from entr_megatron.controller.job.wiring import _embedded_config, engine_device
 
     assert [engine_device(cfg, i) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]  # i mod gpus_per_node
     engine = _embedded_config(cfg, "/m", 1)

@@ -18,9 +18,9 @@ import zipfile
 
 import pytest
 
-from entr_megatron.rollout.tools import sandbox as sandbox_mod
-from entr_megatron.rollout.tools import sandbox_launcher
-from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
+from entr_megatron.tasks.tools import sandbox as sandbox_mod
+from entr_megatron.tasks.tools import sandbox_launcher
+from entr_megatron.tasks.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 
@@ -393,7 +393,7 @@ def test_refuses_to_run_where_the_kernel_cannot_confine_reads(outside):
         pytest.skip("util-linux unshare --user is unavailable here")
     secret = str(outside / "secret.txt")
     probe = (
-        "from entr_megatron.rollout.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable\n"
+        "from entr_megatron.tasks.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable\n"
         "lim = SandboxLimits(cpu_s=2, wall_s=10)\n"
         "print(PythonSandbox(lim).containment()[0])\n"
         "try:\n    PythonTool(lim)\nexcept SandboxUnavailable as e:\n    print('unavailable:', e)\n"
@@ -415,8 +415,8 @@ def test_refuses_to_run_where_the_kernel_cannot_confine_reads(outside):
 def test_weak_containment_is_a_validated_config_field_that_reaches_the_tool():
     pytest.importorskip("bm25s")
     from entr_megatron.config import load_config
-    from entr_megatron.rollout.tasks import TASK_BUILDERS
-    from entr_megatron.rollout.tasks.search import search_tokenizer
+    from entr_megatron.tasks import TASK_BUILDERS
+    from entr_megatron.tasks.search import search_tokenizer
 
     with pytest.raises(ValueError, match="python_tool_allow_weak_containment.*true or false"):
         load_config(None, ["task.name=search", "task.search.python_tool_allow_weak_containment=3"])

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from entr_megatron.rollout.tools.sandbox import PythonSandbox, SandboxLimits
+from entr_megatron.tasks.tools.sandbox import PythonSandbox, SandboxLimits
 from sandbox_checks import EXPECTED, checks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
@@ -42,11 +42,11 @@ def test_containment_holds_as_this_user():
 
 AS_NOBODY = """
 import json, sys, types
-for name in ("entr_megatron", "entr_megatron.rollout", "entr_megatron.rollout.tools"):
+for name in ("entr_megatron", "entr_megatron.rollout", "entr_megatron.tasks.tools"):
     module = types.ModuleType(name)  # the packages without their __init__ (torch is not installed here)
     module.__path__ = [sys.argv[1] + "/" + name.replace(".", "/")]
     sys.modules[name] = module
-from entr_megatron.rollout.tools.sandbox import PythonSandbox, SandboxLimits
+from entr_megatron.tasks.tools.sandbox import PythonSandbox, SandboxLimits
 sys.path.insert(0, sys.argv[1] + "/tests/unit")
 from sandbox_checks import checks
 

@@ -1,5 +1,5 @@
 """The search task: its invented corpus, BM25 retrieval, questions, expert traces, reward and ToolEnv;
-per-episode worlds (`task.search.world: per_episode`, rollout/tasks/search_worlds.py)."""
+per-episode worlds (`task.search.world: per_episode`, tasks/search_worlds.py)."""
 
 import itertools
 import re
@@ -11,17 +11,17 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from entr_megatron.rollout.engine import EngineHealth, GenerateResult, SamplingParams  # noqa: E402
-from entr_megatron.rollout.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
+from entr_megatron.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
 from entr_megatron.rollout.episode_batch import Episode, run_episodes  # noqa: E402
-from entr_megatron.rollout.tasks.environment import Environment  # noqa: E402
-from entr_megatron.rollout.tasks.search import SearchTask, search_tokenizer  # noqa: E402
-from entr_megatron.rollout.tasks.search_corpus import KINDS, Corpus  # noqa: E402
-from entr_megatron.rollout.tasks.search import all_problems  # noqa: E402
-from entr_megatron.rollout.tasks.search_worlds import (  # noqa: E402
+from entr_megatron.tasks.environment import Environment  # noqa: E402
+from entr_megatron.tasks.search import SearchTask, search_tokenizer  # noqa: E402
+from entr_megatron.tasks.search_corpus import KINDS, Corpus  # noqa: E402
+from entr_megatron.tasks.search import all_problems  # noqa: E402
+from entr_megatron.tasks.search_worlds import (  # noqa: E402
     WORLD_TAGS, WorldEnv, pool_names, tag_of, world_entities, world_prefix,
 )
-from entr_megatron.rollout.tasks.tool_env import ToolEnv  # noqa: E402
-from entr_megatron.rollout.tools import (  # noqa: E402
+from entr_megatron.tasks.tool_env import ToolEnv  # noqa: E402
+from entr_megatron.tasks.tools import (  # noqa: E402
     TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, ToolCall, ToolRunner, format_tool_call, parse_tool_calls,
 )
 from entr_megatron.types import Sample  # noqa: E402
@@ -326,7 +326,7 @@ def test_demonstrations_cover_only_sft_questions_while_rl_draws_every_training_q
 @pytest.mark.parametrize("world", ["fixed", "per_episode"])
 def test_train_sets_the_tool_limits_of_rollout_agent(world):
     from entr_megatron.config import load_config
-    from entr_megatron.controller.model_init import build_task
+    from entr_megatron.controller.job.model_init import build_task
 
     cfg = load_config(None, ["task.name=search", "task.search.num_entities=16", "task.search.python_tool=true",
                              f"task.search.world={world}",
@@ -344,7 +344,7 @@ def test_train_sets_the_tool_limits_of_rollout_agent(world):
 
 
 def test_fuzzy_search_finds_a_misspelt_name_and_exact_search_does_not():
-    from entr_megatron.rollout.tasks.search_corpus import index_terms
+    from entr_megatron.tasks.search_corpus import index_terms
 
     assert index_terms("Velora: founder marek.") == ["velora", "founder", "marek"]
     assert index_terms("marek", fuzzy=True) == ["marek", "#mar", "#are", "#rek"]

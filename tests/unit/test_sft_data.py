@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from entr_megatron.controller.sft_data import load_sft_file_examples, read_sft_file
+from entr_megatron.controller.job.sft_data import load_sft_file_examples, read_sft_file
 
 
 def write(path, rows):

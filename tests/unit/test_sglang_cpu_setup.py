@@ -134,7 +134,7 @@ def test_start_checks_fail_in_seconds_with_one_line(tmp_path):
 def test_train_launches_cpu_servers_with_the_cpu_settings(tmp_path):
     from entr_megatron.config.loader import load_config
     from entr_megatron.config.rollout import CPU_MAX_TOTAL_TOKENS
-    from entr_megatron.controller.sglang_servers import NO_PREFIX_CACHE, server_configs
+    from entr_megatron.controller.job.sglang_servers import NO_PREFIX_CACHE, server_configs
 
     cfg = load_config(None, ["rollout.engine=sglang", "launcher.device=cpu", "rollout.kv_on_update=keep",
                              "rollout.sglang.python=.venv-sglang/bin/python", "rollout.num_engines=2"])
@@ -155,7 +155,7 @@ def test_servers_given_by_url_for_kv_keep_must_run_without_the_prefix_cache(tmp_
     from contextlib import ExitStack
 
     from entr_megatron.config.loader import load_config
-    from entr_megatron.controller.sglang_servers import start_servers
+    from entr_megatron.controller.job.sglang_servers import start_servers
 
     sys.path.insert(0, str(ROOT / "tests" / "unit"))
     from sglang_mock import MockSGLangServer

@@ -1,4 +1,4 @@
-"""SGLang servers kept in service (controller/sglang_servers.py), against the protocol mock run as
+"""SGLang servers kept in service (controller/job/sglang_servers.py), against the protocol mock run as
 a server process (`sglang_mock.py` as a script: SGLang 0.5.23's HTTP API), killed with SIGKILL or
 stopped with SIGSTOP like a real server:
 
@@ -32,10 +32,10 @@ import sglang_mock
 from controller_fakes import DeliveredPush
 from entr_megatron.config import ControllerConfig
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.engines import RestartsExhausted
-from entr_megatron.controller.loop import Controller
-from entr_megatron.controller.sglang_servers import SGLangServers, ServerRecovery
-from entr_megatron.controller.sglang_setup import PushedVersionView
+from entr_megatron.controller.rl.engines import RestartsExhausted
+from entr_megatron.controller.rl.loop import Controller
+from entr_megatron.controller.job.sglang_servers import SGLangServers, ServerRecovery
+from entr_megatron.controller.job.sglang_setup import PushedVersionView
 from entr_megatron.rollout.sglang import SGLangClient, SGLangServerConfig, launch_servers
 
 MOCK = (sys.executable, str(pathlib.Path(sglang_mock.__file__)))
@@ -232,7 +232,7 @@ def test_with_no_server_left_the_run_waits_then_names_each_server(stack):
 
 
 def test_relaunched_learner_ranks_reach_the_servers_in_service_and_push_first(stack):
-    from entr_megatron.controller.sglang_servers import reconnect_sglang
+    from entr_megatron.controller.job.sglang_servers import reconnect_sglang
 
     with sglang_mock.MockSGLangServer(weight_version="9") as a, sglang_mock.MockSGLangServer(weight_version="9") as b:
         cfg = run_config(f"rollout.sglang.urls=[{a.url},{b.url}]", "rollout.num_engines=2")

@@ -26,7 +26,7 @@ import pytest
 
 from entr_megatron.config.loader import dump_config, load_config
 from entr_megatron.config.rollout import RolloutConfig, SGLangConfig
-from entr_megatron.controller.sglang_setup import model_vocab_size
+from entr_megatron.controller.job.sglang_setup import model_vocab_size
 from entr_megatron.rollout.engine import GenerateRequest, SamplingParams, generate
 from entr_megatron.rollout.sglang import (
     RouterConfig,

@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from entr_megatron.rollout.engine import RolloutEngine, SamplingParams  # noqa: E402
 from entr_megatron.rollout.episode_batch import Episode, run_episodes  # noqa: E402
-from entr_megatron.rollout.tasks import (  # noqa: E402
+from entr_megatron.tasks import (  # noqa: E402
     OBSERVATION_LOGPROB, CalculatorError, CalculatorTask, Environment, safe_eval,
 )
 

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from entr_megatron.rollout.tasks import (  # noqa: E402
+from entr_megatron.tasks import (  # noqa: E402
     TASKS, ArithmeticTask, CalculatorTask, CountdownTask, MathTask, make_task, write_tiny_model_config,
 )
 from entr_megatron.types import Sample  # noqa: E402

@@ -10,7 +10,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from entr_megatron.config import load_config  # noqa: E402
-from entr_megatron.rollout.tasks.countdown import (  # noqa: E402
+from entr_megatron.tasks.countdown import (  # noqa: E402
     TOKEN_LABELS, CountdownProblem, CountdownTask, check_response, count_solutions, countdown_reward,
     format_trace, label_response, sample_solution, solutions,
 )
@@ -212,8 +212,8 @@ def test_config_errors_name_the_field(override, field):
 
 
 def test_registry_builds_it_from_the_config(tok):
-    from entr_megatron.controller.job import build_task
-    from entr_megatron.rollout.tasks import TASK_BUILDERS, default_tokenizer
+    from entr_megatron.controller.job.run import build_task
+    from entr_megatron.tasks import TASK_BUILDERS, default_tokenizer
 
     cfg = load_config(None, ["task.name=countdown", "task.countdown.num_operands=3", "task.countdown.max_value=50",
                              "task.countdown.max_target=50", "task.countdown.operations=['+', '*']"])

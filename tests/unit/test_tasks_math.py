@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from entr_megatron.rollout.tasks import MathTask, build_char_tokenizer, load_problems  # noqa: E402
-from entr_megatron.rollout.tasks.math_reward import (  # noqa: E402
+from entr_megatron.tasks import MathTask, build_char_tokenizer, load_problems  # noqa: E402
+from entr_megatron.tasks.math_reward import (  # noqa: E402
     extract_boxed, math_verify_available, math_verify_reward, normalised_match_reward,
 )
 from entr_megatron.types import Sample  # noqa: E402

@@ -1,11 +1,11 @@
-"""Hermes tool calls: parsing, formatting, and the runner's checks and limits (rollout/tools/calls.py)."""
+"""Hermes tool calls: parsing, formatting, and the runner's checks and limits (tasks/tools/calls.py)."""
 
 import json
 import time
 
 import pytest
 
-from entr_megatron.rollout.tools import (
+from entr_megatron.tasks.tools import (
     INVALID_CALL, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TRUNCATION_MARK, UNKNOWN_TOOL, ToolCall, ToolOutcome, ToolRunner,
     format_tool_call, format_tool_responses, parse_tool_calls, tool_schema,
 )

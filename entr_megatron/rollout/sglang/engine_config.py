@@ -20,7 +20,7 @@ __all__ = ["SGLangEngineConfig", "pushes_in_flight"]
 
 
 def pushes_in_flight(mode: str) -> bool:
-    """Whether controller mode `mode` pushes weights while the engines generate (controller/loop.py:
+    """Whether controller mode `mode` pushes weights while the engines generate (controller/rl/loop.py:
     fully_async swaps in flight; sync, one_step_off and fixed_lag push between rounds, engines idle)."""
     return mode == "fully_async"
 
@@ -82,7 +82,7 @@ class SGLangEngineConfig:
                     routes: RouteLayout | None = None, mode: str | None = None, **overrides: Any) -> SGLangEngineConfig:
         """The engine over `urls` of the run's validated `rollout` section (kv_on_update, the weight
         bucket size and `rollout.sglang.max_concurrent_requests`, per server); `routes`: the
-        model's route layout when routes are recorded (controller/sglang_setup.py); `mode`: the
+        model's route layout when routes are recorded (controller/job/sglang_setup.py); `mode`: the
         controller's (`pause_for_updates`; None: pause)."""
         s = rollout.sglang
         fields = dict(urls=tuple(urls), router_url=router_url, tp_sizes=tp_sizes, weight_dtype=weight_dtype, routes=routes,
