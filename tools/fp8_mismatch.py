@@ -29,8 +29,8 @@ import transformers  # noqa: E402
 import transformers  # noqa: E402
 
 from entr_megatron.config.loader import load_config  # noqa: E402
-from entr_megatron.rollout.decoder import BatchDecoder  # noqa: E402
-from entr_megatron.rollout.engine import GenerateRequest, SamplingParams  # noqa: E402
+from entr_megatron.rollout.decoder import decode_all  # noqa: E402
+from entr_megatron.rollout.engine import SamplingParams  # noqa: E402
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm  # noqa: E402
 from entr_megatron.rollout.quantize import install_rounding  # noqa: E402
 from entr_megatron.tasks import TASK_BUILDERS, default_tokenizer, load_tokenizer  # noqa: E402
@@ -55,13 +55,7 @@ TAIL = 1e-3
 
 def sample(model, prompts, params: SamplingParams, batch: int):
     """Every sample of every prompt: (prompt ids, response ids, log mu, H(mu)) from the engine's decoder."""
-    dec = BatchDecoder(model, max_batch_size=batch, eos_token_ids=eos_token_ids(model))
-    for i, ids in enumerate(prompts):
-        dec.add(GenerateRequest(ids, params, request_id=str(i)))
-    results = []
-    while dec.has_work():
-        results.extend(dec.step())
-    results.sort(key=lambda r: (int(r.request_id), r.sample_index))
+    results = decode_all(model, prompts, params, batch, eos_token_ids(model))
     return [(r.prompt_ids, r.output_ids, r.logprobs, r.entropy) for r in results]
 
 

@@ -309,3 +309,17 @@ class BatchDecoder:
         ]
         self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask_BL, 1)])
         self._running = self._running + new
+
+
+def decode_all(model: CausalLM, prompts: list[list[int]], params: SamplingParams, max_batch_size: int,
+               eos_token_ids: Iterable[int]) -> list[GenerateResult]:
+    """Every sample of every prompt, decoded in this process (no engine around the decoder), in
+    prompt order then sample index: what the measuring tools compare with a learner's scores."""
+    dec = BatchDecoder(model, max_batch_size=max_batch_size, eos_token_ids=eos_token_ids)
+    for i, ids in enumerate(prompts):
+        dec.add(GenerateRequest(ids, params, request_id=str(i)))
+    results = []
+    while dec.has_work():
+        results.extend(dec.step())
+    results.sort(key=lambda r: (int(r.request_id), r.sample_index))
+    return results

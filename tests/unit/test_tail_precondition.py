@@ -56,3 +56,27 @@ def test_one_crossing_per_1k_does_not_hold(tool):
     assert out["rare_low_h_entr_per_1k"] == pytest.approx(1.0) and not out["holds"]
     assert "| [0.01, 0.1) |" in tool.markdown({"title": "t", "setup": "s", "rows": [
         {"source": "numerics", "engine": "bf16", **out}]})
+
+
+def test_decode_all_is_hf_greedy_decoding_in_prompt_order():
+    """rollout.decoder.decode_all (the tools' sampler): greedy, its tokens are HF generate's, one
+    result per sample in prompt order then sample index, prompts batched beyond max_batch_size."""
+    import transformers
+
+    from entr_megatron.rollout.decoder import decode_all
+    from entr_megatron.rollout.engine import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=48, vocab_size=64, initializer_range=0.3,
+                                   max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    prompts = [[5, 6, 7], [9], [3, 4, 5, 6, 7, 8], [11, 12]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, n=2, ignore_eos=True)
+    results = decode_all(model, prompts, params, max_batch_size=3, eos_token_ids=())
+    assert [(r.prompt_ids, r.sample_index) for r in results] == [(p, i) for p in prompts for i in range(2)]
+    for r in results:
+        with torch.no_grad():
+            want = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=6, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)[0, len(r.prompt_ids):]
+        assert r.output_ids == want.tolist()
