@@ -16,9 +16,9 @@ import pytest
 
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
 from entr_megatron.config.loader import load_config
+from entr_megatron.controller.job.wiring import EngineRecovery
 from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.rl.loop import Controller
-from entr_megatron.controller.job.wiring import EngineRecovery
 from entr_megatron.rollout.engine import EngineError
 
 from controller_fakes import Engine, Learner, Pusher, Recovery

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from entr_megatron.config import ControllerConfig, RolloutConfig, SamplingConfig
-from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.job.evaluation import evaluate
+from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.rl.loop import Controller
 from entr_megatron.controller.rl.replacing import generate_replacing
 from entr_megatron.rollout.engine import EngineError, GenerateRequest, SamplingParams

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from entr_megatron.config.loader import load_config
+from entr_megatron.controller.job.sglang_setup import PushedVersionView
 from entr_megatron.controller.ranks.learner_worker import LearnerWorker
 from entr_megatron.controller.ranks.remote import RemoteLearner, RemotePusher
-from entr_megatron.controller.job.sglang_setup import PushedVersionView
 
 from controller_fakes import OneTokenEngine
 

@@ -11,12 +11,12 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from entr_megatron.rollout.engine import EngineHealth, GenerateResult, SamplingParams  # noqa: E402
-from entr_megatron.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
 from entr_megatron.rollout.episode_batch import Episode, run_episodes  # noqa: E402
+from entr_megatron.tasks.char_tokenizer import build_char_tokenizer  # noqa: E402
 from entr_megatron.tasks.environment import Environment  # noqa: E402
 from entr_megatron.tasks.search import SearchTask, search_tokenizer  # noqa: E402
-from entr_megatron.tasks.search_corpus import KINDS, Corpus  # noqa: E402
 from entr_megatron.tasks.search import all_problems  # noqa: E402
+from entr_megatron.tasks.search_corpus import KINDS, Corpus  # noqa: E402
 from entr_megatron.tasks.search_worlds import (  # noqa: E402
     WORLD_TAGS, WorldEnv, pool_names, tag_of, world_entities, world_prefix,
 )

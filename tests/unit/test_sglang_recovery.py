@@ -32,10 +32,10 @@ import sglang_mock
 from controller_fakes import DeliveredPush
 from entr_megatron.config import ControllerConfig
 from entr_megatron.config.loader import load_config
-from entr_megatron.controller.rl.engines import RestartsExhausted
-from entr_megatron.controller.rl.loop import Controller
 from entr_megatron.controller.job.sglang_servers import SGLangServers, ServerRecovery
 from entr_megatron.controller.job.sglang_setup import PushedVersionView
+from entr_megatron.controller.rl.engines import RestartsExhausted
+from entr_megatron.controller.rl.loop import Controller
 from entr_megatron.rollout.sglang import SGLangClient, SGLangServerConfig, launch_servers
 
 MOCK = (sys.executable, str(pathlib.Path(sglang_mock.__file__)))

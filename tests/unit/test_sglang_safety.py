@@ -42,9 +42,9 @@ from entr_megatron.rollout.sglang import (
     server_command,
     terminate_all,
 )
+from entr_megatron.rollout.sglang.answers import BadAnswer, RouteLayout
 from entr_megatron.rollout.sglang.client import api_key_from_env
 from entr_megatron.rollout.sglang.launcher import API_KEY_SHIM, REDACTED
-from entr_megatron.rollout.sglang.answers import BadAnswer, RouteLayout
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
 from sglang_mock import MockSGLangServer, encode_routes, engine_for

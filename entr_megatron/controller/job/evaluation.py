@@ -12,10 +12,10 @@ from typing import Any
 
 from entr_megatron.config.rollout import SamplingConfig
 from entr_megatron.config.run import RunConfig
-from entr_megatron.utils.console import say
-from entr_megatron.controller.rl.replacing import Recover, generate_replacing
 from entr_megatron.controller.job.run_dir import RunPaths, read_eval, save_eval
+from entr_megatron.controller.rl.replacing import Recover, generate_replacing
 from entr_megatron.rollout.engine import GenerateRequest, RolloutEngine, SamplingParams, generate
+from entr_megatron.utils.console import say
 from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["EVAL_TIMEOUT_S", "HeldOut", "evaluate"]

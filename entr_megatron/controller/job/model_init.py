@@ -26,9 +26,9 @@ import torch
 
 from entr_megatron.checkpoint.hf_files import staged_dir
 from entr_megatron.config.run import RunConfig
-from entr_megatron.utils.console import say
 from entr_megatron.controller.job.run_dir import RunPaths
 from entr_megatron.tasks import TASK_BUILDERS, default_tokenizer, load_tokenizer
+from entr_megatron.utils.console import say
 
 __all__ = ["build_task", "from_learner_checkpoint", "prepare_model", "tokenizer_for"]
 

@@ -32,9 +32,7 @@ from entr_megatron.checkpoint.directory import clean_stale
 from entr_megatron.config.launcher import CPU_RANKS_PER_CORE, LauncherConfig
 from entr_megatron.config.run import RunConfig
 from entr_megatron.config.validate import FieldError, readable_files
-from entr_megatron.utils.console import StopFlag, say
 from entr_megatron.controller.job.evaluation import HeldOut, evaluate
-from entr_megatron.controller.rl.loop import Controller, ControllerHooks
 from entr_megatron.controller.job.model_init import build_task, prepare_model, tokenizer_for
 from entr_megatron.controller.job.run_dir import RunPaths, export_final_model, write_config
 from entr_megatron.controller.job.run_hooks import RunCheckpoints, check_disk, resume_point, step_recorder
@@ -42,8 +40,10 @@ from entr_megatron.controller.job.sft import warm_up
 from entr_megatron.controller.job.sglang_setup import check_launch
 from entr_megatron.controller.job.wiring import connect, make_engines, relaunch_learner, with_episodes
 from entr_megatron.controller.ranks.workers import WorkerError
+from entr_megatron.controller.rl.loop import Controller, ControllerHooks
 from entr_megatron.learner.hf_load import read_hf_config
 from entr_megatron.tasks import TASK_BUILDERS, check_task_files, load_tokenizer, task_class
+from entr_megatron.utils.console import StopFlag, say
 from entr_megatron.utils.megatron_warnings import fallback_summary
 from entr_megatron.utils.run_lock import RunLock
 from entr_megatron.utils.spawn import available_cores

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from entr_megatron.config.run import RunConfig
-from entr_megatron.utils.console import say
-from entr_megatron.controller.ranks.remote import RemoteLearner
 from entr_megatron.controller.job.run_dir import RunPaths, copy_tokenizer
 from entr_megatron.controller.job.sft_data import load_sft_file_examples
 from entr_megatron.controller.job.wiring import learner_group
+from entr_megatron.controller.ranks.remote import RemoteLearner
 from entr_megatron.types import Sample, TrainBatch
+from entr_megatron.utils.console import say
 from entr_megatron.utils.run_log import MetricsLogger, ProgressBar
 from entr_megatron.utils.seeding import mix_seed
 

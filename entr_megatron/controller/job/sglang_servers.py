@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from entr_megatron.config.run import RunConfig
-from entr_megatron.utils.console import say
+from entr_megatron.controller.job.sglang_setup import check_launch, model_vocab_size, route_layout, sglang_wire_dtype
+from entr_megatron.controller.ranks.learner_worker import LearnerWorker
 from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
 from entr_megatron.controller.rl.interfaces import Recovery
-from entr_megatron.controller.ranks.learner_worker import LearnerWorker
-from entr_megatron.controller.job.sglang_setup import check_launch, model_vocab_size, route_layout, sglang_wire_dtype
 from entr_megatron.rollout.sglang import (
     ManagedProcess,
     SGLangClient,
@@ -51,6 +50,7 @@ from entr_megatron.rollout.sglang import (
     SGLangError,
     SGLangServerConfig,
 )
+from entr_megatron.utils.console import say
 from entr_megatron.utils.spawn import free_port
 
 __all__ = ["PROBE_MAX_INTERVAL_S", "SGLangServers", "ServerRecovery", "server_configs", "sglang_engine", "start_servers"]

@@ -34,16 +34,16 @@ from typing import Any, NamedTuple
 
 from entr_megatron.config.controller import SEQUENTIAL_MODES
 from entr_megatron.config.run import RunConfig
-from entr_megatron.utils.console import say
-from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
-from entr_megatron.controller.rl.interfaces import ABANDON_TIMEOUT_S, Recovery
+from entr_megatron.controller.job.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
+from entr_megatron.controller.job.sglang_setup import PushedVersionView, forget_server_versions
 from entr_megatron.controller.ranks.learner_worker import LearnerWorker, LearnerWorkerSpec, make_learner_worker
 from entr_megatron.controller.ranks.ray_workers import RayWorkerGroup
 from entr_megatron.controller.ranks.remote import RemoteLearner, RemotePusher
-from entr_megatron.controller.job.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
-from entr_megatron.controller.job.sglang_setup import PushedVersionView, forget_server_versions
 from entr_megatron.controller.ranks.workers import ProcessWorkerGroup, WorkerGroup
+from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
+from entr_megatron.controller.rl.interfaces import ABANDON_TIMEOUT_S, Recovery
 from entr_megatron.rollout.engine import RolloutEngine
+from entr_megatron.utils.console import say
 from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.spawn import available_cores
 

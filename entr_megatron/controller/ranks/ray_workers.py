@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from entr_megatron.utils.console import say
 from entr_megatron.controller.ranks.workers import POLL_S, WorkerError, WorkerMethod, _checked, _what
+from entr_megatron.utils.console import say
 from entr_megatron.utils.node_address import set_node_address
 from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.spawn import enter_rank, forks_die_with_this_process, free_port, torchrun_env

@@ -31,9 +31,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from entr_megatron.controller.rl.interfaces import ABANDON_TIMEOUT_S
 from entr_megatron.controller.ranks.learner_worker import LearnerWorker
 from entr_megatron.controller.ranks.workers import WorkerGroup
+from entr_megatron.controller.rl.interfaces import ABANDON_TIMEOUT_S
 from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
 from entr_megatron.types import TrainBatch
 

@@ -53,8 +53,8 @@ from entr_megatron.algorithm.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
 from entr_megatron.config.controller import CONTROLLER_MODES, ControllerConfig, fully_async_inflight_target
 from entr_megatron.config.rollout import RolloutConfig
 from entr_megatron.controller.rl.buffer import Group, GroupRef, StalenessBuffer, lag_metrics
-from entr_megatron.utils.console import say
 from entr_megatron.controller.rl.engines import RestartsExhausted
+from entr_megatron.controller.rl.fixed_lag import LagPipeline
 from entr_megatron.controller.rl.inflight import InFlight
 from entr_megatron.controller.rl.interfaces import (
     ABANDON_TIMEOUT_S,
@@ -65,10 +65,9 @@ from entr_megatron.controller.rl.interfaces import (
     Recovery,
     WeightPusher,
 )
-from entr_megatron.controller.rl.fixed_lag import LagPipeline
 from entr_megatron.controller.rl.pushes import PushSlot
-from entr_megatron.controller.rl.timings import StepTimings
 from entr_megatron.controller.rl.replacing import generate_replacing
+from entr_megatron.controller.rl.timings import StepTimings
 from entr_megatron.rollout.engine import (
     EngineError,
     EngineGroup,
@@ -79,6 +78,7 @@ from entr_megatron.rollout.engine import (
 from entr_megatron.rollout.episodes import episode_metrics
 from entr_megatron.tasks.base import TokenLabeller, no_token_labels
 from entr_megatron.types import TrainBatch
+from entr_megatron.utils.console import say
 from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["CONTROLLER_MODES", "Controller", "ControllerHooks"]

@@ -20,8 +20,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from entr_megatron.utils.console import say
 from entr_megatron.rollout.engine import EngineError, EngineGroup, GenerateRequest, GenerateResult, generate
+from entr_megatron.utils.console import say
 
 __all__ = ["DRAIN_TIMEOUT_S", "generate_replacing"]
 
