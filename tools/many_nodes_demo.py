@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,8 @@ def main() -> None:
                 layouts = [("1 node", [], None), ("3 nodes", ray, cluster.driver_env)]
                 for layout, more, env in layouts[::-1] if rep % 2 else layouts:  # which runs first alternates
                     run_dir = out / f"{mode}_{layout.replace(' ', '')}_{rep}"
+                    if run_dir.exists():  # this tool's own earlier run: `train` would resume it (0 steps)
+                        shutil.rmtree(run_dir)
                     print(f"repeat {rep}: {mode} on {layout} ...", file=sys.stderr, flush=True)
                     r = train(args.config, run_dir, [*start, f"controller.mode={mode}", *more], env)
                     results.append({"repeat": rep, "mode": mode, "layout": layout, **r})
