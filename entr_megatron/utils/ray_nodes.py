@@ -126,7 +126,7 @@ def loopback_aliases_work(address: str = "127.0.0.2") -> bool:
         return False
 
 
-def _port_above_workers(host: str) -> int:
+def port_above_ray_workers(host: str) -> int:
     """A free port on `host` above Ray's default worker ports (10002-19999), which `ray start` refuses to share."""
     for _ in range(200):
         port = free_port(host=host)
@@ -161,8 +161,8 @@ class LoopbackCluster:
                      **self.driver_env}
         self._env.pop("RAY_ADDRESS", None)  # a node joins the address given here, nothing else
         self._ray = ray or ray_command()
-        self.port = _port_above_workers(self.head.address)
-        self._client_port = _port_above_workers(self.head.address)
+        self.port = port_above_ray_workers(self.head.address)
+        self._client_port = port_above_ray_workers(self.head.address)
         self._procs: dict[str, subprocess.Popen] = {}
         self._watchdog: subprocess.Popen | None = None
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from entr_megatron.utils.run_log import read_metrics
-from entr_megatron.utils.spawn import free_port
+from entr_megatron.utils.ray_nodes import port_above_ray_workers
 from test_train import base_config, cli
 
 pytest.importorskip("ray")
@@ -71,7 +71,7 @@ def test_the_sbatch_script_starts_ray_across_the_allocation_and_trains(tmp_path,
     config.write_text(yaml.safe_dump(cfg))
     ray_tmp = Path(tempfile.mkdtemp(prefix="entr-ray-", dir="/tmp"))  # Ray's socket paths: at most 107 bytes
     env = {**slurm, "ENTR_BIN": str(Path(sys.executable).parent), "ENTR_CPUS_PER_NODE": "2",
-           "ENTR_RAY_TMP": str(ray_tmp), "ENTR_RAY_PORT": str(free_port(host="127.0.0.2"))}
+           "ENTR_RAY_TMP": str(ray_tmp), "ENTR_RAY_PORT": str(port_above_ray_workers("127.0.0.2"))}
     job = subprocess.run(["sbatch", "--wait", "--nodes=3", f"--output={tmp_path}/job-%j.out", "--chdir", str(tmp_path),
                           str(SCRIPTS / "train_ray.sbatch"), str(config), "--max-steps", "4"],
                          capture_output=True, text=True, env=env, timeout=900)
