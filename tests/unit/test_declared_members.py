@@ -12,6 +12,7 @@ import pytest
 PKG = pathlib.Path(__file__).resolve().parents[2] / "entr_megatron"
 RL_STEP_PATH = sorted((PKG / "controller" / "rl").glob("*.py")) + [
     PKG / "rollout" / "episodes.py", PKG / "rollout" / "engine.py", PKG / "controller" / "job" / "sglang_setup.py",
+    PKG / "controller" / "job" / "wiring.py",
     PKG / "controller" / "ranks" / "remote.py", PKG / "controller" / "ranks" / "learner_worker.py",
     PKG / "learner" / "trainer.py", PKG / "learner" / "train_step.py", PKG / "learner" / "loss.py",
 ]

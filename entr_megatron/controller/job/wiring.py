@@ -173,7 +173,7 @@ class EngineRecovery(Recovery):
     def _new_engine(self, index: int) -> RolloutEngine:
         engine = embedded_engine(self.cfg, self.model_dir, index)
         self.stack.callback(engine.shutdown)
-        if hasattr(engine, "where"):  # a Ray actor: where Ray placed it
+        if self.cfg.launcher.kind == "ray":  # a Ray actor (RayEngine): where Ray placed it
             say(f"embedded engine {index} replaced: {engine.where}")
         return engine
 
@@ -220,7 +220,7 @@ def _reconnect_embedded(cfg: RunConfig, group, address: str, base_port: int, eng
     deadline = time.monotonic() + ABANDON_TIMEOUT_S
     for index, update in enumerate(old.last_updates):  # the failed learner's last version, if still on its way
         update.join(max(deadline - time.monotonic(), 0.0))
-        if update.is_alive() and hasattr(update.engine, "kill"):
+        if update.is_alive():  # an embedded engine (EmbeddedEngine or RayEngine): both can be killed
             say(f"engine {index} still waits for weights from the failed learner after {ABANDON_TIMEOUT_S:.0f} s: "
                 "killed (it is replaced at the first push)")
             update.engine.kill()
