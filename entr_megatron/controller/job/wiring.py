@@ -37,7 +37,7 @@ from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.job.sglang_servers import ServerRecovery, reconnect_sglang, sglang_engine, start_servers
 from entr_megatron.controller.job.sglang_setup import PushedVersionView, forget_server_versions
 from entr_megatron.controller.ranks.learner_worker import LearnerWorker, LearnerWorkerSpec, make_learner_worker
-from entr_megatron.controller.ranks.ray_workers import RayWorkerGroup
+from entr_megatron.controller.ranks.ray_workers import RayWorkerGroup, node_lost
 from entr_megatron.controller.ranks.remote import RemoteLearner, RemotePusher
 from entr_megatron.controller.ranks.workers import ProcessWorkerGroup, WorkerGroup
 from entr_megatron.controller.rl.engines import EngineSet, RestartsExhausted
@@ -107,6 +107,11 @@ def _connect_weights(cfg: RunConfig, pusher: RemotePusher, address: str, base_po
     pusher.receivers = receivers
 
 
+DEAD_NODE_WAIT_S = 60.0
+"""Longest wait for Ray to call an unanswering engine node dead before its replacement is placed
+(Ray's own health checks: seconds to half a minute, ray_nodes.FAST_FAILURE_ENV on the loopback cluster)."""
+
+
 class EngineRecovery(Recovery):
     """Replaces the embedded engines of an `EngineSet` that died or stopped answering.
 
@@ -166,11 +171,30 @@ class EngineRecovery(Recovery):
         if len(behind) < len(everyone):
             self._rebuild(everyone)
 
+    def _wait_for_ray_to_drop(self, index: int, node: str | None) -> None:
+        """The replaced Ray engine's node no longer answers but Ray still lists it alive (its health
+        checks take seconds): wait, at most `DEAD_NODE_WAIT_S`, until Ray calls it dead, or the
+        replacement may be placed there (the engines spread one per node, and that node now has
+        none) and fail in turn, a second replacement for one failure."""
+        import ray  # lazy: Ray, for launcher.kind 'ray' only
+
+        if node is None or not node_lost(ray, node):
+            return  # the engine died, its node lives (or is gone from Ray already: nothing to wait for)
+        say(f"embedded engine {index}'s node {node} does not answer: waiting up to {DEAD_NODE_WAIT_S:.0f} s for "
+            "Ray to call it dead before placing the replacement")
+        deadline = time.monotonic() + DEAD_NODE_WAIT_S
+        while time.monotonic() < deadline:
+            if not any(n.get("Alive") and n["NodeManagerAddress"] == node for n in ray.nodes()):
+                return
+            time.sleep(0.5)
+
     def _rebuild(self, engines: list[RolloutEngine]) -> None:
         _, base_port = _meeting_point(self.cfg, self.pusher.group)  # fresh ports on rank 0's node
         _connect_weights(self.cfg, self.pusher, self.address, base_port, engines)
 
     def _new_engine(self, index: int) -> RolloutEngine:
+        if self.cfg.launcher.kind == "ray":
+            self._wait_for_ray_to_drop(index, self.engines.engines[index].node)
         engine = embedded_engine(self.cfg, self.model_dir, index)
         self.stack.callback(engine.shutdown)
         if self.cfg.launcher.kind == "ray":  # a Ray actor (RayEngine): where Ray placed it
