@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from entr_megatron.tasks.base import check_split, decode_response, split_of
+from entr_megatron.tasks.base import check_fractions, check_split, decode_response, split_of
 from entr_megatron.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.types import Sample
 
@@ -132,10 +132,7 @@ class ArithmeticTask:
             raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
         if not ops or any(op not in OPS for op in ops):
             raise ValueError(f"ops must be a non-empty subset of {OPS}, got {ops!r}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-        if not 0.0 <= format_reward < 1.0:
-            raise ValueError(f"format_reward must be in [0, 1), got {format_reward!r}")
+        check_fractions(test_fraction, format_reward)
         if tokenizer is None:
             tokenizer = build_char_tokenizer()
         self.digits, self.ops, self.reverse_answer, self.pad_operands = digits, ops, reverse_answer, pad_operands

@@ -69,6 +69,15 @@ def check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
+def check_fractions(test_fraction: float, format_reward: float = 0.0) -> None:
+    """The range checks every task's constructor makes: a test split that is neither empty nor
+    everything, and a format reward below a correct answer's (a bool is no number here)."""
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    if isinstance(format_reward, bool) or not isinstance(format_reward, (int, float)) or not 0 <= format_reward < 1:
+        raise ValueError(f"format_reward must be in [0, 1), got {format_reward!r}")
+
+
 def stable_hash(text: str) -> int:
     """A 64-bit hash that is the same in every process and Python version (unlike `hash`)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import Any
 
 from entr_megatron.tasks.base import (
-    answer_after, check_split, final_answer_reward, single_token_id, split_of,
+    answer_after, check_fractions, check_split, final_answer_reward, single_token_id, split_of,
 )
 from entr_megatron.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.tasks.environment import Step
@@ -167,8 +167,7 @@ class CalculatorTask:
         """digits: operands are drawn from [0, 10**digits)."""
         if not isinstance(digits, int) or isinstance(digits, bool) or not 1 <= digits <= 9:
             raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+        check_fractions(test_fraction)
         if tokenizer is None:
             tokenizer = build_char_tokenizer()
         single_token_id(tokenizer, CALL_CLOSE, "the calculator", CALC_MARKERS)

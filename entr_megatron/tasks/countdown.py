@@ -56,7 +56,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from entr_megatron.tasks.base import check_split, decode_response, split_of
+from entr_megatron.tasks.base import check_fractions, check_split, decode_response, split_of
 from entr_megatron.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.tasks.countdown_labels import (
     ANSWER, ARITHMETIC, CHOICE, FORCED, TOKEN_LABELS, label_response, label_tokens,
@@ -126,10 +126,7 @@ class CountdownTask:
         integer("min_target", min_target, 0, max_target)
         if not ops or any(op not in OPS for op in ops) or len(set(ops)) != len(ops):
             raise ValueError(f"ops must be a non-empty subset of {OPS} without repeats, got {ops!r}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-        if not 0.0 <= format_reward < 1.0:
-            raise ValueError(f"format_reward must be in [0, 1), got {format_reward!r}")
+        check_fractions(test_fraction, format_reward)
         if tokenizer is None:
             tokenizer = build_char_tokenizer()
         self.num_operands, self.min_number, self.max_number = num_operands, min_number, max_number

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from entr_megatron.config.task import SearchWorld
-from entr_megatron.tasks.base import answer_after, check_split, final_answer_reward, split_of
+from entr_megatron.tasks.base import answer_after, check_fractions, check_split, final_answer_reward, split_of
 from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
 from entr_megatron.tasks.search_corpus import (
     MAX_ENTITIES, MIN_ENTITIES, RELATIONS, Corpus, OpenTool, SearchTool,
@@ -176,8 +176,7 @@ class SearchTask:
         _check_int("top_k", top_k, 1, min(MAX_TOP_K, num_entities))
         _check_int("corpus_seed", corpus_seed, 0, math.inf)
         _check_int("split_seed", split_seed, 0, math.inf)
-        if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+        check_fractions(test_fraction)
         if world not in WORLDS:
             raise ValueError(f"world must be one of {WORLDS}, got {world!r}")
         if world == "per_episode" and sft_questions is not None:

@@ -117,3 +117,22 @@ def test_pad_operands_fixes_digit_positions(tok):
         a, b = int(p.text[:3]), int(p.text[4:7])
         assert p.answer == str(a + b)[::-1]
     assert any(p.text.startswith("0") for p in problems)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"test_fraction": 0.0}, "test_fraction must be in (0, 1), got 0.0"),
+    ({"test_fraction": True}, "test_fraction must be in (0, 1), got True"),
+    ({"format_reward": 1.0}, "format_reward must be in [0, 1), got 1.0"),
+])
+def test_every_task_checks_its_fractions_alike(kwargs, message):
+    """tasks.base.check_fractions: arithmetic, countdown, calculator (no format reward) and search."""
+    from entr_megatron.tasks.arithmetic import ArithmeticTask
+    from entr_megatron.tasks.calculator import CalculatorTask
+    from entr_megatron.tasks.countdown import CountdownTask
+    from entr_megatron.tasks.search import SearchTask
+
+    classes = [ArithmeticTask, CountdownTask] + ([] if "format_reward" in kwargs else [CalculatorTask, SearchTask])
+    for cls in classes:
+        with pytest.raises(ValueError) as e:
+            cls(**kwargs)
+        assert str(e.value) == message, (cls.__name__, e.value)
