@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import statistics
 import sys
@@ -216,6 +217,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--hf-baseline", action="store_true", help="also time HF transformers on the same batches")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the results (for other tools)")
     args = ap.parse_args(argv)
     results = f"/tmp/bench_learner.{os.getpid()}.txt"
     open(results, "w").close()
@@ -233,11 +235,15 @@ def main(argv=None):
     for world, n_params, tokens, step_s, loss_s, op_s in rows:
         print(f"| {world} | {n_params / 1e6:.1f} M | {tokens} | {step_s:.3f} s | {tokens / step_s:.0f} | "
               f"{loss_s / step_s:.1%} | {op_s / step_s:.1%} | {(loss_s - op_s) / step_s:.1%} |")
+    hf = None
     if args.hf_baseline:
-        tokens, hf_s = hf_baseline(args)
+        tokens, hf_s = hf = hf_baseline(args)
         print(f"\nHF transformers, one process, {torch.get_num_threads()} threads: {tokens} tokens in {hf_s:.3f} s "
               f"({tokens / hf_s:.0f} tokens/s); ours / HF step time: "
               + ", ".join(f"TP={world} {step_s / hf_s:.2f}x" for world, _, _, step_s, _, _ in rows))
+    if args.json:
+        print(json.dumps({"rows": [dict(zip(("tp", "params", "tokens", "step_s", "loss_s", "op_s"), r)) for r in rows],
+                          "hf": dict(zip(("tokens", "step_s"), hf)) if hf else None}))
 
 
 if __name__ == "__main__":

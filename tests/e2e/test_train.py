@@ -91,7 +91,9 @@ def assert_lag_bound(rows: list[dict], bound: int) -> None:
 @pytest.mark.parametrize("mode, bound", [("sync", 0), ("one_step_off", 1)])  # fully_async: the next test
 def test_each_mode_trains_within_the_lag_bound(tmp_path, sft_model, mode, bound):
     config, run_dir = rl_config(tmp_path, sft_model, mode, controller={"mode": mode, "max_policy_lag": max(bound, 1)})
+    launched = time.time()
     proc = cli("train", "--config", str(config), "--max-steps", "4")
+    finished = time.time()
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["policy_version"] for r in rows] == [0, 1, 2, 3]
@@ -109,6 +111,9 @@ def test_each_mode_trains_within_the_lag_bound(tmp_path, sft_model, mode, bound)
     assert rows[-1]["weight_sync/version"] >= 3 and all(r.get("weight_sync/colocated_copies", 0) == 0 for r in rows)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["steps"] == 4 and result["eval_after"]["eval/num_problems"] == 16
+    # the start-up's timestamps (tools/bench_vs_trl.py times the start with them): RL began after the
+    # process started and the evaluation before RL, and its steps ended before the process did
+    assert launched + result["eval_before_s"] < result["rl_started_unix"] < finished - result["wall_s"]
     assert (run_dir / "final_model" / "config.json").exists()
     assert any((run_dir / "tensorboard").iterdir())
 

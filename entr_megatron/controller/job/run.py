@@ -128,8 +128,9 @@ def check_model_layout(cfg: RunConfig) -> None:
 def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_steps: int | None = None,
               restart_from_scratch: bool = False, *, inputs_checked: bool = False) -> dict:
     """SFT (once), then RL until `controller.train_steps` (or `max_steps` more this start); returns
-    {"start_step", "eval_before", "steps", "wall_s", "step_s_mean", "stopped"} and, once the last
-    step is done, "eval_after". The run directory is locked for the job (RunLockedError when
+    {"start_step", "eval_before", "eval_before_s", "rl_started_unix", "steps", "wall_s", "step_s_mean",
+    "stopped"} and, once the last step is done, "eval_after" ("rl_started_unix": the wall clock when
+    the first RL step began, so that a caller can time the start-up). The run directory is locked for the job (RunLockedError when
     another job holds it); RL resumes from its newest good checkpoint (`resume_point`).
     `inputs_checked`: the caller ran `check_inputs(cfg, "train")` already (the CLI does, to report
     an invalid config before anything starts), so it is not run again."""
@@ -206,7 +207,9 @@ def _train(cfg: RunConfig, paths: RunPaths, task: Any, start_dir: Path, processe
         if resume_step is None:  # servers given by URL, or engines kept across a learner relaunch
             controller.sync_engines()  # before the held-out evaluation (a resume syncs in `run`)
         held_out = HeldOut(cfg, task, engine, paths, recover=controller.recover if pusher.recovery is not None else None)
+        t_eval = time.perf_counter()
         out["eval_before"] = held_out.before_rl(fresh=resume_step is None)
+        out["eval_before_s"] = time.perf_counter() - t_eval
         checkpoints = RunCheckpoints(learner, paths.checkpoints, c.keep_last_checkpoints)
         if resume_step is not None:
             checkpoints.resume(controller, resume_step)
@@ -280,7 +283,8 @@ def _start_model(cfg: RunConfig, paths: RunPaths, tokenizer: Any, task: Any) -> 
 
 
 def _run_steps(controller: Controller, steps: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    started_unix, t0 = time.time(), time.perf_counter()
     history = controller.run(steps) if steps > 0 else []
     wall = time.perf_counter() - t0
-    return {"steps": len(history), "wall_s": wall, "step_s_mean": wall / len(history) if history else None}
+    return {"steps": len(history), "wall_s": wall, "step_s_mean": wall / len(history) if history else None,
+            "rl_started_unix": started_unix}
