@@ -43,7 +43,8 @@ the system `sync_1thread` (sync mode, one thread per side) beside the others, an
   that runs both phases on both cores in turn (TRL);
 - the learner's arithmetic against HF transformers' fwd + bwd + AdamW on the same shapes
   (`tools/bench_learner.py --hf-baseline`, TP=1, both cores);
-- OUT/scale.csv (one row per size and system) and OUT/scale.png (steps/s against TRL by size).
+- OUT/scale.csv (one row per size and system) and OUT/scale.png (steps/s against TRL by size), over
+  every size under OUT (OUT/SIZE/scale_rows.json): a size run later into the same OUT joins them.
 
     python tools/bench_vs_trl.py --scale 0.8M 3M 12M --seeds 0 1 2 --out runs/bench_scale
 """
@@ -77,7 +78,7 @@ SCALES = {
     "12M": ({"hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 4,
              "head_dim": 64}, 20),
     "40M": ({"hidden_size": 768, "intermediate_size": 2304, "num_attention_heads": 12, "num_key_value_heads": 4,
-             "head_dim": 64, "num_hidden_layers": 6}, 10),
+             "head_dim": 64, "num_hidden_layers": 6}, 20),
 }
 TIMINGS = ("step_s", "wait_rollout_s", "learner_step_s", "push_s")
 
@@ -392,7 +393,7 @@ def main() -> None:
             sys.exit(f"--models {item!r}: give SIZE=DIR with SIZE one of {', '.join(SCALES)} and DIR an HF model "
                      "directory (with config.json)")
         reuse[size] = path
-    base_overrides, fixed_steps, rows = list(args.overrides), args.steps, []
+    base_overrides, fixed_steps = list(args.overrides), args.steps
     for size in args.scale:
         arch, default_steps = SCALES[size]
         args.steps = fixed_steps or default_steps
@@ -408,8 +409,10 @@ def main() -> None:
         hf = learner_vs_hf(hf_arch)
         runs = bench(args, model, size_out)
         report(runs, args.steps, model)
-        rows += scale_rows(size, params, runs, hf)
-        scale_report(rows, out)  # after every size: a long run's finished sizes are kept
+        (size_out / "scale_rows.json").write_text(json.dumps(scale_rows(size, params, runs, hf), indent=1))
+        # every size under OUT so far, this run's and earlier ones' (a size can be added later)
+        scale_report(sorted((row for f in out.glob("*/scale_rows.json") for row in json.loads(f.read_text())),
+                            key=lambda row: row["params_m"]), out)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,10 @@ __all__ = [
     "clean_stale",
     "commit",
     "fsync_dir",
+    "is_learner_checkpoint",
     "iter_dir",
     "latest_step",
+    "learner_checkpoint_roots",
     "list_steps",
     "missing_markers",
     "model_config_text",
@@ -125,6 +127,20 @@ def list_steps(root: str | os.PathLike) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(m.group(1)) for e in root.iterdir() if (m := _ITER.match(e.name)) and e.is_dir())
+
+
+def learner_checkpoint_roots(path: str | os.PathLike) -> list[tuple[Path, Path | None]]:
+    """(checkpoint root, run directory or None) for each way `path` holds learner checkpoints: a run
+    directory's checkpoints/, and `path` itself as a root (`latest`, iter_NNNNNNN/ directories)."""
+    path = Path(path)
+    return [(root, run) for root, run in ((path / "checkpoints", path), (path, None))
+            if (root / LATEST_FILE).is_file() or list_steps(root)]
+
+
+def is_learner_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a checkpoint root (`latest`, iter_NNNNNNN/) or a run directory with checkpoints/.
+    Cheap (a few stat calls, no torch): `train` asks it of every model.path before anything loads."""
+    return Path(path).is_dir() and bool(learner_checkpoint_roots(path))
 
 
 def missing_markers(path: Path) -> list[str]:

@@ -29,28 +29,18 @@ from entr_megatron.checkpoint.dist_reader import DistReader
 from entr_megatron.checkpoint.hf_files import HfFiles, check_hf_dir, merge_shards, write_json
 from entr_megatron.checkpoint.manifest import choose_checkpoint
 
-__all__ = ["ASSETS_DIR", "DTYPES", "HfDir", "asset_source", "checked_step", "is_learner_checkpoint", "output_dtype",
-           "resolve_source", "source_model", "write_hf_dir"]
+__all__ = ["ASSETS_DIR", "DTYPES", "HfDir", "asset_source", "checked_step", "output_dtype", "resolve_source",
+           "source_model", "write_hf_dir"]
 
 ASSETS_DIR = "hf_assets"  # in a converted checkpoint root: the source's tokenizer and generation config
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def _roots(path: Path) -> list[tuple[Path, Path | None]]:
-    return [(root, run) for root, run in ((path / "checkpoints", path), (path, None))
-            if (root / directory.LATEST_FILE).is_file() or directory.list_steps(root)]
-
-
-def is_learner_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether `path` is a checkpoint root (`latest`, iter_NNNNNNN/) or a run directory with checkpoints/."""
-    return Path(path).is_dir() and bool(_roots(Path(path)))
-
-
 def resolve_source(path: str | os.PathLike) -> tuple[Path, Path | None]:
     """(checkpoint root, run directory or None) of a checkpoint root or run directory."""
     path = Path(path)
-    found = _roots(path)
+    found = directory.learner_checkpoint_roots(path)
     if found:
         return found[0]
     if path.name.startswith("iter_") and directory.list_steps(path.parent):

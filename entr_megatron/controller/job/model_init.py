@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from entr_megatron.checkpoint.directory import is_learner_checkpoint
 from entr_megatron.checkpoint.hf_files import staged_dir
 from entr_megatron.config.run import RunConfig
 from entr_megatron.controller.job.run_dir import RunPaths
@@ -39,10 +40,10 @@ def from_learner_checkpoint(cfg: RunConfig, run_dir: str | os.PathLike) -> RunCo
     """`cfg` itself, or when model.path is a learner checkpoint root or run directory, `cfg` with
     model.path set to run_dir/model_init holding that checkpoint's latest step as an HF directory
     (converted on the first start; a later start checks it came from the same step)."""
-    from entr_megatron.checkpoint import hf_dir  # lazy: megatron (checkpoint.state), for a learner checkpoint only
-
-    if not cfg.model.path or not hf_dir.is_learner_checkpoint(cfg.model.path):
+    if not cfg.model.path or not is_learner_checkpoint(cfg.model.path):
         return cfg
+    from entr_megatron.checkpoint import hf_dir  # lazy: megatron (checkpoint.state, 3-4 s), for a checkpoint only
+
     root, run = hf_dir.resolve_source(cfg.model.path)
     step, ckpt = hf_dir.checked_step(root, None)
     out = RunPaths(Path(run_dir)).model_init
