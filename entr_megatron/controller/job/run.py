@@ -130,8 +130,9 @@ def run_train(cfg: RunConfig, run_dir: str | os.PathLike | None = None, max_step
     """SFT (once), then RL until `controller.train_steps` (or `max_steps` more this start); returns
     {"start_step", "eval_before", "eval_before_s", "rl_started_unix", "steps", "wall_s", "step_s_mean",
     "stopped"} and, once the last step is done, "eval_after" ("rl_started_unix": the wall clock when
-    the first RL step began, so that a caller can time the start-up). The run directory is locked for the job (RunLockedError when
-    another job holds it); RL resumes from its newest good checkpoint (`resume_point`).
+    the first RL step began, so that a caller can time the start-up). The run directory is locked
+    for the job (RunLockedError when another job holds it); RL resumes from its newest good
+    checkpoint (`resume_point`).
     `inputs_checked`: the caller ran `check_inputs(cfg, "train")` already (the CLI does, to report
     an invalid config before anything starts), so it is not run again."""
     paths = RunPaths(Path(run_dir or cfg.logging.run_dir))
