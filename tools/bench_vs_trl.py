@@ -239,8 +239,9 @@ def bench(args: argparse.Namespace, model: str, out: Path) -> dict[str, list[dic
             print(f"seed {seed}: {system} ...", file=sys.stderr, flush=True)
             row = run_trl(args, model, seed, out) if system == "trl" else run_ours(args, system, model, seed, out)
             runs[system].append(row)
-            print(f"  {row['steps'] / row['rl_s']:.2f} steps/s, RL {row['rl_s']:.1f} s, start-up {row['startup_s']:.1f} s,"
-                  f" process {row['process_s']:.1f} s, greedy {row['after']['eval/accuracy']:.3f}",
+            print(f"  {row['steps'] / row['rl_s']:.2f} steps/s, RL {row['rl_s']:.1f} s, "
+                  f"start-up {row['startup_s']:.1f} s, process {row['process_s']:.1f} s, "
+                  f"greedy {row['after']['eval/accuracy']:.3f}",
                   file=sys.stderr, flush=True)
     (out / "bench_vs_trl.json").write_text(json.dumps(runs, indent=1))
     return runs
