@@ -14,7 +14,9 @@ Each server is `python -m sglang.launch_server --model-path ... --tp-size ... --
 --dtype ... --mem-fraction-static ... [extra args]` in its own session (so terminating
 it ends its scheduler and detokenizer children too), with stdout and stderr in one
 log file. `wait_healthy` polls GET /health (503 while the server warms up) until 200,
-and fails early with the log's tail when the process exits. The flags were checked
+and fails early with the log's tail when the process exits. Each
+process also gets a watcher (`orphan_guard.py`) that stops its group should this process die
+without terminating it (kill -9, the OOM killer). The flags were checked
 against SGLang 0.5.23 (srt/arg_groups/fields/*.py: model_path, tp_size, port, host,
 dtype choices, mem_fraction_static, base_gpu_id, weight_version, random_seed, api_key;
 exec_.py: enable_return_routed_experts) and
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import ipaddress
+import logging
 import os
 import signal
 import subprocess
@@ -46,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from entr_megatron.rollout.sglang import orphan_guard
 from entr_megatron.rollout.sglang.client import SGLangClient, SGLangError, api_key_from_env
 from entr_megatron.rollout.sglang.preflight import check_server
 from entr_megatron.rollout.sglang.protocol import ROUTES_FLAG
@@ -64,6 +68,8 @@ __all__ = [
     "server_command",
     "terminate_all",
 ]
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 """--dtype choices of SGLang 0.5.23."""
@@ -248,6 +254,7 @@ class ManagedProcess:
             self._pump = threading.Thread(target=_copy_redacted, args=(self.proc.stdout, self.log_path, api_key),
                                           name=f"log {name}", daemon=True)
             self._pump.start()
+        self._guard = _start_orphan_guard(self.proc.pid)
 
     @property
     def pid(self) -> int:
@@ -302,6 +309,9 @@ class ManagedProcess:
         # Children that outlive the leader (scheduler, detokenizer) share its session.
         self._signal(signal.SIGKILL)
         self._flush_log()
+        if self._guard is not None and self._guard.poll() is None:  # it would see the group gone within 1 s
+            self._guard.kill()
+            self._guard.wait(10)
         return self.proc.returncode
 
     def _flush_log(self, timeout_s: float = 5.0) -> None:
@@ -320,6 +330,18 @@ class ManagedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.terminate()
+
+
+def _start_orphan_guard(pgid: int) -> subprocess.Popen | None:
+    """The watcher that stops the group `pgid` if this process dies without terminating it
+    (orphan_guard.py); None, with a warning, where /proc cannot tell this process's start time."""
+    start = orphan_guard.start_time(os.getpid())
+    if start is None:
+        logger.warning("no /proc/self/stat: launched servers will outlive this process if it is killed")
+        return None
+    return subprocess.Popen([sys.executable, "-I", orphan_guard.__file__, str(os.getpid()), start, str(pgid)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
 
 
 def _copy_redacted(stream, log_path: Path, secret: str) -> None:
