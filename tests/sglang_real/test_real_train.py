@@ -56,10 +56,10 @@ def server_leader(port: int) -> int | None:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            if b"sglang.launch_server" in argv and str(port).encode() in argv and os.getpgid(int(entry.name)) == int(entry.name):
+                return int(entry.name)
+        except OSError:  # gone while the scan read it (ProcessLookupError from getpgid)
             continue
-        if b"sglang.launch_server" in argv and str(port).encode() in argv and os.getpgid(int(entry.name)) == int(entry.name):
-            return int(entry.name)
     return None
 
 
