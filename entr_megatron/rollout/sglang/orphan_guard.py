@@ -26,8 +26,7 @@ GRACE_S = 10.0
 
 def start_time(pid: int) -> str | None:
     """The kernel's start time of `pid` (field 22 of /proc/PID/stat, clock ticks since boot), or
-    None when there is no such process. The command name (field 2) may hold spaces and
-    parentheses, so the fields are counted from the last ')'."""
+    None when there is no such process or it has exited (a zombie its parent has not reaped)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return parse_start_time(f.read())
@@ -35,8 +34,11 @@ def start_time(pid: int) -> str | None:
         return None
 
 
-def parse_start_time(stat: str) -> str:
-    return stat[stat.rindex(")") + 2:].split()[19]  # fields 3.. after "pid (comm) "
+def parse_start_time(stat: str) -> str | None:
+    """Field 22 of a /proc/PID/stat line, None for an exited process (state Z or X). The command
+    name (field 2) may hold spaces and parentheses, so the fields are counted from the last ')'."""
+    fields = stat[stat.rindex(")") + 2:].split()  # fields 3.. after "pid (comm) "
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def group_alive(pgid: int) -> bool:
