@@ -30,17 +30,14 @@ def _gone(pid: int, within_s: float) -> bool:
 
 
 def _group(pgid: int) -> list[int]:
+    """The live members of process group `pgid` (zombies left out)."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":  # field 5: the process group
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(entry)) == pgid and orphan_guard.start_time(int(entry)) is not None:
                 pids.append(int(entry))
+        except OSError:  # gone while listed
+            continue
     return pids
 
 
