@@ -9,6 +9,7 @@ imports its implementation, and torch with it, when it runs (tests/unit/test_cli
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import threading
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     # job's StopFlag makes it finish the step and save first.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+        # `kill -USR1 PID` writes every thread's stack to stderr and the command goes on: what a
+        # job that seems stuck is waiting for, without a debugger
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:  # the imports too: a Ctrl-C while torch loads is one line, not a traceback
         from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks  # lazy: inside the try
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -78,6 +79,20 @@ def start(cluster: LoopbackCluster, config: Path, log: Path) -> subprocess.Popen
     with log.open("w") as err:
         return subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "train", "--config", str(config)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **cluster.driver_env})
+
+
+def finish(job: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """The job's stdout once it ended; a job still running after `timeout_s` is asked for its
+    threads' stacks (SIGUSR1: cli/main.py), killed, and the test fails with its log's tail."""
+    try:
+        return job.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        job.kill()
+        job.communicate()
+        pytest.fail(f"the job did not end within {timeout_s:.0f} s; its log's tail, with its threads' stacks:\n"
+                    f"{log.read_text()[-12000:]}")
 
 
 def listeners(cluster: LoopbackCluster) -> dict[int, tuple[str, str, set]]:
@@ -177,7 +192,7 @@ def test_fully_async_run_survives_the_death_of_an_engine_node(tmp_path, cluster,
                 cluster.kill("c")  # raylet, agents, the engine's actor and its engine process: all at once
                 killed_at = time.monotonic()
             time.sleep(0.1)
-        out, _ = job.communicate(timeout=600)
+        out = finish(job, log, 600)
     finally:
         if job.poll() is None:
             job.kill()
@@ -214,7 +229,7 @@ def test_the_learner_nodes_death_ends_the_run_naming_it_and_the_same_command_res
         assert job.poll() is None, f"the run ended before node a could be killed\n{log.read_text()[-4000:]}"
         cluster.kill("a")
         t0 = time.monotonic()
-        job.communicate(timeout=300)
+        finish(job, log, 300)
         ended_s = time.monotonic() - t0
     finally:
         if job.poll() is None:
@@ -231,7 +246,7 @@ def test_the_learner_nodes_death_ends_the_run_naming_it_and_the_same_command_res
     cluster.restart("a")
     log = tmp_path / "learner-resumed.err"
     job = start(cluster, config, log)
-    job.communicate(timeout=600)
+    finish(job, log, 600)
     text = log.read_text()
     assert job.returncode == 0, text[-6000:]
     assert f"resumed from step {saved} (" in text, text[-4000:]
