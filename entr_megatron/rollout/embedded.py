@@ -36,6 +36,7 @@ from entr_megatron.rollout.embedded_protocol import (
     BeginUpdate,
     Bucket,
     CallFailed,
+    CancelUpdate,
     EmbeddedEngineConfig,
     EndUpdate,
     Fatal,
@@ -229,6 +230,13 @@ class EmbeddedEngine:
             report.total_s = time.time() - t_call
             self._any_version = False
             return report
+
+    def cancel_weight_update(self) -> None:
+        """The update in progress will not complete (e.g. another engine of its broadcast group
+        died mid-version): its `update_weights` raises soon, and the engine keeps the weights it
+        holds. A receiver that cannot hang ignores it; nothing in progress: no effect. Never raises."""
+        if self._proc.is_alive():
+            self._cmd_q.put(CancelUpdate())
 
     def forget_version(self) -> None:
         """The learner restarted from an older checkpoint: the next update may carry a version at or

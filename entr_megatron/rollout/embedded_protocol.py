@@ -45,6 +45,7 @@ __all__ = [
     "Abort",
     "BeginUpdate",
     "Bucket",
+    "CancelUpdate",
     "CallFailed",
     "Channel",
     "EmbeddedEngineConfig",
@@ -173,6 +174,12 @@ class Abort:
     """End these requests; their samples come back as Results with finish_reason "abort"."""
 
     request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CancelUpdate:
+    """Give up the weight version being received (`WeightReceiver.cancel`): the update in
+    progress fails with CallFailed, the engine keeps the weights it holds. Not answered."""
 
 
 @dataclass(frozen=True)
@@ -327,6 +334,6 @@ class Channel:
         return lambda msg: table[type(self.decode(msg))](msg)
 
 
-COMMANDS = Channel("command", (Submit, Abort, Pause, Resume, GetHealth, Staged, Shutdown))
+COMMANDS = Channel("command", (Submit, Abort, CancelUpdate, Pause, Resume, GetHealth, Staged, Shutdown))
 WEIGHTS = Channel("weight", (RunReceiver, BeginUpdate, Bucket, EndUpdate))
 EVENTS = Channel("event", (Ready, Results, Reply, CallFailed, Fatal))

@@ -3,7 +3,7 @@
     client (EmbeddedEngine)                       worker process
     ───────────────────────                       ─────────────────────────────────────────
     cmd_q ── Submit / Abort / Pause / Resume ───> decode loop: drain cmd_q, swap staged
-             GetHealth / Shutdown                 weights, one BatchDecoder.step(), repeat
+             GetHealth / CancelUpdate / Shutdown  weights, one BatchDecoder.step(), repeat
     weight_q ── BeginUpdate, Bucket…, EndUpdate > receiver thread: fill the WeightStage,
              (or RunReceiver)                     then post Staged to cmd_q
     out_q <── Ready / Results / Reply / ──────── both
@@ -35,6 +35,7 @@ from entr_megatron.rollout.embedded_protocol import (
     BeginUpdate,
     Bucket,
     CallFailed,
+    CancelUpdate,
     EmbeddedEngineConfig,
     EndUpdate,
     Fatal,
@@ -71,6 +72,8 @@ class _Receiver(threading.Thread):
         self.weight_q, self.cmd_q, self.out_q = weight_q, cmd_q, out_q
         self.swapped = threading.Event()
         self.swapped.set()
+        self.current: WeightReceiver | None = None
+        """The receiver whose `receive` runs now (`cancel` reaches it)."""
 
     def run(self) -> None:
         while True:
@@ -80,6 +83,12 @@ class _Receiver(threading.Thread):
             elif isinstance(msg, BeginUpdate):
                 self._receive(msg.call_id, msg.version, msg.t_call, None)
             # else a Bucket or EndUpdate of an update whose begin failed: already answered
+
+    def cancel(self) -> None:
+        """The version being received will not arrive: its receiver gives up (CancelUpdate)."""
+        receiver = self.current
+        if receiver is not None:
+            receiver.cancel()
 
     def _receive(self, call_id: int, version: int, t_call: float, receiver: WeightReceiver | None) -> None:
         self.swapped.wait()
@@ -92,7 +101,11 @@ class _Receiver(threading.Thread):
             error = traceback.format_exc()
         if receiver is not None:
             if error is None:
-                error = _try(lambda: receiver.receive(self.stage))
+                self.current = receiver
+                try:
+                    error = _try(lambda: receiver.receive(self.stage))
+                finally:
+                    self.current = None
         else:
             while True:  # read to this update's end even after an error, to keep the queue aligned
                 msg = WEIGHTS.decode(self.weight_q.get())
@@ -153,6 +166,7 @@ class _Worker:
         self._handle = COMMANDS.dispatcher({
             Submit: self._on_submit,
             Abort: self._on_abort,
+            CancelUpdate: lambda msg: self.receiver.cancel(),
             Staged: self._swap,
             Pause: lambda msg: self._answer(msg.call_id, self._pause),
             Resume: lambda msg: self._answer(msg.call_id, self._resume),

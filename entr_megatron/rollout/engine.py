@@ -240,6 +240,11 @@ class WeightReceiver(abc.ABC):
         """Write every tensor of the new version into `stage` (`write`, `load_bucket` or
         `buffer`); the engine validates completeness afterwards."""
 
+    def cancel(self) -> None:
+        """Called from another thread of the engine while `receive` runs: make it raise soon
+        (the version will not arrive, e.g. another member of its group died). Default: nothing,
+        for receivers that cannot wait on anyone but their sender."""
+
 
 WeightSource = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]], WeightReceiver]
 """Full set of HF-named tensors ("transformers" in-memory layout: `model.state_dict()`

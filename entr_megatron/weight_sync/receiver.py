@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from entr_megatron.rollout.engine import WeightReceiver
 from entr_megatron.rollout.weights import WeightBucket, WeightStage
+from entr_megatron.utils.faults import maybe_fault
 from entr_megatron.weight_sync.buckets import BucketLayout
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup
 from entr_megatron.weight_sync.protocol import ABORT, END, Control, recv_control
@@ -56,6 +57,9 @@ class _Member:
 
 _JOINED: dict[tuple, _Member] = {}
 _JOINED_LOCK = threading.Lock()
+_CANCELS: dict[int, threading.Event] = {}
+"""id(receiver) -> the cancel flag of its `receive` in progress (`BroadcastReceiver.cancel`)."""
+_CANCEL_POLL_S = 0.1
 
 
 def _member(spec: WeightGroup, rank: int, timeout_s: float) -> _Member:
@@ -146,16 +150,37 @@ class BroadcastReceiver(WeightReceiver):
         an engine refused a tensor (the engine then discards the partial stage)."""
         loader = _Loader(stage)
         loader.start()
+        offsets = self.groups[0].rank_offsets
+        who = f"engine{offsets.index(self.rank)}" if self.rank in offsets else "engine"  # (utils/faults.py)
+        cancelled = threading.Event()
+        with _JOINED_LOCK:
+            _CANCELS[id(self)] = cancelled
         try:
             self.on_every_group(lambda spec: _receive_version(_member(spec, self.rank, self.timeout_s),
-                                                              stage.version, loader))
+                                                              stage.version, loader, who), cancelled)
         finally:
+            with _JOINED_LOCK:
+                _CANCELS.pop(id(self), None)
             loader.q.put(None)
             loader.join()
 
-    def on_every_group(self, receive_one: Callable[[WeightGroup], None]) -> None:
+    def cancel(self) -> None:
+        """Another member of the groups died mid-version: `receive` raises VersionAborted within
+        0.1 s instead of waiting out the transfer timeout. (A gloo receive whose data a dead rank
+        was to relay, as gloo's broadcast does for large pieces, waits for it until `timeout_s`,
+        and neither `abort` nor `shutdown` of the process group wakes it.) The groups are given up
+        without being closed (the waiting threads still hold them; they end at their timeout);
+        the next update joins the groups it is given, on fresh ports (controller/job/wiring.py)."""
+        with _JOINED_LOCK:
+            flag = _CANCELS.get(id(self))
+        if flag is not None:
+            flag.set()
+
+    def on_every_group(self, receive_one: Callable[[WeightGroup], None],
+                       cancelled: threading.Event | None = None) -> None:
         """`receive_one(spec)` for every group at once, one thread each; then raises the first
-        error. A group whose transport broke is left (the next update joins it afresh)."""
+        error. A group whose transport broke is left (the next update joins it afresh);
+        `cancelled` set: every group is given up and VersionAborted raised (`cancel`)."""
         errors: list[BaseException | None] = [None] * len(self.groups)
 
         def run(index: int, spec: WeightGroup) -> None:
@@ -172,7 +197,14 @@ class BroadcastReceiver(WeightReceiver):
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            while t.is_alive():
+                t.join(_CANCEL_POLL_S)
+                if cancelled is not None and cancelled.is_set() and t.is_alive():
+                    with _JOINED_LOCK:
+                        for spec in self.groups:
+                            _JOINED.pop((spec.master_address, spec.master_port, spec.group_name, self.rank), None)
+                    raise VersionAborted(f"weight version cancelled on rank {self.rank} (another member of its "
+                                         "groups failed): its groups given up")
         failed = [e for e in errors if e is not None]
         if failed:
             raise failed[0]
@@ -182,7 +214,7 @@ class VersionAborted(ValueError):
     """The learner aborted the version (its message says why)."""
 
 
-def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
+def _receive_version(member: _Member, version: int, loader: _Loader, who: str = "engine") -> None:
     """Read one version's messages on one group, to its end, whatever goes wrong meanwhile."""
     group, name = member.group, member.group.spec.group_name
     problem: str | None = None
@@ -192,6 +224,7 @@ def _receive_version(member: _Member, version: int, loader: _Loader) -> None:
             loader.q.join()  # every bucket of this version is in the stage (or failed)
             acknowledge(group, problem or loader.error)
             return
+        maybe_fault(who, version, "receive")  # tests only: an engine lost with a version begun
         if problem is None and loader.error is None and control.version == version:
             entries = layout.entries()
             target = loader.stage.bucket_buffer(entries, layout.nbytes)

@@ -338,6 +338,57 @@ def test_rejected_updates_leave_the_engine_as_it_was(engine, hf_model):
 
 
 
+class StuckReceiver(WeightReceiver):
+    """Writes zeros into one tensor of the stage, then waits, as a receive whose relay died does,
+    until the engine is told to give the version up (`cancel`, in the engine's process)."""
+
+    def receive(self, stage):
+        self.cancelled = threading.Event()  # made in the engine's process (a receiver must pickle)
+        stage.buffer(next(iter(stage.specs))).zero_()
+        if not self.cancelled.wait(60):
+            raise AssertionError("never cancelled")
+        raise ValueError("weight version cancelled (test)")
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_an_update_waiting_for_a_lost_member_is_cancelled_and_the_engine_keeps_its_weights(engine, hf_model):
+    """`cancel_weight_update` (what the controller does once another engine of the broadcast group
+    failed) reaches the receiver in the engine's process between two decode steps: the update
+    raises its message within seconds, the engine samples from the weights it held, and the next
+    update goes through."""
+    v = engine.weight_version
+    outcome = {}
+
+    def update():
+        try:
+            outcome["report"] = engine.update_weights(StuckReceiver(), version=v + 1)
+        except Exception as e:  # noqa: BLE001
+            outcome["error"] = e
+
+    waiting = threading.Thread(target=update, daemon=True)
+    busy = engine.submit([GenerateRequest([2, 7], SamplingParams(max_new_tokens=300, ignore_eos=True))])
+    waiting.start()
+    waiting.join(timeout=2)
+    assert waiting.is_alive()  # the receive waits
+    t0 = time.monotonic()
+    engine.cancel_weight_update()
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and time.monotonic() - t0 < 10
+    assert isinstance(outcome.get("error"), ValueError) and "cancelled (test)" in str(outcome["error"])
+    engine.abort(busy)
+    assert engine.weight_version == engine.health().weight_version == v
+    [r] = generate(engine, [GenerateRequest(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=6))])
+    assert r.output_ids == hf_generate(hf_model, PROMPTS[0], 6) and r.versions == [v] * len(r.output_ids)
+    engine.update_weights(StateDictReceiver(hf_model.state_dict()), version=v + 1)
+    assert engine.weight_version == v + 1
+    engine.cancel_weight_update()  # nothing in progress: no effect
+    assert engine.health().alive and engine.weight_version == v + 1
+    wait_for(lambda: engine.health().num_running == 0, what="the aborted request")
+    engine.poll()
+
+
 def test_after_forget_version_one_update_may_go_back(engine, hf_model):
     """A learner relaunched from an older checkpoint pushes a version below the engine's (controller/job/run.py)."""
     sd, v = hf_model.state_dict(), engine.weight_version

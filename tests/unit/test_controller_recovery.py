@@ -385,7 +385,12 @@ def test_ray_engine_calls_fail_like_a_local_engines_and_a_slow_poll_loses_nothin
     with pytest.raises(EngineError, match="exit code -9"):
         engine.poll(timeout=0.5)
     assert engine.update_weights(None, 3).version == 3 and engine.weight_version == 3
+    actor.engine.cancel_weight_update = lambda: cancels.append(True)
+    cancels = []
+    engine.cancel_weight_update()  # forwarded to the actor's engine
+    assert cancels == [True]
     fake.kill_process(actor)  # the actor's process killed
+    engine.cancel_weight_update()  # a dead actor: nothing to cancel, no error
     with pytest.raises(EngineError, match=r"actor \(pid 4242 on 10.0.0.7\) died \(poll: ActorDiedError\)"):
         engine.poll(timeout=0.5)
     assert not engine.health().alive

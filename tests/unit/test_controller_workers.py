@@ -101,6 +101,41 @@ def test_a_push_broken_by_a_dead_rank_is_the_learners_failure(group):
         RemotePush(pusher, 8, [BrokenUpdate()], 0.0).wait()
 
 
+def test_an_engine_that_fails_mid_push_cancels_the_others_at_once(group):
+    """Engine 0's side of a push fails; engine 1's would wait for bytes engine 0 was to relay until
+    rollout.push_timeout_s (60 s here): the push raises engine 0's error within seconds, having told engine 1
+    to give the version up (cancel_weight_update), and `abandon` then returns at once."""
+    import threading
+
+    from entr_megatron.controller.ranks.remote import EnginePushError, RemotePush, RemotePusher, _EngineUpdate
+
+    class Lost:
+        def update_weights(self, receiver, version):
+            raise RuntimeError("the Ray engine actor died")
+
+    class Waiting:  # a survivor: its receive ends only when cancelled
+        def __init__(self):
+            self.cancelled = threading.Event()
+
+        def update_weights(self, receiver, version):
+            if not self.cancelled.wait(60):
+                raise AssertionError("never cancelled")
+            raise ValueError("weight version cancelled")
+
+        def cancel_weight_update(self):
+            self.cancelled.set()
+
+    survivor = Waiting()
+    pusher = RemotePusher(group, push_timeout_s=60.0)
+    updates = [_EngineUpdate(survivor, None, 3), _EngineUpdate(Lost(), None, 3)]  # the survivor waited first
+    t0 = time.monotonic()
+    with pytest.raises(EnginePushError, match="version 3 did not reach every engine: the Ray engine actor died"):
+        RemotePush(pusher, 3, updates, 0.0).wait()
+    assert survivor.cancelled.is_set() and time.monotonic() - t0 < 10.0
+    RemotePush(pusher, 3, updates, 0.0).abandon(timeout_s=5.0)
+    assert not any(u.is_alive() for u in updates) and time.monotonic() - t0 < 15.0
+
+
 def test_construction_failure_names_the_rank():
     with pytest.raises(WorkerError, match=r"(?s)rank \d failed in startup.*cannot build x"):
         ProcessWorkerGroup(2, make_broken, ("x",), startup_timeout_s=120)

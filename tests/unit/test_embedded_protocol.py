@@ -22,6 +22,7 @@ from entr_megatron.rollout.embedded_protocol import (
     BeginUpdate,
     Bucket,
     CallFailed,
+    CancelUpdate,
     EmbeddedEngineConfig,
     EndUpdate,
     Fatal,
@@ -80,6 +81,7 @@ def _tensor_free_messages() -> list[object]:
     return [
         Submit((GenerateRequest([1, 2, 3], SamplingParams(temperature=0.5, n=2), request_id="r0"),)),
         Abort(("r0", "r1")),
+        CancelUpdate(),
         Pause(1),
         Resume(2),
         GetHealth(3),

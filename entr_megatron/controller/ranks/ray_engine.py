@@ -82,6 +82,9 @@ class _EngineActor:
     def update_weights(self, weights, version):
         return self.engine.update_weights(weights, version)
 
+    def cancel_weight_update(self):
+        self.engine.cancel_weight_update()
+
     def forget_version(self):
         self.engine.forget_version()
 
@@ -219,6 +222,16 @@ class RayEngine:
                            self.config.update_timeout_s + self._rpc_s, f"the update to weight version {version}")
         self._version = version
         return report
+
+    def cancel_weight_update(self) -> None:
+        """EmbeddedEngine.cancel_weight_update, in the actor. Never raises (a dead actor's update
+        fails by itself)."""
+        if self._killed or self._closed:
+            return
+        try:
+            self._get(self._actor.cancel_weight_update.remote(), self._rpc_s, "cancel_weight_update")
+        except Exception:  # noqa: BLE001 - dead or silent: its update fails or times out on its own
+            pass
 
     def forget_version(self) -> None:
         """EmbeddedEngine.forget_version, in the actor."""

@@ -17,8 +17,10 @@ itself (SGLang servers, through its SGLangTransport) have no side here: the
 pusher gets no engines, and `on_delivered` hears of each version they hold.
 
 `push_timeout_s` bounds `wait`. The engines' side is waited first: when an engine failed
-(or did not finish in time) the ranks are not asked, so a broken wire never fails a call
-on the learner ranks (their group stays usable); the push is then the caller's to
+(or did not finish in time) the ranks are not asked, so a broken wire never fails a call on the
+learner ranks (their group stays usable), and the engines still receiving are told to give the
+version up (a member that died breaks the group for all: what it was to relay never comes,
+`cancel_weight_update`); the push is then the caller's to
 `abandon` once the engine is dealt with (controller/job/wiring.py `EngineRecovery`). Engines the
 ranks update themselves (SGLang) report a failed push in rank 0's answer (`engine_error`),
 raised here as EnginePushError (controller/job/sglang_servers.py `ServerRecovery`).
@@ -38,6 +40,9 @@ from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightRecei
 from entr_megatron.types import TrainBatch
 
 __all__ = ["EnginePushError", "RemoteLearner", "RemotePush", "RemotePusher"]
+
+_POLL_S = 0.1
+"""`RemotePush.wait` looks this often whether an engine's side failed (then the others are cancelled)."""
 
 
 class EnginePushError(EngineError):
@@ -73,13 +78,14 @@ class RemotePush:
         t0 = time.perf_counter()
         timeout = self.pusher.push_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
-        for u in self.updates:
-            u.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            if u.is_alive():
+        while (alive := [u for u in self.updates if u.is_alive()]) and not self._failed():
+            if deadline is not None and time.monotonic() >= deadline:
                 raise EnginePushError(f"weight version {self.version} did not reach every engine within "
                                       f"{timeout:.0f} s (rollout.push_timeout_s)")
+            alive[0].join(_POLL_S if deadline is None else min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
         errors = [u.error for u in self.updates if u.error is not None]
         if errors:
+            self._cancel_the_rest()  # the group is broken for every member: the others wait in vain
             # A learner rank that died mid-push breaks the engines' side first (their broadcast
             # peer is gone): that is the learner's failure (WorkerError: relaunch the ranks), not
             # the engines'.
@@ -112,10 +118,22 @@ class RemotePush:
         return self.report
 
     def abandon(self, timeout_s: float = ABANDON_TIMEOUT_S) -> None:
-        """Give up a version that broke (an engine died): wait a while for each engine's side to
-        end, ignore its outcome. The ranks' side is dropped with their weight groups."""
+        """Give up a version that broke (an engine died): the engines still receiving it are told
+        to give up (`cancel_weight_update`), then each engine's side is waited for a while and its
+        outcome ignored. The ranks' side is dropped with their weight groups."""
+        self._cancel_the_rest()
         for u in self.updates:
             u.join(timeout_s)
+
+    def _failed(self) -> bool:
+        return any(u.error is not None for u in self.updates)
+
+    def _cancel_the_rest(self) -> None:
+        """Engines still receiving this version give it up (a member of their broadcast group died:
+        what it was to relay never comes). Engines without the call are waited for as before."""
+        for u in self.updates:
+            if u.is_alive() and (cancel := getattr(u.engine, "cancel_weight_update", None)) is not None:
+                cancel()
 
 
 class RemoteLearner:
