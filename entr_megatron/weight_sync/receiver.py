@@ -152,35 +152,44 @@ class BroadcastReceiver(WeightReceiver):
         loader.start()
         offsets = self.groups[0].rank_offsets
         who = f"engine{offsets.index(self.rank)}" if self.rank in offsets else "engine"  # (utils/faults.py)
-        cancelled = threading.Event()
-        with _JOINED_LOCK:
-            _CANCELS[id(self)] = cancelled
         try:
             self.on_every_group(lambda spec: _receive_version(_member(spec, self.rank, self.timeout_s),
-                                                              stage.version, loader, who), cancelled)
+                                                              stage.version, loader, who))
         finally:
-            with _JOINED_LOCK:
-                _CANCELS.pop(id(self), None)
             loader.q.put(None)
             loader.join()
 
     def cancel(self) -> None:
-        """Another member of the groups died mid-version: `receive` raises VersionAborted within
-        0.1 s instead of waiting out the transfer timeout. (A gloo receive whose data a dead rank
-        was to relay, as gloo's broadcast does for large pieces, waits for it until `timeout_s`,
-        and neither `abort` nor `shutdown` of the process group wakes it.) The groups are given up
-        without being closed (the waiting threads still hold them; they end at their timeout);
-        the next update joins the groups it is given, on fresh ports (controller/job/wiring.py)."""
+        """Another member of the groups died mid-version: `receive` (or a subclass's
+        `on_every_group`) raises VersionAborted within 0.1 s instead of waiting out `timeout_s`.
+        A gloo receive does not wake when a member dies: it waits for bytes a dead rank was to
+        relay (gloo's broadcast sends large pieces along a tree), or that the sender, alive but
+        failed on its write to the dead rank, no longer sends (small pieces too: 4 of 10 kills at
+        random moments, measured), until its timeout; the process group's `abort` does not wake
+        it. The groups are given up without being closed (the waiting threads still hold them and
+        end at their timeout); the next update joins the groups it is given, on fresh ports
+        (controller/job/wiring.py). Called by the engine (`cancel_weight_update`) once the
+        controller saw another engine's side of the push fail; the sender has stopped by then,
+        so nothing more lands in the discarded stage."""
         with _JOINED_LOCK:
             flag = _CANCELS.get(id(self))
         if flag is not None:
             flag.set()
 
-    def on_every_group(self, receive_one: Callable[[WeightGroup], None],
-                       cancelled: threading.Event | None = None) -> None:
+    def on_every_group(self, receive_one: Callable[[WeightGroup], None]) -> None:
         """`receive_one(spec)` for every group at once, one thread each; then raises the first
-        error. A group whose transport broke is left (the next update joins it afresh);
-        `cancelled` set: every group is given up and VersionAborted raised (`cancel`)."""
+        error. A group whose transport broke is left (the next update joins it afresh); after
+        `cancel`, every group is given up and VersionAborted raised."""
+        cancelled = threading.Event()
+        with _JOINED_LOCK:
+            _CANCELS[id(self)] = cancelled
+        try:
+            self._on_every_group(receive_one, cancelled)
+        finally:
+            with _JOINED_LOCK:
+                _CANCELS.pop(id(self), None)
+
+    def _on_every_group(self, receive_one: Callable[[WeightGroup], None], cancelled: threading.Event) -> None:
         errors: list[BaseException | None] = [None] * len(self.groups)
 
         def run(index: int, spec: WeightGroup) -> None:
@@ -199,7 +208,7 @@ class BroadcastReceiver(WeightReceiver):
         for t in threads:
             while t.is_alive():
                 t.join(_CANCEL_POLL_S)
-                if cancelled is not None and cancelled.is_set() and t.is_alive():
+                if cancelled.is_set() and t.is_alive():
                     with _JOINED_LOCK:
                         for spec in self.groups:
                             _JOINED.pop((spec.master_address, spec.master_port, spec.group_name, self.rank), None)
