@@ -57,9 +57,8 @@ class _Member:
 
 _JOINED: dict[tuple, _Member] = {}
 _JOINED_LOCK = threading.Lock()
-_CANCELS: dict[int, threading.Event] = {}
-"""id(receiver) -> the cancel flag of its `receive` in progress (`BroadcastReceiver.cancel`)."""
 _CANCEL_POLL_S = 0.1
+"""How often a receive in progress looks whether it was cancelled (`BroadcastReceiver.cancel`)."""
 
 
 def _member(spec: WeightGroup, rank: int, timeout_s: float) -> _Member:
@@ -171,23 +170,25 @@ class BroadcastReceiver(WeightReceiver):
         (controller/job/wiring.py). Called by the engine (`cancel_weight_update`) once the
         controller saw another engine's side of the push fail; the sender has stopped by then,
         so nothing more lands in the discarded stage."""
+        self._cancel_flag().set()
+
+    def _cancel_flag(self) -> threading.Event:
+        """This receiver's cancel flag, made in the process that receives (never pickled)."""
         with _JOINED_LOCK:
-            flag = _CANCELS.get(id(self))
-        if flag is not None:
-            flag.set()
+            return self.__dict__.setdefault("_cancelled", threading.Event())
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_cancelled"}
 
     def on_every_group(self, receive_one: Callable[[WeightGroup], None]) -> None:
         """`receive_one(spec)` for every group at once, one thread each; then raises the first
         error. A group whose transport broke is left (the next update joins it afresh); after
         `cancel`, every group is given up and VersionAborted raised."""
-        cancelled = threading.Event()
-        with _JOINED_LOCK:
-            _CANCELS[id(self)] = cancelled
+        cancelled = self._cancel_flag()  # a cancel that came as this receive began counts
         try:
             self._on_every_group(receive_one, cancelled)
         finally:
-            with _JOINED_LOCK:
-                _CANCELS.pop(id(self), None)
+            cancelled.clear()
 
     def _on_every_group(self, receive_one: Callable[[WeightGroup], None], cancelled: threading.Event) -> None:
         errors: list[BaseException | None] = [None] * len(self.groups)
