@@ -97,6 +97,7 @@ def measure(samples: list[tuple], log_pi: torch.Tensor, h_pi: torch.Tensor, tau:
     dppo = (pi - mu).abs() > DPPO_DELTA
     rare = (mu < RARE_P) & (h_mu < LOW_H)
     d_rare = delta[rare].abs()
+    low_h = h_mu < LOW_H
 
     def q(x, p):
         return float(torch.quantile(x, p)) if x.numel() else float("nan")
@@ -105,6 +106,11 @@ def measure(samples: list[tuple], log_pi: torch.Tensor, h_pi: torch.Tensor, tau:
         "response_tokens": n, "responses": len(samples),
         "mean_abs_delta": float(delta.abs().mean()),
         "rare_low_h_per_1k": float(rare.sum()) * per_1k,
+        "low_h_share": float(low_h.double().mean()),
+        # Each token w with mu(w) < RARE_P adds -mu(w) log mu(w) > mu(w) log(1/RARE_P) to H(mu), so a
+        # position's rare mass, the chance its sampled token is rare, is < H(mu) / log(1/RARE_P):
+        # summed over the low-H positions, a ceiling on the expected rare-at-low-H count.
+        "rare_low_h_ceiling_per_1k": float(h_mu[low_h].sum()) / math.log(1 / RARE_P) * per_1k,
         "rare_low_h_entr_per_1k": float((rare & entr).sum()) * per_1k,
         "share_of_rare_low_h": {
             "entr (H mu)": float((rare & entr).sum() / max(1, int(rare.sum()))),
@@ -142,13 +148,15 @@ def markdown(report: dict) -> str:
     """The tables of precondition.md."""
     lines = [f"# ENTR's precondition: {report['title']}", "", report["setup"], "",
              "## Per source of mismatch", "",
-             "| source | engine | response tokens | rare at low H per 1k | ... crossing ENTR (H mu) per 1k | "
+             "| source | engine | response tokens | positions at low H | rare at low H per 1k | its ceiling "
+             "(entropy) | ... crossing ENTR (H mu) per 1k | "
              "holds (>= 2 per 1k) | share crossing ENTR (H mu) | ENTR (H pi) | IcePop band | DPPO TV | "
              "\\|delta\\| p50 | p90 | p99 | max | mean \\|delta\\| all tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         s, d = r["share_of_rare_low_h"], r["rare_low_h_abs_delta"]
-        lines.append(f"| {r['source']} | {r['engine']} | {r['response_tokens']} | {r['rare_low_h_per_1k']:.2f} | "
+        lines.append(f"| {r['source']} | {r['engine']} | {r['response_tokens']} | {_fmt(r.get('low_h_share'))} | "
+                     f"{r['rare_low_h_per_1k']:.2f} | {_fmt(r.get('rare_low_h_ceiling_per_1k'), '.2f')} | "
                      f"{r['rare_low_h_entr_per_1k']:.2f} | {'yes' if r['holds'] else 'no'} | "
                      f"{s['entr (H mu)']:.3f} | {s['entr (H pi)']:.3f} | {s['icepop band']:.3f} | {s['dppo tv']:.3f} | "
                      f"{_fmt(d['p50'])} | {_fmt(d['p90'])} | {_fmt(d['p99'])} | {_fmt(d['max'])} | "
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
         print(f"[precondition] {source:9s} {engine:16s} {row['response_tokens']:6d} tokens: rare at low H "
-              f"{row['rare_low_h_per_1k']:.2f}/1k, crossing ENTR {row['rare_low_h_entr_per_1k']:.2f}/1k "
+              f"{row['rare_low_h_per_1k']:.2f}/1k (ceiling {row['rare_low_h_ceiling_per_1k']:.2f}), crossing ENTR {row['rare_low_h_entr_per_1k']:.2f}/1k "
               f"({'holds' if row['holds'] else 'does not hold'}), |delta| p50 {_fmt(row['rare_low_h_abs_delta']['p50'])} "
               f"p90 {_fmt(row['rare_low_h_abs_delta']['p90'])} ({row['seconds']:.0f} s)", flush=True)
     setup = (f"{len(prompts)} held-out prompts x {params.n} samples at T = {params.temperature}, up to "

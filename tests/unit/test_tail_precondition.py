@@ -35,6 +35,9 @@ def test_counts_and_crossings_by_hand(tool):
     out = tool.measure(samples, log_pi, torch.zeros_like(log_pi), tau=1.0, eps=0.01)
     assert out["response_tokens"] == 1000
     assert out["rare_low_h_per_1k"] == pytest.approx(3.0)
+    assert out["low_h_share"] == pytest.approx(0.999)  # all but the H 0.5 token
+    # the ceiling: sum of H(mu) over low-H positions / ln(1 / 0.01), per 1k tokens
+    assert out["rare_low_h_ceiling_per_1k"] == pytest.approx((998 * 0.05 + 0.02) / math.log(100))
     assert out["rare_low_h_entr_per_1k"] == pytest.approx(2.0) and out["holds"]
     shares = out["share_of_rare_low_h"]
     assert shares["entr (H mu)"] == pytest.approx(2 / 3) and shares["icepop band"] == pytest.approx(1 / 3)
