@@ -89,6 +89,11 @@ class CountdownTaskConfig:
     format_reward: float = 0.0
     """Reward of a well-formed response that is wrong (steps, "ans" and an integer, then EOS). In [0, 1)."""
 
+    separator_variants: float = 0.0
+    """Chance that a warm-up trace writes a separator ("," ":" " ") as its variant (";" "|" "_"); above 0
+    the reward and the token labels read a variant as its separator. It plants a rare token at
+    positions the model is sure of (the long-tail testbed, docs/studies/lm_tail). In [0, 0.5)."""
+
     def __post_init__(self) -> None:
         integer(self, "num_operands", low=2, high=6)
         integer(self, "max_value", low=1, high=10**6)
@@ -103,6 +108,7 @@ class CountdownTaskConfig:
         number(self, "format_reward", 0, 1)
         if self.format_reward >= 1.0:
             raise bad(self, "format_reward", self.format_reward, "must be < 1 (a correct response earns 1)")
+        number(self, "separator_variants", 0, 0.5, high_open=True)  # a variant is the rarer way
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,8 @@ def _calculator(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None
 def _countdown(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> CountdownTask:
     c = t.countdown
     task = CountdownTask(c.num_operands, c.min_number, c.max_number, max_value=c.max_value, min_target=c.min_target,
-                         max_target=c.max_target, ops=c.operations, format_reward=c.format_reward, tokenizer=tokenizer)
+                         max_target=c.max_target, ops=c.operations, format_reward=c.format_reward, tokenizer=tokenizer,
+                         separator_variants=c.separator_variants)
     _check_prompts(task, "countdown", max_prompt_len)
     return task
 

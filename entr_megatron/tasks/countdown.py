@@ -76,6 +76,10 @@ __all__ = [
 
 MAX_DRAWS_PER_PROBLEM = 1000
 """Draws (random walks) tried per problem before the settings are declared unsatisfiable."""
+SEPARATOR_VARIANTS = {",": ";", ":": "|", " ": "_"}
+"""The second way of writing each separator (`separator_variants`): warm-up traces use it at a small
+rate, so a model sure of the separator keeps a rare alternative there (the long-tail testbed)."""
+_CANONICAL = str.maketrans({v: k for k, v in SEPARATOR_VARIANTS.items()})
 
 
 def countdown_reward(problem: CountdownProblem, text: str, *, ended: bool, format_reward: float = 0.0) -> float:
@@ -106,12 +110,16 @@ class CountdownTask:
         test_fraction: float = 0.1,
         split_seed: int = 0,
         tokenizer: Any = None,
+        separator_variants: float = 0.0,
     ):
         """num_operands: numbers per problem (each used exactly once); min_number..max_number: their range;
         max_value: the largest value a step may produce; min_target..max_target: the targets' range;
         ops: from "+", "-", "*", "/"; format_reward: reward of a well-formed wrong response (0 disables);
         test_fraction: share of problems held out; split_seed: which ones; tokenizer: an HF tokenizer
-        knowing digits, the operators, " :,=" and "a" "n" "s" "t" "o" (default: `build_char_tokenizer()`)."""
+        knowing digits, the operators, " :,=" and "a" "n" "s" "t" "o" (default: `build_char_tokenizer()`);
+        separator_variants: the chance that a warm-up trace writes a separator of its scratchpad (",",
+        ":" and " ") as its variant (`SEPARATOR_VARIANTS`); with it above 0 the reward and the labels
+        read a variant as its separator (the tokenizer must know ";", "|" and "_")."""
         ops = tuple(ops)
 
         def integer(name: str, value: Any, low: int, high: int) -> None:
@@ -127,12 +135,15 @@ class CountdownTask:
         if not ops or any(op not in OPS for op in ops) or len(set(ops)) != len(ops):
             raise ValueError(f"ops must be a non-empty subset of {OPS} without repeats, got {ops!r}")
         check_fractions(test_fraction, format_reward)
+        if not isinstance(separator_variants, (int, float)) or not 0.0 <= separator_variants < 0.5:
+            raise ValueError(f"separator_variants must be a number in [0, 0.5), got {separator_variants!r}")
         if tokenizer is None:
             tokenizer = build_char_tokenizer()
         self.num_operands, self.min_number, self.max_number = num_operands, min_number, max_number
         self.max_value, self.min_target, self.max_target, self.ops = max_value, min_target, max_target, ops
         self.format_reward, self.test_fraction, self.split_seed = format_reward, test_fraction, split_seed
         self.tokenizer = tokenizer
+        self.separator_variants = float(separator_variants)
         self._pieces: list[str] | None = None
 
     def _draws(self, rng: random.Random) -> Iterator[CountdownProblem]:
@@ -172,21 +183,29 @@ class CountdownTask:
         for p in self.problems(split, n, seed):
             steps = sample_solution(p, rng)
             assert steps is not None, "a problem is drawn as the end of a legal walk"
+            text = format_trace(p, steps)
+            if self.separator_variants > 0:
+                text = "".join(SEPARATOR_VARIANTS[c] if c in SEPARATOR_VARIANTS and rng.random() < self.separator_variants
+                               else c for c in text)
             out.append((self.tokenizer.encode(p.text),
-                        self.tokenizer.encode(format_trace(p, steps), add_special_tokens=False)
-                        + [self.tokenizer.eos_token_id]))
+                        self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]))
         return out
+
+    def _canonical(self, text: str) -> str:
+        """`text` with each separator variant read as its separator (when the task writes them)."""
+        return text.translate(_CANONICAL) if self.separator_variants > 0 else text
 
     def reward(self, sample: Sample, reference: CountdownProblem) -> float:
         """`countdown_reward` of the response up to its first EOS."""
         ended = self.tokenizer.eos_token_id in sample.response_ids
-        text = decode_response(self.tokenizer, sample.response_ids)
+        text = self._canonical(decode_response(self.tokenizer, sample.response_ids))
         return countdown_reward(reference, text, ended=ended, format_reward=self.format_reward)
 
     def token_labels(self, sample: Sample, reference: CountdownProblem) -> list[str]:
         """One TOKEN_LABELS entry per response token of `sample` (`label_tokens`)."""
         if self._pieces is None:
-            self._pieces = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(len(self.tokenizer))]
+            self._pieces = [self._canonical(self.tokenizer.decode([i], skip_special_tokens=True))
+                            for i in range(len(self.tokenizer))]
         return label_tokens(reference, list(sample.response_ids), self._pieces, self.tokenizer.eos_token_id)
 
     def new_environment(self) -> None:
