@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _interrupt)
         # `kill -USR1 PID` writes every thread's stack to stderr and the command goes on: what a
         # job that seems stuck is waiting for, without a debugger
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, OSError, ValueError):  # a stderr with no file descriptor (called in-process)
+            pass
     try:  # the imports too: a Ctrl-C while torch loads is one line, not a traceback
         from entr_megatron.utils.megatron_warnings import quiet_megatron_fallbacks  # lazy: inside the try
 

@@ -185,8 +185,9 @@ class CountdownTask:
             assert steps is not None, "a problem is drawn as the end of a legal walk"
             text = format_trace(p, steps)
             if self.separator_variants > 0:
-                text = "".join(SEPARATOR_VARIANTS[c] if c in SEPARATOR_VARIANTS and rng.random() < self.separator_variants
-                               else c for c in text)
+                rate = self.separator_variants
+                text = "".join(SEPARATOR_VARIANTS[c] if c in SEPARATOR_VARIANTS and rng.random() < rate else c
+                               for c in text)
             out.append((self.tokenizer.encode(p.text),
                         self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]))
         return out

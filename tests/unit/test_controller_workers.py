@@ -103,8 +103,8 @@ def test_a_push_broken_by_a_dead_rank_is_the_learners_failure(group):
 
 def test_an_engine_that_fails_mid_push_cancels_the_others_at_once(group):
     """Engine 0's side of a push fails; engine 1's would wait for bytes engine 0 was to relay until
-    rollout.push_timeout_s (60 s here): the push raises engine 0's error within seconds, having told engine 1
-    to give the version up (cancel_weight_update), and `abandon` then returns at once."""
+    rollout.push_timeout_s (60 s here): the push raises engine 0's error within seconds, having told
+    engine 1 to give the version up (cancel_weight_update), and `abandon` then returns at once."""
     import threading
 
     from entr_megatron.controller.ranks.remote import EnginePushError, RemotePush, RemotePusher, _EngineUpdate
