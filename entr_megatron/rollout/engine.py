@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FINISH_REASONS",
+    "CancellableUpdates",
     "EngineError",
     "EngineHealth",
     "GenerateRequest",
@@ -296,6 +297,18 @@ class RolloutEngine(Protocol):
         """Stop the engine and free its resources (idempotent)."""
         ...
 
+
+
+@runtime_checkable
+class CancellableUpdates(Protocol):
+    """An engine whose weight update in progress can be told to give up: the embedded engine, local
+    or in a Ray actor, whose broadcast receive would otherwise wait out its timeout for a member of
+    its group that died (weight_sync/receiver.py `BroadcastReceiver.cancel`)."""
+
+    def cancel_weight_update(self) -> None:
+        """The update in progress will not complete: its `update_weights` raises soon and the engine
+        keeps the weights it holds. Nothing in progress: no effect. Never raises."""
+        ...
 
 
 @runtime_checkable

@@ -36,7 +36,13 @@ from typing import Any
 from entr_megatron.controller.ranks.learner_worker import LearnerWorker
 from entr_megatron.controller.ranks.workers import WorkerGroup
 from entr_megatron.controller.rl.interfaces import ABANDON_TIMEOUT_S
-from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightUpdateReport
+from entr_megatron.rollout.engine import (
+    CancellableUpdates,
+    EngineError,
+    RolloutEngine,
+    WeightReceiver,
+    WeightUpdateReport,
+)
 from entr_megatron.types import TrainBatch
 
 __all__ = ["EnginePushError", "RemoteLearner", "RemotePush", "RemotePusher"]
@@ -132,8 +138,8 @@ class RemotePush:
         """Engines still receiving this version give it up (a member of their broadcast group died:
         what it was to relay never comes). Engines without the call are waited for as before."""
         for u in self.updates:
-            if u.is_alive() and (cancel := getattr(u.engine, "cancel_weight_update", None)) is not None:
-                cancel()
+            if u.is_alive() and isinstance(u.engine, CancellableUpdates):
+                u.engine.cancel_weight_update()
 
 
 class RemoteLearner:
