@@ -35,7 +35,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def run(args) -> None:
-    from entr_megatron.study.runner import StudyLockedError, run_study  # lazy: torch
+    from entr_megatron.study.runner import StudyLockedError, WarmupError, WarmupStopped, run_study  # lazy: torch
 
     try:
         spec = load_spec(args.spec)
@@ -61,8 +61,11 @@ def run(args) -> None:
     try:
         result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address,
                            only=args.only)
-    except (SpecError, StudyLockedError, RayConnectError) as e:
+    except (SpecError, StudyLockedError, RayConnectError, WarmupError) as e:
         _fail(str(e))
+    except WarmupStopped as e:
+        print(f"[study] {e}", file=sys.stderr, flush=True)
+        sys.exit(130)
     print(json.dumps({"out": result["out"], "done": len(result["done"]), "skipped": len(result["skipped"]),
                       "failed": result["failed"], "interrupted": result["interrupted"]}))
     if result["interrupted"]:

@@ -50,13 +50,13 @@ from typing import Any
 import yaml
 
 from entr_megatron.study.cell_log import cell_error
-from entr_megatron.study.spec import Cell, SpecError, StudySpec
+from entr_megatron.study.spec import Cell, SpecError, StudySpec, flatten_config
 from entr_megatron.utils.jsonl import atomic_output
 from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.run_lock import RunLock, RunLockedError
 from entr_megatron.utils.spawn import die_with_parent
 
-__all__ = ["INTERRUPTED_CODES", "StudyLockedError", "StudyResult", "run_study"]
+__all__ = ["INTERRUPTED_CODES", "StudyLockedError", "StudyResult", "WarmupError", "WarmupStopped", "run_study"]
 
 INTERRUPTED_CODES = (130, -signal.SIGINT, -signal.SIGTERM)
 """Exit codes of a cell stopped by a signal before it could checkpoint: `entr-megatron` returns 130
@@ -204,10 +204,12 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def _prepare(spec: StudySpec, out: Path, jobs: int = 1) -> Path | dict[int, Path] | None:
+def _prepare(spec: StudySpec, out: Path, jobs: int = 1,
+             stop: StopRequest | None = None) -> Path | dict[int, Path] | None:
     """Writes study.json (with every cell of the spec, so that a report of a partly run study
     lists the cells never run) and the spec; runs the shared warm-up once, or with
-    `warmup.per_seed` each seed's (`jobs` at a time). Returns its model, {seed: model}, or None."""
+    `warmup.per_seed` each seed's (`jobs` at a time). Returns its model, {seed: model}, or None.
+    A warm-up that fails, or a stop signal (`stop`), starts no further warm-up."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
@@ -220,25 +222,69 @@ def _prepare(spec: StudySpec, out: Path, jobs: int = 1) -> Path | dict[int, Path
     if spec.warmup_config() is None:
         return None
     if not spec.per_seed_warmup:
-        return _warm_up(spec.warmup_config(), out / "warmup", "the shared warm-up")
+        return _warm_up(spec.warmup_config(), out / "warmup", "the shared warm-up", stop)
+    warmups = {seed: (spec.warmup_config(seed), out / "warmup" / f"seed={seed}") for seed in spec.seeds}
+    for seed, (raw, warm) in warmups.items():  # every one checked before any runs
+        _check_warmup_config(raw, warm, f"seed {seed}'s warm-up")
+    gave_up = threading.Event()  # set by the first warm-up that fails: no other starts after it
+
+    def one(seed: int) -> Path | None:
+        if gave_up.is_set():
+            return None
+        try:
+            return _warm_up(*warmups[seed], f"seed {seed}'s warm-up", stop)
+        except BaseException:
+            gave_up.set()
+            raise
+
     with cf.ThreadPoolExecutor(max_workers=min(jobs, len(spec.seeds))) as pool:
-        futures = {seed: pool.submit(_warm_up, spec.warmup_config(seed), out / "warmup" / f"seed={seed}",
-                                     f"seed {seed}'s warm-up") for seed in spec.seeds}
-        return {seed: f.result() for seed, f in futures.items()}
+        futures = {seed: pool.submit(one, seed) for seed in warmups}
+        cf.wait(futures.values())
+    for future in futures.values():  # the first failure in seed order; a warm-up not started had none
+        if future.exception() is not None:
+            raise future.exception()
+    return {seed: f.result() for seed, f in futures.items()}
 
 
-def _warm_up(raw: dict, warm: Path, what: str) -> Path:
+class WarmupError(RuntimeError):
+    """A warm-up (`sft`) failed; the message names its log."""
+
+
+class WarmupStopped(RuntimeError):
+    """A stop signal reached the study during its warm-ups; the same command resumes them."""
+
+
+def _check_warmup_config(raw: dict, warm: Path, what: str) -> None:
+    """Refuses a warm-up directory made with another config (a changed spec or base: its model, or
+    its partial SFT run, would be taken for this one's), naming the fields that differ."""
+    before = _read_yaml(warm / "warmup.yaml")
+    if before is None or _without_run_dir(before) == _without_run_dir(raw):
+        return
+    old, new = flatten_config(_without_run_dir(before)), flatten_config(_without_run_dir(raw))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k, "<unset>") != new.get(k, "<unset>"))
+    shown = ", ".join(f"{k}: {old.get(k, '<unset>')!r} there, {new.get(k, '<unset>')!r} in the spec"
+                      for k in changed[:5])
+    raise SpecError(f"{what} in {warm} was made with another config ({shown}{', ...' if len(changed) > 5 else ''}); "
+                    "use another --out, or move that directory away to run the warm-up again")
+
+
+def _warm_up(raw: dict, warm: Path, what: str, stop: StopRequest | None = None) -> Path:
     """Runs one warm-up (`sft`) in `warm` unless its model is there; returns warm/sft/model."""
+    _check_warmup_config(raw, warm, what)
     model = warm / "sft" / "model"
     if (model / "config.json").exists():
         return model
+    if stop is not None and stop.signal is not None:
+        raise WarmupStopped(f"{what} not started: the study was stopped; run the same command to resume")
     warm.mkdir(parents=True, exist_ok=True)
     raw = {**raw, "logging": {**raw.get("logging", {}), "run_dir": str(warm)}}
     _write_yaml(warm / "warmup.yaml", raw)
     print(f"[study] {what} (SFT) in {warm}", file=sys.stderr, flush=True)
     code, _ = run_command(["sft", "--config", str(warm / "warmup.yaml"), "--run-dir", str(warm)], str(warm / "sft.log"))
+    if stop is not None and stop.signal is not None and not (model / "config.json").exists():
+        raise WarmupStopped(f"{what} stopped (exit {code}); run the same command to resume")
     if code != 0 or not (model / "config.json").exists():
-        raise RuntimeError(f"{what} failed (exit {code}); see {warm / 'sft.log'}")
+        raise WarmupError(f"{what} failed (exit {code}); see {warm / 'sft.log'}")
     return model
 
 
@@ -324,7 +370,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
 
 def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_address: str | None,
                 only: list[str] | None) -> StudyResult:
-    model = _prepare(spec, out, jobs)
+    with StopRequest() as stop:
+        model = _prepare(spec, out, jobs, stop)
     cells = spec.cells(warmup_model=model)
     if only:
         cells = spec.select(cells, only)

@@ -45,7 +45,7 @@ from typing import Any
 from entr_megatron.config.loader import config_as_dict, config_from_dict, dump_config, read_yaml, set_field
 from entr_megatron.config.run import RunConfig
 
-__all__ = ["Cell", "SpecError", "StudySpec", "load_spec"]
+__all__ = ["Cell", "SpecError", "StudySpec", "flatten_config", "load_spec"]
 
 SEED_KEY = "controller.seed"
 SPEC_KEYS = ("name", "base", "overrides", "grid", "seeds", "warmup", "resources", "report", "methods")
@@ -75,17 +75,18 @@ class Cell:
 
     def config_fields(self) -> dict[str, Any]:
         """Every field of the resolved config by dotted key (its run directory excluded)."""
-        return _flatten(config_as_dict(self._resolved()))
+        return flatten_config(config_as_dict(self._resolved()))
 
     def _resolved(self) -> RunConfig:
         return dataclasses.replace(self.config, logging=dataclasses.replace(self.config.logging, run_dir="."))
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: value} (an empty section stays one key)."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, Mapping) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,92 @@ def test_per_seed_warmups_run_once_each_and_feed_their_seed_s_cells(tmp_path, mo
     assert sorted(cells) == [str(out / "warmup" / f"seed={s}" / "sft" / "model") for s in (0, 4)]
     runner.run_study(spec, out)  # done: neither warm-up runs again
     assert sorted(warmed) == [0, 4]
+
+
+def _per_seed_spec(tmp_path, seeds, sft_steps=2):
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({**BASE, "sft": {"steps": sft_steps}}))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "grid": {"algorithm.tau": [1.0]},
+                                                        "seeds": seeds, "warmup": {"per_seed": True}}))
+    return load_spec(tmp_path / "spec.yaml")
+
+
+def test_a_warm_up_made_with_another_config_is_refused_naming_the_field(tmp_path, monkeypatch):
+    """A study directory whose warm-up was made before the spec changed (here sft.steps 2 -> 5): its
+    model would be taken for the new spec's. Refused before anything runs, naming the field."""
+    ran = []
+
+    def fake(args, log_path, env=None):
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        ran.append(args[0])
+        if args[0] == "sft":
+            (run_dir / "sft" / "model").mkdir(parents=True)
+            (run_dir / "sft" / "model" / "config.json").write_text("{}")
+        return 0, ""
+
+    monkeypatch.setattr(runner, "run_command", fake)
+    out = tmp_path / "out"
+    runner.run_study(_per_seed_spec(tmp_path, [0, 1]), out)
+    assert ran == ["sft", "sft", "train", "train"]
+    changed = _per_seed_spec(tmp_path, [0, 1], sft_steps=5)
+    with pytest.raises(runner.SpecError, match=r"seed 0's warm-up in .*seed=0 was made with another config "
+                                               r"\(sft\.steps: 2 there, 5 in the spec\)"):
+        runner.run_study(changed, out)
+    assert ran == ["sft", "sft", "train", "train"]  # nothing ran
+    # a partial warm-up (its warmup.yaml written, no model yet) of another config is refused too
+    (out / "warmup" / "seed=1" / "sft" / "model" / "config.json").unlink()
+    with pytest.raises(runner.SpecError, match="seed 0's warm-up"):
+        runner.run_study(changed, out)
+    assert ran == ["sft", "sft", "train", "train"]
+
+
+def test_a_failed_or_stopped_warm_up_starts_no_other(tmp_path, monkeypatch):
+    """Three seeds' warm-ups, one at a time. The first fails: WarmupError naming its log, and neither
+    other starts. Then a SIGTERM reaches the study during the first: WarmupStopped, none other
+    starts, and the same command runs all three."""
+    spec, out, started = _per_seed_spec(tmp_path, [0, 1, 2]), tmp_path / "out", []
+
+    def failing(args, log_path, env=None):
+        started.append(args[0])
+        return 1, ""
+
+    monkeypatch.setattr(runner, "run_command", failing)
+    with pytest.raises(runner.WarmupError, match=r"seed 0's warm-up failed \(exit 1\); see .*seed=0/sft\.log"):
+        runner.run_study(spec, out, jobs=1)
+    assert started == ["sft"]
+
+    handled = threading.Event()
+    original = runner.StopRequest._handle
+
+    def handle(self, signum, frame):  # the stop is seen by the study before the warm-up returns
+        original(self, signum, frame)
+        handled.set()
+
+    def stopped(args, log_path, env=None):
+        started.append(args[0])
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert handled.wait(10)
+        return 130, ""
+
+    monkeypatch.setattr(runner.StopRequest, "_handle", handle)
+    monkeypatch.setattr(runner, "run_command", stopped)
+    started.clear()
+    with pytest.raises(runner.WarmupStopped, match="seed 0's warm-up stopped"):
+        runner.run_study(spec, out, jobs=1)
+    assert started == ["sft"]
+    assert signal.getsignal(signal.SIGTERM) is not handle  # the study's handlers are gone again
+
+    def fine(args, log_path, env=None):
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        started.append(args[0])
+        if args[0] == "sft":
+            (run_dir / "sft" / "model").mkdir(parents=True, exist_ok=True)
+            (run_dir / "sft" / "model" / "config.json").write_text("{}")
+        return 0, ""
+
+    monkeypatch.setattr(runner, "run_command", fine)
+    started.clear()
+    assert len(runner.run_study(spec, out, jobs=1)["done"]) == 3
+    assert started == ["sft"] * 3 + ["train"] * 3
 
 
 # ---- interrupted cells -------------------------------------------------------------------------
