@@ -19,7 +19,9 @@ pause, /begin_weight_update, one /update_weights_from_distributed per bucket whi
 broadcast over gloo, /end_weight_update, continue), against a bare gloo broadcast of the same bytes
 as one flat buffer from this process to a peer process (the same one-connection group as SGLang's,
 then a one-integer acknowledgement, as our bucket protocol ends), push and broadcast alternating. Two models: the demo's (3.2 MB)
-and a larger one (`--push-layers` layers of 1024 hidden, float32), each a server of its own.
+and a larger one (`--push-layers` layers of 1024 hidden, float32), each a server of its own. Each version
+is pushed twice, by both paths in turn: over the gloo group, and through shared memory (`rollout.placement:
+colocated`: each bucket packed into shared memory and loaded by one /update_weights_from_tensor).
 
 Run it alone on the machine (it measures time); it prints the machine's load before and after.
 """
@@ -191,8 +193,8 @@ def timed_calls():
     """Seconds spent in each SGLangClient call of the push (the server's side, as the client sees it)."""
     from entr_megatron.rollout.sglang import SGLangClient
 
-    names = ("pause_generation", "begin_weight_update", "update_weights_from_distributed", "end_weight_update",
-             "continue_generation")
+    names = ("pause_generation", "begin_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
+             "end_weight_update", "continue_generation")
     spent: dict[str, list[float]] = {n: [] for n in names}
     originals = {n: getattr(SGLangClient, n) for n in names}
 
@@ -218,16 +220,16 @@ def bench_push(args, work: Path) -> None:
     from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
     from entr_megatron.utils.spawn import free_port
     from entr_megatron.weight_sync.group import BroadcastGroup
-    from entr_megatron.weight_sync.transports import SGLangWeightUpdate
+    from entr_megatron.weight_sync.transports import SGLangTensorUpdate, SGLangWeightUpdate
 
     models = {"demo (4 x 128)": SMALL,
               f"larger ({args.push_layers} x 1024)": dict(hidden_size=1024, intermediate_size=2816,
                                                          num_hidden_layers=args.push_layers, num_attention_heads=8,
                                                          num_key_value_heads=4, head_dim=128, max_position_embeddings=96)}
-    print("\nWeight push, seconds per version, median [min, max] over", args.reps, "versions:")
+    print("\nWeight push, seconds per version, median [min, max] over", args.reps, "versions each way:")
     calls = []
-    print("| model | MB | SGLang push (pause to continue) | of which transfer | bare gloo broadcast | push / bare |")
-    print("|---|---|---|---|---|---|")
+    print("| model | MB | path | SGLang push (pause to continue) | of which transfer | bare gloo broadcast | push / bare |")
+    print("|---|---|---|---|---|---|---|")
     for label, arch in models.items():
         import transformers
 
@@ -235,38 +237,46 @@ def bench_push(args, work: Path) -> None:
         weights = {k: v for k, v in transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()
                    if k != "lm_head.weight"}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        paths = ("gloo group", "shared memory")
+        totals, transfers, bare = ({p: [] for p in paths} for _ in range(3))
         with sglang_server(model_dir, max(args.threads), work / f"logs-push-{label.split()[0]}") as url:
             engine = SGLangEngine(SGLangEngineConfig(urls=(url,), weight_update_timeout_s=600, kv_on_update="keep"))
             update, held = SGLangWeightUpdate(engine), {}
             update.init_weights_update_group("127.0.0.1", free_port(), backend="gloo",
                                              join=lambda spec: held.setdefault("g", BroadcastGroup.join(spec, 0)))
             update.set_weight_sender(held["g"])
-            totals, transfers, bare = [], [], []
-            baseline = BareBroadcast(nbytes, args.reps + 1)  # alternating with the pushes: load drift hits both
+            transfers_by_path = {"gloo group": update, "shared memory": SGLangTensorUpdate(engine)}
+            baseline = BareBroadcast(nbytes, 2 * (args.reps + 1))  # alternating with the pushes: load drift hits all
             with timed_calls() as spent:
                 for rep in range(args.reps + 1):
-                    version = {k: v + 0.01 * (rep + 1) for k, v in weights.items()}
-                    report = engine.update_weights(version, engine.weight_version + 1)
-                    bare_s = baseline.once()
-                    if rep:
-                        totals.append(report.total_s)
-                        transfers.append(report.transfer_s - report.wait_s)
-                        bare.append(bare_s)
-                    else:
+                    for path in paths:
+                        engine.set_weight_transfer(transfers_by_path[path])
+                        version = {k: v + 0.01 * (rep + 1) for k, v in weights.items()}
+                        report = engine.update_weights(version, engine.weight_version + 1)
+                        bare_s = baseline.once()
+                        if rep:
+                            totals[path].append(report.total_s)
+                            transfers[path].append(report.transfer_s - report.wait_s)
+                            bare[path].append(bare_s)
+                    if not rep:
                         for v in spent.values():
                             v.clear()
             baseline.close()
+            engine.set_weight_transfer(update)
             update.destroy_weights_update_group()
             held["g"].close()
             engine.shutdown()
-        ratio = [t / b for t, b in zip(totals, bare)]
-        print(f"| {label} | {nbytes / 1e6:.1f} | {summary(totals, '{:.3f}')} | {summary(transfers, '{:.3f}')} | "
-              f"{summary(bare, '{:.3f}')} | {summary(ratio, '{:.2f}')}x |", flush=True)
+        for path in paths:
+            ratio = [t / b for t, b in zip(totals[path], bare[path])]
+            print(f"| {label} | {nbytes / 1e6:.1f} | {path} | {summary(totals[path], '{:.3f}')} | "
+                  f"{summary(transfers[path], '{:.3f}')} | {summary(bare[path], '{:.3f}')} | {summary(ratio, '{:.2f}')}x |",
+                  flush=True)
         calls.append((label, {n: statistics.median(v) for n, v in spent.items() if v},
-                      {n: len(v) // args.reps for n, v in spent.items() if v}))
-    print("\nWhere a push's time goes: median seconds of each call as the client waits for it (calls per version):")
+                      {n: len(v) / args.reps for n, v in spent.items() if v}))
+    print("\nWhere a push's time goes: median seconds of each call as the client waits for it (calls per version "
+          "pair, one push each way):")
     for label, medians, counts in calls:
-        print(f"  {label}: " + ", ".join(f"{n} {t:.3f} (x{counts[n]})" for n, t in medians.items()))
+        print(f"  {label}: " + ", ".join(f"{n} {t:.3f} (x{counts[n]:g})" for n, t in medians.items()))
 
 
 def main(argv=None) -> None:

@@ -350,7 +350,10 @@ class RolloutConfig:
     staging copy (weight_sync/colocated.py; no NCCL group, so a run fits on one GPU), bucketed and
     versioned as on the broadcast path: in host shared memory (from a GPU learner device-to-host),
     or with rollout.embedded.device 'cuda' in the engine's GPU memory through a CUDA IPC handle.
-    Embedded engines only, on the learner's host, as the same user."""
+    Engines on the learner's host, as the same user. SGLang servers (engine 'sglang', CPU): each
+    bucket packed into shared memory and loaded by SGLang's /update_weights_from_tensor
+    (weight_sync SGLangTensorTransport; launcher.kind 'local', one node, servers it launches or
+    given by loopback urls)."""
 
     max_engine_restarts: int = 3
     """Engines that died or stopped answering and were replaced during one `train` job: embedded
@@ -399,10 +402,6 @@ class RolloutConfig:
         integer(self, "weight_bucket_mib", low=1, optional=True)
         choice(self, "weight_snapshot", WeightSnapshot)
         choice(self, "placement", Placement)
-        if self.placement == "colocated" and self.engine != "embedded":
-            raise bad(self, "placement", self.placement,
-                      "must be 'separate': SGLang servers take weights over their own broadcast group "
-                      "(colocation is the embedded engine's)", when=f"engine={self.engine!r}")
         integer(self, "max_engine_restarts", low=0)
         for name in ("push_timeout_s", "poll_timeout_s"):
             number(self, name, low=0, high=math.inf, low_open=True, high_open=True)

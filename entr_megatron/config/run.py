@@ -10,7 +10,9 @@ value and what is allowed (validate.py). YAML files and dotted overrides: see `l
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.config.controller import ControllerConfig
@@ -154,6 +156,18 @@ class RunConfig:
                     "rollout.engine='sglang' needs parallel.pp=1 (the servers take one weight-update group, "
                     "fed by learner rank 0; pipeline stages would each pause and update them separately)",
                 )
+            if r.placement == "colocated":  # /update_weights_from_tensor: the servers map rank 0's shared memory
+                if launcher.kind != "local" or launcher.nnodes != 1:
+                    raise bad(self, "rollout.placement", r.placement,
+                              "needs launcher.kind 'local' and launcher.nnodes 1: the servers read the weights "
+                              "from learner rank 0's shared memory, so they must run on its host; use 'separate'",
+                              when="rollout.engine='sglang'")
+                remote = [u for u in r.sglang.urls or () if not _is_loopback_url(u)]
+                if remote:
+                    raise bad(self, "rollout.placement", r.placement,
+                              f"needs servers on this host (a loopback address in rollout.sglang.urls), got {remote[0]!r}: "
+                              "the servers read the weights from learner rank 0's shared memory; use 'separate'",
+                              when="rollout.engine='sglang'")
             if r.sglang.urls is not None:  # servers run elsewhere: nothing to place, any learner device
                 if len(r.sglang.urls) != r.num_engines:
                     raise bad(
@@ -196,3 +210,14 @@ class RunConfig:
     def data_parallel_size(self) -> int:
         """The learner's data-parallel size (set or derived from the world size)."""
         return self.parallel.data_parallel_size(self.launcher.world_size)
+
+
+def _is_loopback_url(url: str) -> bool:
+    """Whether an http(s) URL names this host by a loopback address (127.0.0.0/8, ::1, "localhost")."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

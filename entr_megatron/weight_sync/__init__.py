@@ -16,7 +16,8 @@ the learner's default group), `buckets.py` our bucket headers over the shared fl
 layout (`utils.buckets`, SGLang's flattened_bucket), `protocol.py` the messages of one
 version, `snapshot.py` the learner's bounded snapshot buffers, `sync.py` `WeightSync`
 (learner side), `transports.py` our protocol and the SGLang adapter (with SGLang's
-weight-update handshake, `SGLangWeightUpdate`), `receiver.py` the engine side, `colocated.py`
+weight-update handshake, `SGLangWeightUpdate`, and its shared-memory form for servers on the
+learner's host, `SGLangTensorUpdate`), `receiver.py` the engine side, `colocated.py`
 the same protocol with each bucket copied into a colocated engine's shared staging copy.
 """
 
@@ -27,6 +28,8 @@ from entr_megatron.weight_sync.receiver import BroadcastReceiver, leave_all_grou
 from entr_megatron.weight_sync.sync import PushHandle, PushReport, WeightSync, WeightSyncConfig, is_weight_sender
 from entr_megatron.weight_sync.transports import (
     BucketTransport,
+    SGLangTensorTransport,
+    SGLangTensorUpdate,
     SGLangTransport,
     SGLangWeightUpdate,
     Transport,
@@ -42,6 +45,8 @@ __all__ = [
     "ColocatedTransport",
     "PushHandle",
     "PushReport",
+    "SGLangTensorTransport",
+    "SGLangTensorUpdate",
     "SGLangTransport",
     "SGLangWeightUpdate",
     "Transport",

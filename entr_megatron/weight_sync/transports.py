@@ -3,13 +3,15 @@
     BucketTransport(groups[pp_rank])                   # engines run BroadcastReceiver (embedded engine)
     BucketTransport(groups[0], engines=[(engine, receiver_for(groups, 0))])   # ...and drive them from here
     SGLangTransport(sglang_engine, "10.0.0.1", 29600)  # SGLang servers (PP = 1)
+    SGLangTensorTransport(sglang_engine)               # ...on this host: through shared memory
 
 A transport runs on the stage's sender rank, in the sender thread: `send(version,
 stream)` takes the snapshot buckets in order and returns once every engine holds
 the version (with the engines' reports where it drives them). The group is
 joined by the first `send` (or `connect`), which waits for the engines to join.
 SGLang's side of a transfer (its weight group, sessions and one request per bucket)
-is `SGLangWeightUpdate`, which `SGLangTransport` drives with a `BroadcastGroup`.
+is `SGLangWeightUpdate`, which `SGLangTransport` drives with a `BroadcastGroup`;
+`SGLangTensorUpdate` (`SGLangTensorTransport`) sends the buckets through shared memory.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from entr_megatron.rollout.engine import EngineError, RolloutEngine, WeightReceiver, WeightSource, WeightUpdateReport
 from entr_megatron.rollout.sglang.client import wait_all
 from entr_megatron.rollout.sglang.engine import SGLangEngine
-from entr_megatron.rollout.sglang.flat_bucket import iter_flattened_buckets, unpack_flattened_bucket
+from entr_megatron.rollout.sglang.flat_bucket import FlatBucket, iter_flattened_buckets, unpack_flattened_bucket
+from entr_megatron.rollout.sglang.tensor_payload import serialize_named_tensors
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend
 from entr_megatron.weight_sync.protocol import ABORT, BUCKET, END, send_control
 from entr_megatron.weight_sync.snapshot import SnapshotFailed, SnapshotStream
@@ -33,6 +36,8 @@ from entr_megatron.weight_sync.snapshot import SnapshotFailed, SnapshotStream
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "BucketTransport",
+    "SGLangTensorTransport",
+    "SGLangTensorUpdate",
     "SGLangTransport",
     "SGLangWeightUpdate",
     "Transport",
@@ -195,7 +200,80 @@ class WeightSender(Protocol):
         ...
 
 
-class SGLangWeightUpdate:
+class _SGLangUpdate:
+    """One weight version onto an `SGLangEngine`'s servers within weight-update sessions: open a
+    session on every server (`/begin_weight_update`; older servers have none), send the buckets
+    (`iter_flattened_buckets`, with the engine config's bucket bytes and dtype; the last one
+    carries the version and the cache flush: `_send_buckets`), then close the sessions."""
+
+    share_memory = False
+    """Whether the buckets are packed into shared memory (for servers on this host to read)."""
+
+    def __init__(self, engine: SGLangEngine):
+        self.engine = engine
+        self.sent_buckets = 0
+        """Buckets the last `transfer` sent to the servers (`SGLangEngine` holds them paused after a
+        failure with one or more: they may hold part of the version)."""
+        self._pack_buffers: list[torch.Tensor] = []
+        """The two buffers buckets are packed into, kept from version to version (flat_bucket.py)."""
+
+    def transfer(self, weights: WeightSource, version: int) -> tuple[int, int]:
+        """Begin the session on every server, send the buckets, end it; (tensors, bytes) sent."""
+        servers = self.engine.servers
+        timeout = self.engine.config.weight_update_timeout_s
+        self.sent_buckets = 0
+        # Own threads: a bucket's calls may block until a broadcast, which must not queue behind them.
+        # No waiting for them on failure: a broadcast nobody receives may never return.
+        pool = cf.ThreadPoolExecutor(len(servers) + 1, thread_name_prefix="sglang-weights")
+        try:
+            sessions = wait_all([pool.submit(s.begin_weight_update) for s in servers], timeout, "begin_weight_update")
+
+            def end_sessions() -> None:
+                wait_all([pool.submit(s.end_weight_update) for s, opened in zip(servers, sessions) if opened],
+                         timeout, "end_weight_update")
+
+            try:
+                counts = self._send_all(pool, weights, version, timeout)
+            except BaseException as e:  # close the sessions anyway, or the next update cannot begin
+                try:
+                    end_sessions()
+                except EngineError as end_error:
+                    e.add_note(f"closing the weight-update sessions failed too: {end_error}")
+                raise
+            end_sessions()
+            return counts
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send_all(self, pool: cf.ThreadPoolExecutor, weights: WeightSource, version: int,
+                  timeout: float) -> tuple[int, int]:
+        cfg = self.engine.config
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        dtype = None if cfg.weight_dtype is None else getattr(torch, cfg.weight_dtype)
+        flush = cfg.kv_on_update == "recompute"  # a pause in place leaves requests that block the flush
+        num_tensors = num_bytes = 0
+        buckets = iter_flattened_buckets(items, cfg.weight_bucket_bytes, dtype, buffers=self._pack_buffers,
+                                         share_memory=self.share_memory)
+        bucket = next(buckets, None)
+        if bucket is None:
+            raise ValueError("update_weights got no tensors")
+        while bucket is not None:
+            following = next(buckets, None)
+            last = following is None
+            self.sent_buckets += 1
+            self._send_bucket(pool, bucket, version, flush_cache=flush and last,
+                              weight_version=str(version) if last else None, timeout=timeout)
+            num_tensors += len(bucket.names)
+            num_bytes += bucket.num_bytes
+            bucket = following
+        return num_tensors, num_bytes
+
+    def _send_bucket(self, pool: cf.ThreadPoolExecutor, bucket: FlatBucket, version: int, *, flush_cache: bool,
+                     weight_version: str | None, timeout: float) -> None:
+        raise NotImplementedError
+
+
+class SGLangWeightUpdate(_SGLangUpdate):
     """SGLang's distributed weight-update handshake with an `SGLangEngine`'s servers: the
     `WeightTransfer` its `update_weights` sends through while it holds them paused.
 
@@ -204,22 +282,14 @@ class SGLangWeightUpdate:
         updates.set_weight_sender(sender)     # rank 0 of `group`: broadcasts one flat bucket at a time
         report = engine.update_weights(hf_state_dict, version=engine.weight_version + 1)
 
-    One version: open a session on every server (`/begin_weight_update`; older servers have
-    none), then for each bucket (`iter_flattened_buckets`, with the engine config's bucket
-    bytes and dtype) one `/update_weights_from_distributed` per server while the sender
-    broadcasts the bucket (the last one carries the version and the cache flush), then close
-    the sessions. The engine takes the transfer once there are a group and a sender.
+    Each bucket: one `/update_weights_from_distributed` per server while the sender broadcasts
+    it. The engine takes the transfer once there are a group and a sender.
     """
 
     def __init__(self, engine: SGLangEngine):
-        self.engine = engine
+        super().__init__(engine)
         self.group: WeightGroup | None = None
         self._sender: WeightSender | None = None
-        self.sent_buckets = 0
-        """Buckets the last `transfer` sent to the servers (`SGLangEngine` holds them paused after a
-        failure with one or more: they may hold part of the version)."""
-        self._pack_buffers: list[torch.Tensor] = []
-        """The two buffers buckets are packed into, kept from version to version (flat_bucket.py)."""
 
     def init_weights_update_group(
         self, master_address: str, master_port: int, *, backend: str = "nccl",
@@ -262,68 +332,61 @@ class SGLangWeightUpdate:
         self._attach()
 
     def transfer(self, weights: WeightSource, version: int) -> tuple[int, int]:
-        """Begin the session on every server, broadcast the buckets, end it; (tensors, bytes) sent."""
-        group, sender, servers = self.group, self._sender, self.engine.servers
-        assert group is not None and sender is not None, "the engine takes the transfer only with a group and a sender"
-        timeout = self.engine.config.weight_update_timeout_s
-        self.sent_buckets = 0
-        # Own threads: each bucket's calls block until the broadcast, which must not queue behind them.
-        # No waiting for them on failure: a broadcast nobody receives may never return.
-        pool = cf.ThreadPoolExecutor(len(servers) + 1, thread_name_prefix="sglang-weights")
-        try:
-            sessions = wait_all([pool.submit(s.begin_weight_update) for s in servers], timeout, "begin_weight_update")
+        assert self.group is not None and self._sender is not None, \
+            "the engine takes the transfer only with a group and a sender"
+        return super().transfer(weights, version)
 
-            def end_sessions() -> None:
-                wait_all([pool.submit(s.end_weight_update) for s, opened in zip(servers, sessions) if opened],
-                         timeout, "end_weight_update")
-
-            try:
-                counts = self._send_buckets(pool, weights, version, group, sender, timeout)
-            except BaseException as e:  # close the sessions anyway, or the next update cannot begin
-                try:
-                    end_sessions()
-                except EngineError as end_error:
-                    e.add_note(f"closing the weight-update sessions failed too: {end_error}")
-                raise
-            end_sessions()
-            return counts
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _send_buckets(self, pool: cf.ThreadPoolExecutor, weights: WeightSource, version: int,
-                      group: WeightGroup, sender: WeightSender, timeout: float) -> tuple[int, int]:
-        cfg, servers = self.engine.config, self.engine.servers
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        dtype = None if cfg.weight_dtype is None else getattr(torch, cfg.weight_dtype)
-        flush = cfg.kv_on_update == "recompute"  # a pause in place leaves requests that block the flush
-        num_tensors = num_bytes = 0
-        buckets = iter_flattened_buckets(items, cfg.weight_bucket_bytes, dtype, buffers=self._pack_buffers)
-        bucket = next(buckets, None)
-        if bucket is None:
-            raise ValueError("update_weights got no tensors")
-        while bucket is not None:
-            following = next(buckets, None)
-            last = following is None
-            kwargs = dict(group_name=group.group_name, flush_cache=flush and last,
-                          weight_version=str(version) if last else None, timeout=timeout)
-            if cfg.flattened_buckets:
-                tensors = [bucket.flat]
-                kwargs["load_format"] = "flattened_bucket"
-            else:
-                tensors = [t for _, t in unpack_flattened_bucket(bucket)]
-                kwargs["load_format"] = None
-            self.sent_buckets += 1
-            calls = [pool.submit(s.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes, **kwargs)
-                     for s in servers]
-            calls.append(pool.submit(lambda ts=tensors: [sender.broadcast(t) for t in ts]))
-            wait_all(calls, timeout, f"update_weights_from_distributed (version {version})")
-            num_tensors += len(bucket.names)
-            num_bytes += bucket.num_bytes
-            bucket = following
-        return num_tensors, num_bytes
+    def _send_bucket(self, pool: cf.ThreadPoolExecutor, bucket: FlatBucket, version: int, *, flush_cache: bool,
+                     weight_version: str | None, timeout: float) -> None:
+        group, sender = self.group, self._sender
+        kwargs = dict(group_name=group.group_name, flush_cache=flush_cache, weight_version=weight_version,
+                      timeout=timeout)
+        if self.engine.config.flattened_buckets:
+            tensors = [bucket.flat]
+            kwargs["load_format"] = "flattened_bucket"
+        else:
+            tensors = [t for _, t in unpack_flattened_bucket(bucket)]
+            kwargs["load_format"] = None
+        calls = [pool.submit(s.update_weights_from_distributed, bucket.names, bucket.dtypes, bucket.shapes, **kwargs)
+                 for s in self.engine.servers]
+        calls.append(pool.submit(lambda ts=tensors: [sender.broadcast(t) for t in ts]))
+        wait_all(calls, timeout, f"update_weights_from_distributed (version {version})")
 
     def _attach(self) -> None:
         self.engine.set_weight_transfer(self if self.group is not None and self._sender is not None else None)
+
+
+class SGLangTensorUpdate(_SGLangUpdate):
+    """SGLang servers on this host take each bucket from shared memory: one
+    `/update_weights_from_tensor` per server whose body says where the bucket's tensors lie
+    (`tensor_payload`); the server copies them into its parameters before it answers. No
+    weight group, no byte on a wire (SGLang's colocated path, through CUDA IPC on GPUs; here
+    through torch's file_system shared memory).
+
+        updates = SGLangTensorUpdate(engine).attach()
+        report = engine.update_weights(hf_state_dict, version=engine.weight_version + 1)
+    """
+
+    share_memory = True
+
+    def attach(self) -> SGLangTensorUpdate:
+        self.engine.set_weight_transfer(self)
+        return self
+
+    def detach(self) -> None:
+        self.engine.set_weight_transfer(None)
+
+    def _send_bucket(self, pool: cf.ThreadPoolExecutor, bucket: FlatBucket, version: int, *, flush_cache: bool,
+                     weight_version: str | None, timeout: float) -> None:
+        named = unpack_flattened_bucket(bucket)  # views of the shared buffer
+
+        def call(server, tp_size: int):  # one payload per TP rank: a rank's rebuild uses its references up
+            return server.update_weights_from_tensor([serialize_named_tensors(named) for _ in range(tp_size)],
+                                                     flush_cache=flush_cache, weight_version=weight_version,
+                                                     timeout=timeout)
+
+        calls = [pool.submit(call, s, n) for s, n in zip(self.engine.servers, self.engine.tp_sizes())]
+        wait_all(calls, timeout, f"update_weights_from_tensor (version {version})")
 
 
 def _on_threads(calls: Sequence[Callable[[], Any]], timeout: float, what: str) -> None:
@@ -336,7 +399,36 @@ def _on_threads(calls: Sequence[Callable[[], Any]], timeout: float, what: str) -
         pool.shutdown(wait=False)
 
 
-class SGLangTransport:
+class _SGLangTransportBase:
+    """What both SGLang transports share: the snapshot cut the handshake's way, and one
+    `SGLangEngine.update_weights` per version (pause, transfer, resume)."""
+
+    layout = "checkpoint"
+
+    def __init__(self, engine: SGLangEngine):
+        self.engine = engine
+
+    def requirements(self) -> dict[str, Any]:
+        return {"bucket_bytes": self.engine.config.weight_bucket_bytes, "dtype": self.engine.config.weight_dtype}
+
+    def can_borrow(self, tensor) -> bool:
+        """Any tensor: the handshake packs each bucket (a copy) itself."""
+        return True
+
+    def connect(self) -> None:
+        raise NotImplementedError
+
+    def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
+        self.connect()
+        stream.wait_settled()
+        tensors = _tensors(stream)
+        try:
+            return [self.engine.update_weights(tensors, version)]
+        finally:
+            tensors.close()  # gives back the last buffer also when the engine stopped early
+
+
+class SGLangTransport(_SGLangTransportBase):
     """SGLang servers through `SGLangWeightUpdate` (group, session, one
     `/update_weights_from_distributed` per flattened bucket, version on the last one)
     and `SGLangEngine.update_weights` (pause, resume), with a `BroadcastGroup` at rank 0
@@ -350,21 +442,13 @@ class SGLangTransport:
     group, and two stages updating it independently would each pause and resume the servers.
     """
 
-    layout = "checkpoint"
-
     def __init__(self, engine: SGLangEngine, master_address: str, master_port: int, *,
                  backend: str | None = None, timeout_s: float = 600.0):
-        self.engine, self.master_address, self.master_port = engine, master_address, int(master_port)
+        super().__init__(engine)
+        self.master_address, self.master_port = master_address, int(master_port)
         self.backend, self.timeout_s = backend or default_backend(), timeout_s
         self.updates = SGLangWeightUpdate(engine)
         self.group: BroadcastGroup | None = None
-
-    def requirements(self) -> dict[str, Any]:
-        return {"bucket_bytes": self.engine.config.weight_bucket_bytes, "dtype": self.engine.config.weight_dtype}
-
-    def can_borrow(self, tensor) -> bool:
-        """Any tensor: the handshake packs each bucket (a copy) itself."""
-        return True
 
     def connect(self) -> None:
         if self.group is None:
@@ -376,15 +460,6 @@ class SGLangTransport:
     def _join(self, spec: WeightGroup) -> None:
         self.group = BroadcastGroup.join(spec, 0, timeout_s=self.timeout_s)
 
-    def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
-        self.connect()
-        stream.wait_settled()
-        tensors = _tensors(stream)
-        try:
-            return [self.engine.update_weights(tensors, version)]
-        finally:
-            tensors.close()  # gives back the last buffer also when the engine stopped early
-
     def close(self) -> None:
         if self.group is not None:
             try:
@@ -393,6 +468,25 @@ class SGLangTransport:
                 pass  # the servers may be gone already
             self.group.close()
             self.group = None
+
+
+class SGLangTensorTransport(_SGLangTransportBase):
+    """SGLang servers on the learner's host (`rollout.placement: colocated`) through
+    `SGLangTensorUpdate`: each bucket packed into shared memory, one `/update_weights_from_tensor`
+    per server. No group to join; the same sessions, pause and resume as `SGLangTransport`."""
+
+    def __init__(self, engine: SGLangEngine):
+        super().__init__(engine)
+        self.updates: SGLangTensorUpdate | None = None
+
+    def connect(self) -> None:
+        if self.updates is None:
+            self.updates = SGLangTensorUpdate(self.engine).attach()
+
+    def close(self) -> None:
+        if self.updates is not None:
+            self.updates.detach()
+            self.updates = None
 
 
 def _tensors(stream: SnapshotStream) -> Iterator[tuple[str, Any]]:

@@ -36,6 +36,7 @@ from entr_megatron.weight_sync import (
     BucketTransport,
     ColocatedReceiver,
     ColocatedTransport,
+    SGLangTensorTransport,
     SGLangTransport,
     WeightSync,
     WeightSyncConfig,
@@ -769,4 +770,50 @@ def test_sglang_adapter_drives_the_handshake_over_gloo():
         assert [u["weight_version"] for u in a.calls_to("/update_weights_from_distributed")][3:] == [None, None, "2"]
         sync.close()
         assert a.calls_to("/destroy_weights_update_group") and not a.groups
+        engine.shutdown()
+
+
+def test_sglang_servers_on_this_host_load_each_bucket_from_shared_memory():
+    """rollout.placement colocated with SGLang: no weight group; each bucket packed into shared
+    memory and one /update_weights_from_tensor per server, a payload per TP rank."""
+    with MockSGLangServer(tp_size=2, token_delay_s=0.005) as a, MockSGLangServer(tp_size=1) as b:
+        held = {}
+        for server in (a, b):
+            held[server.url] = {}
+            server.on_update_tensors = lambda named, body, h=held[server.url]: h.update((n, t.clone()) for n, t in named)
+        engine = SGLangEngine(SGLangEngineConfig(urls=(a.url, b.url), weight_bucket_bytes=300, weight_dtype="float32",
+                                                 kv_on_update="keep", request_timeout_s=10, weight_update_timeout_s=30))
+        transport = SGLangTensorTransport(engine)
+        config = WeightSyncConfig(bucket_bytes=300, dtype="float32", max_buckets_in_flight=2)
+        source = Model(seed=3)
+        sync = WeightSync(lambda: named(source), transport, config)
+        from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+
+        engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=1000))])
+        wait_for(lambda: a.live and len(next(iter(a.live.values())).output_ids) >= 5, what="tokens")
+        report = sync.push(1).wait(timeout=60)
+        assert engine.weight_version == 1 and report.engines[0].version == 1 and report.num_buckets == 3
+        assert report.num_bytes == 4 * (400 + 1600 + 3 + 6)  # the bf16 norm travels as float32
+        for server in (a, b):
+            assert set(held[server.url]) == {"emb.weight", "norm", "big", "scale"}
+            for name, t in named(source):
+                torch.testing.assert_close(held[server.url][name], t.float(), atol=0, rtol=0)
+            updates = server.calls_to("/update_weights_from_tensor")
+            assert [u["weight_version"] for u in updates] == [None, None, "1"]
+            assert all(len(u["serialized_named_tensors"]) == server.tp_size for u in updates)
+            assert not server.calls_to("/init_weights_update_group") and not server.calls_to("/update_weights_from_distributed")
+            assert len(server.calls_to("/begin_weight_update")) == len(server.calls_to("/end_weight_update")) == 1
+        results = []
+        wait_for(lambda: results.extend(engine.poll(timeout=0.5)) or results, what="the response")
+        [r] = results
+        k = r.versions.index(1)
+        assert 5 <= k < 1000 and r.versions == [0] * k + [1] * (1000 - k)
+        # the next version goes through the same shared buffers, with the new values
+        buffers = [t.untyped_storage().data_ptr() for t in transport.updates._pack_buffers]
+        source = Model(seed=4)
+        sync.push(2).wait(timeout=60)
+        assert [t.untyped_storage().data_ptr() for t in transport.updates._pack_buffers] == buffers
+        for name, t in named(source):
+            torch.testing.assert_close(held[b.url][name], t.float(), atol=0, rtol=0)
+        sync.close()
         engine.shutdown()

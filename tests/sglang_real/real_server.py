@@ -15,7 +15,7 @@ from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, Sampli
 from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
 from entr_megatron.utils.spawn import free_port
 from entr_megatron.weight_sync.group import BroadcastGroup
-from entr_megatron.weight_sync.transports import SGLangWeightUpdate
+from entr_megatron.weight_sync.transports import SGLangTensorUpdate, SGLangWeightUpdate
 
 FLOAT32_ATOL = 1e-4
 """|server log-prob - HF log-prob| allowed, both float32 on CPU: SGLang's torch_native attention
@@ -80,6 +80,20 @@ def link(url: str, vocab_size: int, **config):
     finally:
         update.destroy_weights_update_group()
         held["group"].close()
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def link_shared(url: str, vocab_size: int, **config):
+    """An SGLangEngine over the server taking weights through shared memory (/update_weights_from_tensor:
+    rollout.placement colocated), no group."""
+    engine = SGLangEngine(SGLangEngineConfig(urls=(url,), vocab_size=vocab_size, request_timeout_s=60,
+                                             generate_timeout_s=300, weight_update_timeout_s=120,
+                                             retry_backoff_s=0.1, **config))
+    SGLangTensorUpdate(engine).attach()
+    try:
+        yield engine
+    finally:
         engine.shutdown()
 
 

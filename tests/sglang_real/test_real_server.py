@@ -15,6 +15,7 @@ import torch
 
 from entr_megatron.rollout.engine import generate
 from entr_megatron.rollout.sglang import SGLangClient, SGLangEngine, SGLangEngineConfig, SGLangError
+from entr_megatron.rollout.sglang.tensor_payload import serialize_named_tensors, shared_buffer
 from entr_megatron.tasks import build_char_tokenizer
 
 from real_server import (
@@ -23,6 +24,7 @@ from real_server import (
     Reference,
     full_time,
     link,
+    link_shared,
     max_diff,
     nothing_for,
     request,
@@ -125,6 +127,29 @@ def test_a_push_changes_the_answers_exactly_as_the_weights_and_labels_each_token
         k = s.versions.count(v)
         assert len(s.output_ids) == LONG and 0 < k < LONG and s.versions == [v] * k + [v + 1] * (LONG - k), s.versions
         assert max_diff(s.logprobs[:k], ref.logprobs(new, PROMPT, s.output_ids[:k])) < FLOAT32_ATOL
+
+
+def test_a_push_through_shared_memory_changes_the_answers_exactly_as_the_weights(url, ref, recorder):
+    """rollout.placement colocated: each bucket packed into shared memory and loaded by
+    /update_weights_from_tensor, whose payload SGLang's own SafeUnpickler and torch 2.14.1 read
+    (ours is 2.13.0). Two versions through the same buffers, each served exactly."""
+    with link_shared(url, VOCAB, weight_bucket_bytes=256 << 10) as engine:  # a dozen buckets a version
+        for seed in (5, 6):
+            weights = ref.weights(seed=seed)
+            version = engine.weight_version + 1
+            report = engine.update_weights(weights, version)
+            assert report.num_tensors == len(weights) and report.version == version
+            (greedy,) = generate(engine, [request(16, temperature=0.0)], timeout_s=120)
+            assert greedy.output_ids == ref.greedy(weights, PROMPT, 16)
+            assert max_diff(greedy.logprobs, ref.logprobs(weights, PROMPT, greedy.output_ids)) < FLOAT32_ATOL
+            assert greedy.versions == [version] * 16
+    # refused outside a session before the payload is read (recorded: the mock replays it)
+    norm = shared_buffer(128 * 4).view(torch.float32)
+    body = {"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", norm)])],
+            "flush_cache": False, "abort_all_requests": False, "weight_version": None}
+    status, answer = raw(url, recorder, "update_weights_from_tensor_without_session", "POST",
+                         "/update_weights_from_tensor", body)
+    assert status == 400 and "begin_weight_update" in answer["message"]
 
 
 def test_a_push_refused_midway_never_serves_mixed_weights(url, ref, recorder):

@@ -102,9 +102,19 @@ def test_fully_async_with_a_launched_server_that_is_killed_and_replaced(tmp_path
     assert "POST /pause_generation" in log and "POST /continue_generation" in log
 
 
-def test_sync_against_a_server_given_by_url_ends_with_the_learners_weights(tmp_path, server):
-    config, run_dir = write_run(tmp_path, "sync", "sync", {"urls": [server.url]}, steps=3)
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_sync_against_a_server_given_by_url_ends_with_the_learners_weights(tmp_path, server, placement):
+    """separate: the weights over a gloo group; colocated: through shared memory
+    (/update_weights_from_tensor), the server on the learner's host."""
+    config, run_dir = write_run(tmp_path, "sync", "sync", {"urls": [server.url]}, steps=3, placement=placement)
+    before = server.log_path.read_text(errors="replace")
     train(config)
+    routes = server.log_path.read_text(errors="replace")[len(before):]
+    tensor_calls = routes.count('POST /update_weights_from_tensor HTTP/1.1" 200')
+    if placement == "colocated":  # 3.2 MB of float32 weights in 1 MiB buckets: 4 calls a version, 4 versions
+        assert tensor_calls >= 12 and "/init_weights_update_group" not in routes, routes[-3000:]
+    else:
+        assert tensor_calls == 0 and 'POST /init_weights_update_group HTTP/1.1" 200' in routes
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == [0, 1, 2] and all(r["policy_lag/max"] == 0 for r in rows)
     assert [r["weight_sync/version"] for r in rows] == [1, 2, 3]

@@ -10,7 +10,8 @@ SGLang where that catches client mistakes: unknown fields in any body are refuse
 Weight updates keep SGLang's bookkeeping (session, version spans of live requests,
 flush refused while requests run) but move no tensors: the hooks `on_init_group`,
 `on_update_weights`, `on_destroy_group` receive each payload, and are where the
-weight-sync step joins the gloo group and receives the broadcast.
+weight-sync step joins the gloo group and receives the broadcast; `on_update_tensors` gets the
+tensors of an /update_weights_from_tensor (read from the client's shared memory).
 
     with MockSGLangServer(token_delay_s=0.01) as server:
         SGLangClient(server.url).generate({...})
@@ -79,6 +80,10 @@ BODIES = {
     "/update_weights_from_distributed": (
         {"names", "dtypes", "shapes"},
         {"group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format", "selector", "torch_empty_cache"},
+    ),
+    "/update_weights_from_tensor": (
+        {"serialized_named_tensors"},
+        {"load_format", "flush_cache", "abort_all_requests", "weight_version", "selector", "torch_empty_cache"},
     ),
     "/destroy_weights_update_group": (set(), {"group_name"}),
     "/update_weight_version": ({"new_version"}, {"abort_all_requests"}),
@@ -192,6 +197,9 @@ class MockSGLangServer:
         """path -> bytes of the next answer's body actually sent (the Content-Length announces all of it)."""
         self.on_init_group: Callable[[dict], None] = lambda payload: None
         self.on_update_weights: Callable[[dict], None] = lambda payload: None
+        self.on_update_tensors: Callable[[list, dict], None] = lambda named, payload: None
+        """/update_weights_from_tensor: rank 0's [(name, tensor)] (mapping the client's shared memory,
+        valid during the call) and the body."""
         self.on_destroy_group: Callable[[dict], None] = lambda payload: None
         self.crash_after: int | None = None
         """Die (`crash`) on the /generate call after this many (None: never)."""
@@ -415,8 +423,28 @@ class MockSGLangServer:
                 self.groups.discard(name)
             self.on_destroy_group(body)
             return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+        if path == "/update_weights_from_tensor":
+            return self._update_weights_from_tensor(body)
         assert path == "/update_weights_from_distributed"
         return self._update_weights(body)
+
+    def _update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
+        """SGLang's scheduler: each TP rank reads its own entry (tp_worker.deserialize_own_rank) and
+        loads [(name, tensor)] with the model's load_weights."""
+        from entr_megatron.rollout.sglang.tensor_payload import deserialize_named_tensors
+
+        with self.cond:
+            if self.sessions and not self.session_open:
+                return 400, {"success": False, "message": "update_weights_from_tensor must run between "
+                             "begin_weight_update() and end_weight_update()"}
+            if self.paused is None:
+                self.cond.wait_for(lambda: not self.live, timeout=30)
+        payloads = body["serialized_named_tensors"]
+        if len(payloads) < self.tp_size:
+            return 500, _error_response(f"list index out of range ({len(payloads)} payloads, tp_size {self.tp_size})")
+        ranks = [deserialize_named_tensors(payloads[i]) for i in range(self.tp_size)]
+        self.on_update_tensors(ranks[0], body)
+        return self._loaded([(name, list(t.shape)) for name, t in ranks[0]], body, "Success")
 
     def _update_weights(self, body: dict) -> tuple[int, Any]:
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
@@ -431,14 +459,17 @@ class MockSGLangServer:
             if self.paused is None:  # SGLang takes the writer lock: waits for running requests
                 self.cond.wait_for(lambda: not self.live, timeout=30)
         self.on_update_weights(body)
-        for name, shape in zip(names, shapes):
+        return self._loaded(list(zip(names, shapes)), body, "Succeeded to update parameter online.")
+
+    def _loaded(self, shapes: list, body: dict, message: str) -> tuple[int, Any]:
+        """After the tensors of an update arrived: SGLang's shape check, version and cache flush."""
+        for name, shape in shapes:
             want = self.param_shapes.get(name)
             if want is not None and list(shape) != list(want):
                 return 400, {"success": False, "message": (
                     f"Failed to update parameter online: Attempted to load weight (torch.Size({list(shape)})) into "
                     f"parameter (torch.Size({list(want)})). The full weights of the ModelRunner are partially "
                     "updated. Please discard the whole weights.")}
-        message = "Succeeded to update parameter online."
         with self.cond:
             if body.get("weight_version") is not None:
                 self._set_version(str(body["weight_version"]))

@@ -186,7 +186,11 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
         (["rollout.engine=sglang", "rollout.sglang.tp_size=2"], "rollout.sglang.tp_size"),  # a CPU server is one process
         (["rollout.dtype=auto"], "rollout.dtype"),  # embedded has no 'auto'
-        (["rollout.engine=sglang", "rollout.dtype=auto", "rollout.placement=colocated"], "rollout.placement"),
+        # colocated SGLang servers read rank 0's shared memory: on its host only
+        (["rollout.engine=sglang", "rollout.dtype=auto", "rollout.placement=colocated", "launcher.kind=ray"],
+         "rollout.placement"),
+        (["rollout.engine=sglang", "rollout.dtype=auto", "rollout.placement=colocated",
+          "rollout.sglang.urls=[http://10.0.0.5:30000]"], "rollout.placement"),
         (["rollout.sampling.max_new_tokens=2000"], "model.max_seq_len"),
         (["model.path=/m", "model.architecture={model_type: llama}"], "model.architecture"),
         (["task.name=math"], "task.math.train_files"),
@@ -202,6 +206,15 @@ def test_bad_values_name_the_field_and_what_is_allowed(override, field, allowed)
 def test_cross_field_rules(overrides, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_sglang_servers_on_the_learner_s_host_may_be_colocated():
+    sglang = ["rollout.engine=sglang", "rollout.dtype=auto", "rollout.placement=colocated"]
+    assert load_config(None, sglang).rollout.placement == "colocated"  # servers `train` launches here
+    for url in ("http://127.0.0.1:30000", "http://localhost:30000", "http://[::1]:30000"):
+        assert load_config(None, sglang + [f"rollout.sglang.urls=['{url}']"]).rollout.sglang.urls == (url,)
+    with pytest.raises(ValueError, match=r"rollout\.placement.*'http://sglang-0:30000'.*use 'separate'"):
+        load_config(None, sglang + ["rollout.sglang.urls=[http://sglang-0:30000]"])
 
 
 def test_an_engine_on_the_gpu_is_colocated_with_a_local_cuda_learner():

@@ -79,7 +79,7 @@ def test_the_mock_answers_as_the_real_server_did(name):
 def test_the_recording_covers_what_the_engine_sends():
     paths = {r["path"] for r in RECORDED.values()}
     assert {"/generate", "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
-            "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
+            "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/update_weights_from_tensor",
             "/destroy_weights_update_group", "/update_weight_version", "/model_info", "/server_info",
             "/health"} <= paths
 

@@ -110,7 +110,8 @@ class SGLangServers:
                             retries=s.http_retries, retry_backoff_s=s.retry_backoff_s)
 
     def connect_weights(self, group: Any, address: str, port: int, indices: Sequence[int], fresh: bool = False) -> None:
-        """Learner rank 0's weight-update group over the servers `indices`, on `port`. Not `fresh`
+        """Learner rank 0's weight-update group over the servers `indices`, on `port` (with
+        rollout.placement colocated no group: the servers read rank 0's shared memory). Not `fresh`
         (a rebuild): each leaves the old group and has its version relabelled -1 first (module
         docstring), so that the learner's next push reaches them all."""
         if not fresh:
@@ -123,7 +124,7 @@ class SGLangServers:
                 client.update_weight_version("-1", abort_all_requests=False)
         r = self.cfg.rollout
         group.call(LearnerWorker.connect_weight_sync, address, port, (), r.weight_bucket_bytes, None,
-                   sglang=self.engine_config(indices), snapshot=r.weight_snapshot)
+                   sglang=self.engine_config(indices), snapshot=r.weight_snapshot, placement=r.placement)
 
     def relaunch(self, index: int) -> None:
         """Kill launched server `index` (its whole process group) and start it again on its port,

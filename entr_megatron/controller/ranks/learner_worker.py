@@ -41,6 +41,7 @@ from entr_megatron.utils.spawn import LOOPBACK, bind_ip, free_port_range
 from entr_megatron.weight_sync import (
     BucketTransport,
     ColocatedTransport,
+    SGLangTensorTransport,
     SGLangTransport,
     WeightSync,
     WeightSyncConfig,
@@ -185,8 +186,9 @@ class LearnerWorker:
 
         sglang: an `SGLangEngineConfig` of the run's SGLang servers. The sender (rank 0; PP = 1)
         then drives them itself through `SGLangTransport` (their weight-update group on
-        `base_port`), and every rank cuts buckets the engine's way (its bucket bytes and dtype:
-        `bucket_bytes`, `dtype` and `engine_ranks` are not used)."""
+        `base_port`), or with placement "colocated" through `SGLangTensorTransport` (servers on
+        this host read each bucket from shared memory), and every rank cuts buckets the engine's
+        way (its bucket bytes and dtype: `bucket_bytes`, `dtype` and `engine_ranks` are not used)."""
         if self.sync is not None:  # rebuilt (an engine was replaced): leave the old group first
             self.sync.close(wait_s=5.0)
             self.sync = None
@@ -200,7 +202,10 @@ class LearnerWorker:
                 # This process's own client of the servers: its update_weights runs the handshake
                 # (the controller's client only generates; see controller/job/sglang_setup.py).
                 self._sglang = SGLangEngine(sglang)
-                transport = SGLangTransport(self._sglang, master_address, base_port, timeout_s=timeout_s)
+                if placement == "colocated":  # servers on this host read the buckets from shared memory
+                    transport = SGLangTensorTransport(self._sglang)
+                else:
+                    transport = SGLangTransport(self._sglang, master_address, base_port, timeout_s=timeout_s)
             config = WeightSyncConfig(bucket_bytes=sglang.weight_bucket_bytes, dtype=sglang.weight_dtype,
                                       snapshot=snapshot)
         else:

@@ -26,7 +26,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from entr_megatron.rollout.engine import EngineError
-from entr_megatron.rollout.sglang.protocol import init_group_payload, update_weights_payload
+from entr_megatron.rollout.sglang.protocol import (
+    init_group_payload,
+    update_weights_from_tensor_payload,
+    update_weights_payload,
+)
 
 __all__ = ["MAX_BACKOFF_S", "TRANSIENT_STATUSES", "SGLangClient", "SGLangError", "SGLangTimeout", "api_key_from_env",
            "wait_all"]
@@ -301,6 +305,18 @@ class SGLangClient:
             load_format=load_format, abort_all_requests=abort_all_requests,
         )
         return self.call("POST", "/update_weights_from_distributed", payload, timeout=timeout)
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: Sequence[str], *, flush_cache: bool = False, weight_version: str | None = None,
+        load_format: str | None = None, abort_all_requests: bool = False, timeout: float | None = None,
+    ) -> dict:
+        """Load tensors that lie in this host's shared memory (one payload per TP rank:
+        tensor_payload.serialize_named_tensors); the server copies them before it answers."""
+        payload = update_weights_from_tensor_payload(
+            serialized_named_tensors, flush_cache=flush_cache, weight_version=weight_version,
+            load_format=load_format, abort_all_requests=abort_all_requests,
+        )
+        return self.call("POST", "/update_weights_from_tensor", payload, timeout=timeout)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group", timeout: float | None = None) -> dict:
         """Leave the broadcast group."""

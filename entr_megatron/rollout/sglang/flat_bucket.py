@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from entr_megatron.rollout.sglang.tensor_payload import shared_buffer
 from entr_megatron.utils.buckets import FlatLayout, dtype_from_name, dtype_name, floating_as, plan_flat_buckets
 
 __all__ = ["FlatBucket", "iter_flattened_buckets", "pack_flattened_bucket", "unpack_flattened_bucket"]
@@ -60,7 +61,7 @@ def unpack_flattened_bucket(bucket: FlatBucket) -> list[tuple[str, torch.Tensor]
 
 def iter_flattened_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None,
-    buffers: list[torch.Tensor] | None = None,
+    buffers: list[torch.Tensor] | None = None, share_memory: bool = False,
 ) -> Iterator[FlatBucket]:
     """Buckets of at most `bucket_bytes` (a larger tensor gets one of its own); floating tensors
     are cast to `dtype` when given (send what the servers store). A bucket is packed (copied)
@@ -69,15 +70,19 @@ def iter_flattened_buckets(
     buffers: a pool that bucket k packs into (slot k % 2, grown when too small) and that the caller
     keeps from version to version, so that a version's copy writes into memory already paged in
     (a fresh 370 MB buffer took 1.3-2 s to fill on the 2-core machine, a warm one 0.3 s). Two
-    slots: bucket k+1 is packed while bucket k is on the wire, and k+2 only after k was sent."""
+    slots: bucket k+1 is packed while bucket k is on the wire, and k+2 only after k was sent.
+    share_memory: the buffers lie in file-backed shared memory (tensor_payload.shared_buffer),
+    for a server on this host to read (needs `buffers`)."""
+    if share_memory and buffers is None:
+        raise ValueError("share_memory needs buffers kept by the caller (a shared buffer per bucket would leak)")
     for k, (layout, tensors) in enumerate(plan_flat_buckets(named_tensors, bucket_bytes, wire_dtype=floating_as(dtype))):
         if buffers is None:
             yield _bucket(layout, tensors)
             continue
         while len(buffers) <= k % 2:
             buffers.append(torch.empty(0, dtype=torch.uint8))
-        if buffers[k % 2].numel() < layout.nbytes:
-            buffers[k % 2] = torch.empty(layout.nbytes, dtype=torch.uint8)
+        if buffers[k % 2].numel() < layout.nbytes or (share_memory and not buffers[k % 2].is_shared()):
+            buffers[k % 2] = shared_buffer(layout.nbytes) if share_memory else torch.empty(layout.nbytes, dtype=torch.uint8)
         flat = buffers[k % 2][:layout.nbytes]
         layout.fill(flat, tensors)
         yield FlatBucket(names=list(layout.names), dtypes=[dtype_name(d) for d in layout.dtypes],

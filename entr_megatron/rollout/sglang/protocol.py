@@ -68,6 +68,7 @@ __all__ = [
     "sample_rids",
     "sample_seed",
     "sampling_params_payload",
+    "update_weights_from_tensor_payload",
     "update_weights_payload",
 ]
 
@@ -160,6 +161,24 @@ def init_group_payload(master_address: str, master_port: int, rank_offset: int, 
         "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
         "world_size": int(world_size), "group_name": group_name, "backend": backend,
     }
+
+
+def update_weights_from_tensor_payload(
+    serialized_named_tensors: Sequence[str], *, flush_cache: bool, weight_version: str | None,
+    load_format: str | None, abort_all_requests: bool,
+) -> dict[str, Any]:
+    """The /update_weights_from_tensor body of one bucket: one base64 payload per TP rank of the
+    server (tensor_payload.serialize_named_tensors; load_format None: SGLang loads [(name, tensor)]
+    with the model's own load_weights, as from a checkpoint)."""
+    if not serialized_named_tensors or not all(isinstance(s, str) and s for s in serialized_named_tensors):
+        raise ValueError("serialized_named_tensors must be one non-empty base64 string per TP rank")
+    payload: dict[str, Any] = {
+        "serialized_named_tensors": list(serialized_named_tensors), "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests, "weight_version": weight_version,
+    }
+    if load_format is not None:
+        payload["load_format"] = load_format
+    return payload
 
 
 def update_weights_payload(
