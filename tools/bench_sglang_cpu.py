@@ -220,7 +220,7 @@ def bench_push(args, work: Path) -> None:
     from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
     from entr_megatron.utils.spawn import free_port
     from entr_megatron.weight_sync.group import BroadcastGroup
-    from entr_megatron.weight_sync.transports import SGLangTensorUpdate, SGLangWeightUpdate
+    from entr_megatron.weight_sync.sglang_transports import SGLangTensorUpdate, SGLangWeightUpdate
 
     models = {"demo (4 x 128)": SMALL,
               f"larger ({args.push_layers} x 1024)": dict(hidden_size=1024, intermediate_size=2816,

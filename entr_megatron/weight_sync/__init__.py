@@ -15,9 +15,9 @@ Modules: `group.py` the broadcast group (TCP rendezvous, gloo / NCCL, independen
 the learner's default group), `buckets.py` our bucket headers over the shared flat
 layout (`utils.buckets`, SGLang's flattened_bucket), `protocol.py` the messages of one
 version, `snapshot.py` the learner's bounded snapshot buffers, `sync.py` `WeightSync`
-(learner side), `transports.py` our protocol and the SGLang adapter (with SGLang's
-weight-update handshake, `SGLangWeightUpdate`, and its shared-memory form for servers on the
-learner's host, `SGLangTensorUpdate`), `receiver.py` the engine side, `colocated.py`
+(learner side), `transports.py` the transport protocol and ours, `sglang_transports.py` the
+SGLang adapter (SGLang's weight-update handshake, `SGLangWeightUpdate`, and its shared-memory
+form for servers on the learner's host, `SGLangTensorUpdate`), `receiver.py` the engine side, `colocated.py`
 the same protocol with each bucket copied into a colocated engine's shared staging copy.
 """
 
@@ -26,15 +26,13 @@ from entr_megatron.weight_sync.colocated import ColocatedReceiver, ColocatedTran
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend, stage_groups
 from entr_megatron.weight_sync.receiver import BroadcastReceiver, leave_all_groups, receiver_for
 from entr_megatron.weight_sync.sync import PushHandle, PushReport, WeightSync, WeightSyncConfig, is_weight_sender
-from entr_megatron.weight_sync.transports import (
-    BucketTransport,
+from entr_megatron.weight_sync.sglang_transports import (
     SGLangTensorTransport,
     SGLangTensorUpdate,
     SGLangTransport,
     SGLangWeightUpdate,
-    Transport,
-    WeightSyncError,
 )
+from entr_megatron.weight_sync.transports import BucketTransport, Transport, WeightSyncError
 
 __all__ = [
     "BroadcastGroup",

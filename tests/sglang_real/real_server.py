@@ -15,7 +15,7 @@ from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, Sampli
 from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
 from entr_megatron.utils.spawn import free_port
 from entr_megatron.weight_sync.group import BroadcastGroup
-from entr_megatron.weight_sync.transports import SGLangTensorUpdate, SGLangWeightUpdate
+from entr_megatron.weight_sync.sglang_transports import SGLangTensorUpdate, SGLangWeightUpdate
 
 FLOAT32_ATOL = 1e-4
 """|server log-prob - HF log-prob| allowed, both float32 on CPU: SGLang's torch_native attention

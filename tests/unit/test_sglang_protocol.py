@@ -46,7 +46,7 @@ from entr_megatron.rollout.sglang import (
     terminate_all,
     unpack_flattened_bucket,
 )
-from entr_megatron.weight_sync.transports import SGLangWeightUpdate
+from entr_megatron.weight_sync.sglang_transports import SGLangWeightUpdate
 
 import sglang_mock  # noqa: E402  (tests/unit is on sys.path under pytest's rootdir import mode)
 from sglang_mock import (
