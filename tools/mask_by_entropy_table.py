@@ -34,7 +34,7 @@ def cell_row(cell: Path) -> dict | None:
         return None
     rows = read_metrics(cell / "metrics.jsonl")
     frame = pd.DataFrame(rows)
-    counts = frame[[f"entropy_bin_mu/{b}/count" for b in BINS]].fillna(0.0)
+    counts = frame.reindex(columns=[f"entropy_bin_mu/{b}/count" for b in BINS]).fillna(0.0)  # a bin never seen: 0
     total = counts.sum(axis=1)
     out = {**json.loads((cell / "cell.json").read_text())["axes"], "steps": len(frame),
            "mask": frame["mask/fraction"].mean(), "effective": frame.get("mask/effective_fraction", pd.Series()).mean()}
