@@ -190,7 +190,8 @@ class BareBroadcast:
 
 @contextlib.contextmanager
 def timed_calls():
-    """Seconds spent in each SGLangClient call of the push (the server's side, as the client sees it)."""
+    """Seconds spent in each SGLangClient call of the push (the server's side, as the client sees it),
+    and in packing each version's buckets (`pack (ours)`, a version's total)."""
     from entr_megatron.rollout.sglang import SGLangClient
 
     names = ("pause_generation", "begin_weight_update", "update_weights_from_distributed", "update_weights_from_tensor",
@@ -207,13 +208,31 @@ def timed_calls():
                 spent[name].append(time.perf_counter() - t0)
         return call
 
+    import entr_megatron.weight_sync.sglang_transports as transports
+
+    packing = transports.iter_flattened_buckets
+
+    def timed_packing(*args, **kwargs):  # the copy of each bucket into the pack buffer (our side)
+        buckets, total = packing(*args, **kwargs), 0.0
+        while True:
+            t0 = time.perf_counter()
+            bucket = next(buckets, None)
+            total += time.perf_counter() - t0
+            if bucket is None:
+                spent["pack (ours)"].append(total)
+                return
+            yield bucket
+
+    spent["pack (ours)"] = []
     for n in names:
         setattr(SGLangClient, n, timed(n))
+    transports.iter_flattened_buckets = timed_packing
     try:
         yield spent
     finally:
         for n, f in originals.items():
             setattr(SGLangClient, n, f)
+        transports.iter_flattened_buckets = packing
 
 
 def bench_push(args, work: Path) -> None:
