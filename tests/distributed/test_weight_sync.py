@@ -727,23 +727,42 @@ class GlooRanks:
             g.close()
 
 
+def sglang_mock_engine(a, b) -> SGLangEngine:
+    """An SGLangEngine over two mock servers, with 300-byte float32 buckets (3 a version of Model)."""
+    return SGLangEngine(SGLangEngineConfig(urls=(a.url, b.url), weight_bucket_bytes=300, weight_dtype="float32",
+                                           kv_on_update="keep", request_timeout_s=10, weight_update_timeout_s=30))
+
+
+def push_mid_generation(engine, server, sync, version):
+    """Starts a 1000-token request (5 s at 5 ms a token: the update lands mid-generation even on a
+    loaded machine), pushes `version` once it has 5 tokens; the push's report."""
+    from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+
+    engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=1000))])
+    wait_for(lambda: server.live and len(next(iter(server.live.values())).output_ids) >= 5, what="tokens")
+    return sync.push(version).wait(timeout=60)
+
+
+def the_response_switches_versions(engine, version):
+    """The one response: version - 1 up to a token k >= 5, `version` after."""
+    results = []
+    wait_for(lambda: results.extend(engine.poll(timeout=0.5)) or results, what="the response")
+    [r] = results
+    k = r.versions.index(version)
+    assert 5 <= k < 1000 and r.versions == [version - 1] * k + [version] * (1000 - k)
+
+
 def test_sglang_adapter_drives_the_handshake_over_gloo():
     with MockSGLangServer(tp_size=2, token_delay_s=0.005) as a, MockSGLangServer(tp_size=1) as b:
         ranks = [GlooRanks(a), GlooRanks(b)]
-        engine = SGLangEngine(SGLangEngineConfig(urls=(a.url, b.url), weight_bucket_bytes=300, weight_dtype="float32",
-                                                 kv_on_update="keep", request_timeout_s=10, weight_update_timeout_s=30))
+        engine = sglang_mock_engine(a, b)
         transport = SGLangTransport(engine, "127.0.0.1", free_port(), backend="gloo", timeout_s=30)
         with pytest.raises(ValueError, match="bucket_bytes"):
             WeightSync(lambda: [], transport, WeightSyncConfig())
         config = WeightSyncConfig(bucket_bytes=300, dtype="float32", max_buckets_in_flight=2)
         source = Model(seed=3)
         sync = WeightSync(lambda: named(source), transport, config)
-        from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
-
-        # Long enough (5 s at 5 ms a token) that the update lands mid-generation even on a loaded machine.
-        engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=1000))])
-        wait_for(lambda: a.live and len(next(iter(a.live.values())).output_ids) >= 5, what="tokens")
-        report = sync.push(1).wait(timeout=60)
+        report = push_mid_generation(engine, a, sync, 1)
         assert engine.weight_version == 1 and report.engines[0].version == 1 and report.num_buckets == 3
         assert report.num_bytes == 4 * (400 + 1600 + 3 + 6)  # the bf16 norm travels as float32
         for r in ranks:  # every rank of both servers received every tensor, cast to float32
@@ -753,11 +772,7 @@ def test_sglang_adapter_drives_the_handshake_over_gloo():
         for s in (a, b):
             updates = s.calls_to("/update_weights_from_distributed")
             assert len(updates) == 3 and [u["weight_version"] for u in updates] == [None, None, "1"]
-        results = []
-        wait_for(lambda: results.extend(engine.poll(timeout=0.5)) or results, what="the response")
-        [r] = results
-        k = r.versions.index(1)
-        assert 5 <= k < 1000 and r.versions == [0] * k + [1] * (1000 - k)
+        the_response_switches_versions(engine, 1)
         # Borrowed: emb and big go to the engine's packing straight from the parameters.
         borrow = WeightSync(lambda: named(source), transport,
                             dataclasses.replace(config, snapshot="borrow", borrow_min_bytes=1000))
@@ -781,17 +796,12 @@ def test_sglang_servers_on_this_host_load_each_bucket_from_shared_memory():
         for server in (a, b):
             held[server.url] = {}
             server.on_update_tensors = lambda named, body, h=held[server.url]: h.update((n, t.clone()) for n, t in named)
-        engine = SGLangEngine(SGLangEngineConfig(urls=(a.url, b.url), weight_bucket_bytes=300, weight_dtype="float32",
-                                                 kv_on_update="keep", request_timeout_s=10, weight_update_timeout_s=30))
+        engine = sglang_mock_engine(a, b)
         transport = SGLangTensorTransport(engine)
         config = WeightSyncConfig(bucket_bytes=300, dtype="float32", max_buckets_in_flight=2)
         source = Model(seed=3)
         sync = WeightSync(lambda: named(source), transport, config)
-        from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
-
-        engine.submit([GenerateRequest([5], SamplingParams(max_new_tokens=1000))])
-        wait_for(lambda: a.live and len(next(iter(a.live.values())).output_ids) >= 5, what="tokens")
-        report = sync.push(1).wait(timeout=60)
+        report = push_mid_generation(engine, a, sync, 1)
         assert engine.weight_version == 1 and report.engines[0].version == 1 and report.num_buckets == 3
         assert report.num_bytes == 4 * (400 + 1600 + 3 + 6)  # the bf16 norm travels as float32
         for server in (a, b):
@@ -803,11 +813,7 @@ def test_sglang_servers_on_this_host_load_each_bucket_from_shared_memory():
             assert all(len(u["serialized_named_tensors"]) == server.tp_size for u in updates)
             assert not server.calls_to("/init_weights_update_group") and not server.calls_to("/update_weights_from_distributed")
             assert len(server.calls_to("/begin_weight_update")) == len(server.calls_to("/end_weight_update")) == 1
-        results = []
-        wait_for(lambda: results.extend(engine.poll(timeout=0.5)) or results, what="the response")
-        [r] = results
-        k = r.versions.index(1)
-        assert 5 <= k < 1000 and r.versions == [0] * k + [1] * (1000 - k)
+        the_response_switches_versions(engine, 1)
         # the next version goes through the same shared buffers, with the new values
         buffers = [t.untyped_storage().data_ptr() for t in transport.updates._pack_buffers]
         source = Model(seed=4)
