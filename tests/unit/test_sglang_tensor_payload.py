@@ -89,3 +89,46 @@ def test_tensors_outside_shared_memory_and_bad_payloads_are_refused():
     plain = base64.b64encode(pickle.dumps({"w": 1})).decode()
     with pytest.raises(ValueError, match=r"a list of \(name, tensor\) pairs"):
         deserialize_named_tensors(plain)
+
+
+WRITER = """
+import os
+import sys
+import torch
+from entr_megatron.rollout.sglang.tensor_payload import serialize_named_tensors, shared_buffer
+os.set_inheritable(os.dup(2), True)  # a copy of stderr left inheritable, as C++ libraries leave theirs
+flat = shared_buffer(16)
+flat.copy_(torch.arange(16, dtype=torch.uint8))
+print(serialize_named_tensors([("w", flat)]), flush=True)
+sys.stdin.readline()  # until the reader has mapped the buffer
+print("writer done", file=sys.stderr)
+"""
+
+HOLDER = """
+import sys
+from entr_megatron.rollout.sglang.tensor_payload import deserialize_named_tensors
+(name, t), = deserialize_named_tensors(sys.stdin.readline().strip())
+print(int(t.sum()), flush=True)
+sys.stdin.readline()  # holds the mapping (and torch's manager) until told
+"""
+
+
+def test_a_writer_whose_memory_a_server_still_holds_ends_for_a_caller_reading_its_stderr():
+    """torch's torch_shm_manager outlives the writer while a reader holds its memory (the server);
+    it must not hold the writer's stdin or stderr, or `subprocess.run(capture_output=True)` on the
+    writer waits for the server's end (the train command in tests/sglang_real did, 20 min)."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        holder.stdin.write(writer.stdout.readline())
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == str(sum(range(16)))
+        out, err = writer.communicate("go\n", timeout=60)  # returns once the writer has exited
+        assert writer.returncode == 0 and "writer done" in err
+        assert holder.poll() is None  # the reader still holds the memory
+    finally:
+        for p in (writer, holder):
+            p.kill()
+            p.wait()

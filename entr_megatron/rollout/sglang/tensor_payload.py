@@ -22,6 +22,13 @@ Each pickled storage holds a reference to its shared-memory file until the serve
 (torch's `_shared_incref`, dropped by the server's rebuild), so a request the server never read
 keeps the file until this process exits. The tensors must stay unchanged until the request
 returns: SGLang copies them into its parameters before it answers.
+
+torch forks and execs its torch_shm_manager at this process's first file_system share. The
+manager lives until every process that mapped our memory has exited, the server included, so it
+outlives us. It would inherit our stdin, our stderr and every descriptor a C++ library left
+inheritable (gloo's, and copies of our stdout and stderr), and a caller reading our output through
+a pipe (`subprocess.run(..., capture_output=True)`, `train ... | tee`) would wait for the server's
+end. `shared_buffer` starts it holding none of them.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import pickle
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -41,11 +50,53 @@ PICKLE_PROTOCOL = 4
 """SGLang checks that a raw payload starts like a pickle of protocol <= its HIGHEST_PROTOCOL."""
 
 
+_manager_lock = threading.Lock()
+_manager_started = False
+
+
 def shared_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of `nbytes` in file-backed shared memory (torch's file_system strategy)."""
+    global _manager_started
     flat = torch.empty(int(nbytes), dtype=torch.uint8)
-    flat.untyped_storage()._share_filename_cpu_()
+    with _manager_lock:
+        if _manager_started:
+            flat.untyped_storage()._share_filename_cpu_()
+        else:
+            _inheriting_nothing(flat.untyped_storage()._share_filename_cpu_)
+            _manager_started = True
     return flat
+
+
+def _inheriting_nothing(fn) -> None:
+    """Runs `fn` with descriptors 0 and 2 on /dev/null and every other one of ours made
+    non-inheritable, so that a process it forks and execs (torch's torch_shm_manager) holds none
+    of them; all restored after."""
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    marked = []
+    for name in os.listdir(fd_dir):
+        fd = int(name)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                os.set_inheritable(fd, False)
+                marked.append(fd)
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    saved = [os.dup(fd) for fd in (0, 2)]
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in (0, 2):
+            os.dup2(devnull, fd)
+        fn()
+    finally:
+        for fd, copy in zip((0, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)
+        for fd in marked:
+            try:
+                os.set_inheritable(fd, True)
+            except OSError:  # closed meanwhile by another thread
+                pass
 
 
 class _SharedPickler(pickle.Pickler):
