@@ -14,14 +14,17 @@ submits the 8 requests at once and waits for all 64 samples; tokens/s = generate
 time. Engines alternate round by round (load drift hits both alike); one warm-up round each is
 not counted; medians and [min, max] over `--reps`.
 
-Push: one weight version to the SGLang server as learner rank 0 pushes it (`SGLangEngine.update_weights`:
-pause, /begin_weight_update, one /update_weights_from_distributed per bucket while the bucket is
-broadcast over gloo, /end_weight_update, continue), against a bare gloo broadcast of the same bytes
-as one flat buffer from this process to a peer process (the same one-connection group as SGLang's,
-then a one-integer acknowledgement, as our bucket protocol ends), push and broadcast alternating. Two models: the demo's (3.2 MB)
-and a larger one (`--push-layers` layers of 1024 hidden, float32), each a server of its own. Each version
-is pushed twice, by both paths in turn: over the gloo group, and through shared memory (`rollout.placement:
-colocated`: each bucket packed into shared memory and loaded by one /update_weights_from_tensor).
+Push: one weight version to the SGLang server as learner rank 0 pushes it, from `WeightSync.push` (the
+learner's snapshot copy) until the server holds it (`SGLangEngine.update_weights`: pause,
+/begin_weight_update, the buckets, /end_weight_update, continue), against a bare gloo broadcast of the
+same bytes as one flat buffer from this process to a peer process (the same one-connection group as
+SGLang's, then a one-integer acknowledgement, as our bucket protocol ends), push and broadcast
+alternating. Two models: the demo's (3.2 MB) and a larger one (`--push-layers` layers of 1024 hidden,
+float32), each a server of its own. Versions go by both paths in turn: over the gloo group
+(`SGLangTransport`: each bucket packed as SGLang's flattened bucket, one /update_weights_from_distributed
+while it is broadcast), and through shared memory (`SGLangTensorTransport`, `rollout.placement:
+colocated`: the snapshot's buffers lie in shared memory and the server reads each bucket there, one
+/update_weights_from_tensor).
 
 Run it alone on the machine (it measures time); it prints the machine's load before and after.
 """
@@ -238,8 +241,8 @@ def timed_calls():
 def bench_push(args, work: Path) -> None:
     from entr_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
     from entr_megatron.utils.spawn import free_port
-    from entr_megatron.weight_sync.group import BroadcastGroup
-    from entr_megatron.weight_sync.sglang_transports import SGLangTensorUpdate, SGLangWeightUpdate
+    from entr_megatron.weight_sync import WeightSync, WeightSyncConfig
+    from entr_megatron.weight_sync.sglang_transports import SGLangTensorTransport, SGLangTransport
 
     models = {"demo (4 x 128)": SMALL,
               f"larger ({args.push_layers} x 1024)": dict(hidden_size=1024, intermediate_size=2816,
@@ -247,8 +250,9 @@ def bench_push(args, work: Path) -> None:
                                                          num_key_value_heads=4, head_dim=128, max_position_embeddings=96)}
     print("\nWeight push, seconds per version, median [min, max] over", args.reps, "versions each way:")
     calls = []
-    print("| model | MB | path | SGLang push (pause to continue) | of which transfer | bare gloo broadcast | push / bare |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | MB | path | push (push() to every server holding it) | of which the learner's snapshot copy | "
+          "SGLang's part (pause to continue) | bare gloo broadcast | push / bare |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, arch in models.items():
         import transformers
 
@@ -257,39 +261,47 @@ def bench_push(args, work: Path) -> None:
                    if k != "lm_head.weight"}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         paths = ("gloo group", "shared memory")
-        totals, transfers, bare = ({p: [] for p in paths} for _ in range(3))
+        totals, copies, sglang_part, bare = ({p: [] for p in paths} for _ in range(4))
         with sglang_server(model_dir, max(args.threads), work / f"logs-push-{label.split()[0]}") as url:
             engine = SGLangEngine(SGLangEngineConfig(urls=(url,), weight_update_timeout_s=600, kv_on_update="keep"))
-            update, held = SGLangWeightUpdate(engine), {}
-            update.init_weights_update_group("127.0.0.1", free_port(), backend="gloo",
-                                             join=lambda spec: held.setdefault("g", BroadcastGroup.join(spec, 0)))
-            update.set_weight_sender(held["g"])
-            transfers_by_path = {"gloo group": update, "shared memory": SGLangTensorUpdate(engine)}
+            # as learner rank 0 pushes: the snapshot (WeightSync), then the transport of each placement
+            config = WeightSyncConfig(bucket_bytes=engine.config.weight_bucket_bytes, dtype=engine.config.weight_dtype)
+            current = {}
+            transports = {"gloo group": SGLangTransport(engine, "127.0.0.1", free_port(), backend="gloo"),
+                          "shared memory": SGLangTensorTransport(engine)}
+            syncs = {p: WeightSync(lambda: current.items(), t, config) for p, t in transports.items()}
+            for t in transports.values():
+                t.connect()
             baseline = BareBroadcast(nbytes, 2 * (args.reps + 1))  # alternating with the pushes: load drift hits all
+            version = 0
             with timed_calls() as spent:
                 for rep in range(args.reps + 1):
                     for path in paths:
-                        engine.set_weight_transfer(transfers_by_path[path])
-                        version = {k: v + 0.01 * (rep + 1) for k, v in weights.items()}
-                        report = engine.update_weights(version, engine.weight_version + 1)
+                        engine.set_weight_transfer(transports[path].updates)
+                        current.clear()
+                        current.update({k: v + 0.01 * (rep + 1) for k, v in weights.items()})
+                        version += 1
+                        t0 = time.perf_counter()
+                        report = syncs[path].push(version).wait(timeout=600)
+                        push_s = time.perf_counter() - t0
                         bare_s = baseline.once()
                         if rep:
-                            totals[path].append(report.total_s)
-                            transfers[path].append(report.transfer_s - report.wait_s)
+                            totals[path].append(push_s)
+                            copies[path].append(report.blocked_s)
+                            sglang_part[path].append(report.engines[0].total_s)
                             bare[path].append(bare_s)
                     if not rep:
                         for v in spent.values():
                             v.clear()
             baseline.close()
-            engine.set_weight_transfer(update)
-            update.destroy_weights_update_group()
-            held["g"].close()
+            for sync in syncs.values():
+                sync.close()
             engine.shutdown()
         for path in paths:
             ratio = [t / b for t, b in zip(totals[path], bare[path])]
             print(f"| {label} | {nbytes / 1e6:.1f} | {path} | {summary(totals[path], '{:.3f}')} | "
-                  f"{summary(transfers[path], '{:.3f}')} | {summary(bare[path], '{:.3f}')} | {summary(ratio, '{:.2f}')}x |",
-                  flush=True)
+                  f"{summary(copies[path], '{:.3f}')} | {summary(sglang_part[path], '{:.3f}')} | "
+                  f"{summary(bare[path], '{:.3f}')} | {summary(ratio, '{:.2f}')}x |", flush=True)
         calls.append((label, {n: statistics.median(v) for n, v in spent.items() if v},
                       {n: len(v) / args.reps for n, v in spent.items() if v}))
     print("\nWhere a push's time goes: median seconds of each call as the client waits for it (calls per version "

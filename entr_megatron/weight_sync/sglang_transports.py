@@ -22,11 +22,12 @@ from entr_megatron.rollout.engine import EngineError, WeightSource, WeightUpdate
 from entr_megatron.rollout.sglang.client import wait_all
 from entr_megatron.rollout.sglang.engine import SGLangEngine
 from entr_megatron.rollout.sglang.flat_bucket import FlatBucket, iter_flattened_buckets, unpack_flattened_bucket
-from entr_megatron.rollout.sglang.tensor_payload import serialize_named_tensors
+from entr_megatron.rollout.sglang.tensor_payload import serialize_named_tensors, shared_buffer
 from entr_megatron.weight_sync.group import BroadcastGroup, WeightGroup, default_backend
-from entr_megatron.weight_sync.snapshot import SnapshotStream
+from entr_megatron.weight_sync.snapshot import SnapshotBucket, SnapshotStream
 
-__all__ = ["SGLangTensorTransport", "SGLangTensorUpdate", "SGLangTransport", "SGLangWeightUpdate", "WeightSender"]
+__all__ = ["SGLangTensorTransport", "SGLangTensorUpdate", "SGLangTransport", "SGLangWeightUpdate", "SnapshotWeights",
+           "WeightSender"]
 
 
 @runtime_checkable
@@ -214,10 +215,38 @@ class SGLangTensorUpdate(_SGLangUpdate):
     def detach(self) -> None:
         self.engine.set_weight_transfer(None)
 
+    def _send_all(self, pool: cf.ThreadPoolExecutor, weights: WeightSource, version: int,
+                  timeout: float) -> tuple[int, int]:
+        if not isinstance(weights, SnapshotWeights) or not weights.shared:
+            return super()._send_all(pool, weights, version, timeout)  # packed into shared buffers first
+        # The snapshot's own buckets, in shared memory: each sent where it lies, no copy of ours.
+        flush = self.engine.config.kv_on_update == "recompute"
+        num_tensors = num_bytes = 0
+        buckets = weights.buckets()
+        try:
+            bucket = next(buckets, None)
+            if bucket is None:
+                raise ValueError("update_weights got no tensors")
+            while bucket is not None:
+                following = next(buckets, None)  # the version and the cache flush go on the last bucket
+                self.sent_buckets += 1
+                self._send_named(pool, bucket.views(), version, flush_cache=flush and following is None,
+                                 weight_version=None if following is not None else str(version), timeout=timeout)
+                num_tensors += len(bucket.layout.names)
+                num_bytes += bucket.layout.nbytes
+                bucket.release()
+                bucket = following
+        finally:
+            buckets.close()
+        return num_tensors, num_bytes
+
     def _send_bucket(self, pool: cf.ThreadPoolExecutor, bucket: FlatBucket, version: int, *, flush_cache: bool,
                      weight_version: str | None, timeout: float) -> None:
-        named = unpack_flattened_bucket(bucket)  # views of the shared buffer
+        self._send_named(pool, unpack_flattened_bucket(bucket), version, flush_cache=flush_cache,
+                         weight_version=weight_version, timeout=timeout)  # views of the shared pack buffer
 
+    def _send_named(self, pool: cf.ThreadPoolExecutor, named: list[tuple[str, torch.Tensor]], version: int, *,
+                    flush_cache: bool, weight_version: str | None, timeout: float) -> None:
         def call(server, tp_size: int):  # one payload per TP rank: a rank's rebuild uses its references up
             return server.update_weights_from_tensor([serialize_named_tensors(named) for _ in range(tp_size)],
                                                      flush_cache=flush_cache, weight_version=weight_version,
@@ -256,14 +285,17 @@ class _SGLangTransportBase:
     def connect(self) -> None:
         raise NotImplementedError
 
+    buffer_allocator = None
+    """The snapshot's buffers: host memory (`SGLangTensorTransport`: shared memory)."""
+
     def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
         self.connect()
         stream.wait_settled()
-        tensors = _tensors(stream)
+        weights = SnapshotWeights(stream, shared=self.buffer_allocator is not None)
         try:
-            return [self.engine.update_weights(tensors, version)]
+            return [self.engine.update_weights(weights, version)]
         finally:
-            tensors.close()  # gives back the last buffer also when the engine stopped early
+            weights.close()  # gives back the buffers still held, also when the engine stopped early
 
 
 class SGLangTransport(_SGLangTransportBase):
@@ -310,8 +342,17 @@ class SGLangTransport(_SGLangTransportBase):
 
 class SGLangTensorTransport(_SGLangTransportBase):
     """SGLang servers on the learner's host (`rollout.placement: colocated`) through
-    `SGLangTensorUpdate`: each bucket packed into shared memory, one `/update_weights_from_tensor`
-    per server. No group to join; the same sessions, pause and resume as `SGLangTransport`."""
+    `SGLangTensorUpdate`: the snapshot's buffers lie in shared memory (`buffer_allocator`), and each
+    bucket is read by the servers where it lies, one `/update_weights_from_tensor` per server: the
+    learner's snapshot copy is the only one. No group to join; the same sessions, pause and resume
+    as `SGLangTransport`. /dev/shm must hold the snapshot (`max_buckets_in_flight` buckets, or one
+    copy of the weights)."""
+
+    buffer_allocator = staticmethod(shared_buffer)
+
+    def can_borrow(self, tensor) -> bool:
+        """None: a learner's parameter does not lie in shared memory."""
+        return False
 
     def __init__(self, engine: SGLangEngine):
         super().__init__(engine)
@@ -327,22 +368,48 @@ class SGLangTensorTransport(_SGLangTransportBase):
             self.updates = None
 
 
-def _tensors(stream: SnapshotStream) -> Iterator[tuple[str, Any]]:
-    """(name, view) of each snapshot bucket. `iter_flattened_buckets` packs (copies) a bucket
-    when it receives the first tensor of the next one: once we are resumed after yielding
-    that tensor, the buckets before it are free."""
-    held = []
-    try:
-        for bucket in stream:
-            held.append(bucket)
-            if not bucket.wait_filled():  # the learner failed copying it: the stream raises next
-                continue
+class SnapshotWeights:
+    """A version's snapshot as the `WeightSource` an `SGLangEngine` update takes: (name, view) pairs
+    when iterated (for a transfer that packs them; `iter_flattened_buckets` copies a bucket when it
+    receives the first tensor of the next one, so once we are resumed after yielding that tensor,
+    the buckets before it are free), or the buckets themselves (`buckets`: `SGLangTensorUpdate`
+    sends those in shared memory where they lie, and releases each once sent)."""
+
+    def __init__(self, stream: SnapshotStream, shared: bool = False):
+        self.stream, self.shared = stream, shared
+        """shared: the buckets' buffers lie in shared memory (the transport's `buffer_allocator`)."""
+        self._held: list[SnapshotBucket] = []
+        self._iterators: list[Iterator] = []
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        it = self._pairs()
+        self._iterators.append(it)
+        return it
+
+    def buckets(self) -> Iterator[SnapshotBucket]:
+        """Each bucket once copied; the consumer releases it (`close` releases those it did not)."""
+        it = self._buckets()
+        self._iterators.append(it)
+        return it
+
+    def close(self) -> None:
+        for it in self._iterators:
+            it.close()
+        for b in self._held:
+            b.release()
+        self._held.clear()
+
+    def _buckets(self) -> Iterator[SnapshotBucket]:
+        for bucket in self.stream:
+            self._held.append(bucket)
+            if bucket.wait_filled():  # else the learner failed copying it: the stream raises next
+                yield bucket
+
+    def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self._buckets():
             for i, item in enumerate(bucket.views()):
                 yield item
                 if i == 0:
-                    for old in held[:-1]:
+                    for old in self._held[:-1]:
                         old.release()
-                    del held[:-1]
-    finally:
-        for b in held:
-            b.release()
+                    del self._held[:-1]

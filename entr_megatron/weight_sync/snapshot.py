@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -51,12 +52,15 @@ class PoolBuffer:
 
 
 class BufferPool:
-    """Host buffers for snapshot buckets: at most `max_buffers` in use at once (None: no limit)."""
+    """Host buffers for snapshot buckets: at most `max_buffers` in use at once (None: no limit).
+    `allocate(nbytes)` makes a uint8 buffer when given (e.g. in shared memory, for a transport
+    whose engines read the snapshot where it is); else host memory, pinned with `pin_memory`."""
 
-    def __init__(self, max_buffers: int | None = None, pin_memory: bool = False):
+    def __init__(self, max_buffers: int | None = None, pin_memory: bool = False,
+                 allocate: Callable[[int], torch.Tensor] | None = None):
         if max_buffers is not None and max_buffers < 1:
             raise ValueError(f"max_buffers must be None or >= 1, got {max_buffers}")
-        self.max_buffers, self.pin_memory = max_buffers, pin_memory
+        self.max_buffers, self.pin_memory, self.allocate = max_buffers, pin_memory, allocate
         self._free: list[PoolBuffer] = []
         self._in_use = 0
         self._cond = threading.Condition()
@@ -84,7 +88,8 @@ class BufferPool:
                 if self._free and self.max_buffers is not None and self._in_use + len(self._free) >= self.max_buffers:
                     dropped = self._free.pop(0)  # too small: make room under the bound
                     self.allocated_bytes -= dropped.tensor.numel()
-                buf = PoolBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
+                buf = PoolBuffer(self.allocate(nbytes) if self.allocate is not None
+                                 else torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory))
                 self.allocated_bytes += nbytes
             self._in_use += 1
             self._in_use_bytes += buf.tensor.numel()

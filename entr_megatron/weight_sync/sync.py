@@ -209,7 +209,8 @@ class WeightSync:
         if transport is not None:
             _check_requirements(config, transport.requirements(), type(transport).__name__)
         pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
-        self.pool = BufferPool(config.max_buckets_in_flight, pin_memory=pin)
+        self.pool = BufferPool(config.max_buckets_in_flight, pin_memory=pin,
+                               allocate=getattr(transport, "buffer_allocator", None))
         self._dtype = None if config.dtype is None else dtype_from_name(config.dtype)
         self._last: PushHandle | None = None
         self._version: int | None = None

@@ -13,7 +13,7 @@ joined by the first `send` (or `connect`), which waits for the engines to join.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from entr_megatron.rollout.engine import RolloutEngine, WeightReceiver, WeightUpdateReport
@@ -36,6 +36,10 @@ class Transport(Protocol):
 
     layout: str
     """HF layout the engines load: "transformers" (model.state_dict() names) or "checkpoint"."""
+
+    buffer_allocator: Callable[[int], Any] | None
+    """Optional: how the snapshot's buffers are made (nbytes -> uint8 tensor), for engines that read
+    them where they lie (shared memory); absent or None: host memory."""
 
     def requirements(self) -> dict[str, Any]:
         """`WeightSyncConfig` fields whose values the engines dictate (empty: none)."""

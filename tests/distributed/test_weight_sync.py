@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -789,13 +790,19 @@ def test_sglang_adapter_drives_the_handshake_over_gloo():
 
 
 def test_sglang_servers_on_this_host_load_each_bucket_from_shared_memory():
-    """rollout.placement colocated with SGLang: no weight group; each bucket packed into shared
-    memory and one /update_weights_from_tensor per server, a payload per TP rank."""
+    """rollout.placement colocated with SGLang: no weight group; the snapshot's buffers lie in shared
+    memory, and each bucket goes where it lies (no copy of ours) as one /update_weights_from_tensor
+    per server, a payload per TP rank."""
     with MockSGLangServer(tp_size=2, token_delay_s=0.005) as a, MockSGLangServer(tp_size=1) as b:
-        held = {}
+        held, files = {}, set()  # what each server loaded; the shared-memory files it read them from
+
+        def load(named, body, h):
+            h.update((n, t.clone()) for n, t in named)
+            files.update(t.untyped_storage()._share_filename_cpu_()[1] for _, t in named)
+
         for server in (a, b):
             held[server.url] = {}
-            server.on_update_tensors = lambda named, body, h=held[server.url]: h.update((n, t.clone()) for n, t in named)
+            server.on_update_tensors = partial(load, h=held[server.url])
         engine = sglang_mock_engine(a, b)
         transport = SGLangTensorTransport(engine)
         config = WeightSyncConfig(bucket_bytes=300, dtype="float32", max_buckets_in_flight=2)
@@ -814,11 +821,14 @@ def test_sglang_servers_on_this_host_load_each_bucket_from_shared_memory():
             assert not server.calls_to("/init_weights_update_group") and not server.calls_to("/update_weights_from_distributed")
             assert len(server.calls_to("/begin_weight_update")) == len(server.calls_to("/end_weight_update")) == 1
         the_response_switches_versions(engine, 1)
+        # the servers read the snapshot's own buffers: nothing was packed again
+        snapshot = {b.tensor.untyped_storage()._share_filename_cpu_()[1] for b in sync.pool._free}
+        assert files and files <= snapshot and transport.updates._pack_buffers == []
         # the next version goes through the same shared buffers, with the new values
-        buffers = [t.untyped_storage().data_ptr() for t in transport.updates._pack_buffers]
+        files.clear()
         source = Model(seed=4)
         sync.push(2).wait(timeout=60)
-        assert [t.untyped_storage().data_ptr() for t in transport.updates._pack_buffers] == buffers
+        assert files and files <= snapshot
         for name, t in named(source):
             torch.testing.assert_close(held[b.url][name], t.float(), atol=0, rtol=0)
         sync.close()

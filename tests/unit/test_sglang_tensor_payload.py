@@ -132,3 +132,14 @@ def test_a_writer_whose_memory_a_server_still_holds_ends_for_a_caller_reading_it
         for p in (writer, holder):
             p.kill()
             p.wait()
+
+
+def test_a_buffer_larger_than_the_free_shared_memory_is_refused_by_name(monkeypatch):
+    """A container's /dev/shm of 64 MiB: a larger buffer would map, then SIGBUS on first touch."""
+    import entr_megatron.rollout.sglang.tensor_payload as payload
+
+    free = os.statvfs_result((4096, 4096, 16384, 16384, 16384, 0, 0, 0, 0, 255))  # 64 MiB free
+    monkeypatch.setattr(payload.os, "statvfs", lambda path: free if path == payload.SHM_DIR else os.statvfs(path))
+    with pytest.raises(RuntimeError, match=r"/dev/shm has 64 MiB free; a shared buffer of 65 MiB .* --shm-size"):
+        payload.shared_buffer((64 << 20) + (1 << 20))
+    assert shared_buffer(1 << 20).is_shared()  # what fits is made

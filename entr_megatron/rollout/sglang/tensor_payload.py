@@ -57,6 +57,7 @@ _manager_started = False
 def shared_buffer(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of `nbytes` in file-backed shared memory (torch's file_system strategy)."""
     global _manager_started
+    _check_room(int(nbytes))
     flat = torch.empty(int(nbytes), dtype=torch.uint8)
     with _manager_lock:
         if _manager_started:
@@ -65,6 +66,24 @@ def shared_buffer(nbytes: int) -> torch.Tensor:
             _inheriting_nothing(flat.untyped_storage()._share_filename_cpu_)
             _manager_started = True
     return flat
+
+
+SHM_DIR = "/dev/shm"
+"""Where torch's file_system strategy (shm_open) puts the buffers on Linux."""
+
+
+def _check_room(nbytes: int) -> None:
+    """A buffer larger than the free space of /dev/shm maps, then dies of SIGBUS on first touch:
+    refuse it by name instead."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:  # not Linux: shm_open places it elsewhere
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if nbytes > free:
+        raise RuntimeError(f"{SHM_DIR} has {free / 2**20:.0f} MiB free; a shared buffer of {nbytes / 2**20:.0f} MiB "
+                           "for the colocated SGLang servers does not fit (a container's default is 64 MiB: give "
+                           "it more with --shm-size, or use rollout.placement: separate)")
 
 
 def _inheriting_nothing(fn) -> None:
