@@ -204,6 +204,10 @@ class SGLangTensorUpdate(_SGLangUpdate):
 
         updates = SGLangTensorUpdate(engine).attach()
         report = engine.update_weights(hf_state_dict, version=engine.weight_version + 1)
+
+    Tensors of a state dict are packed into two shared buffers kept from version to version; a
+    `SnapshotWeights` whose buffers lie in shared memory (`SGLangTensorTransport`) is sent bucket by
+    bucket where it lies, each bucket released once every server loaded it.
     """
 
     share_memory = True
