@@ -1,8 +1,17 @@
 """Small assertions and references used by tests in more than one directory."""
 
+import signal
+
 import torch
 
-__all__ = ["assert_close_f64", "hf_scores"]
+__all__ = ["assert_close_f64", "hf_scores", "sigint_default"]
+
+
+def sigint_default() -> None:
+    """`preexec_fn` for a child whose Ctrl-C a test checks: SIGINT back to its default. A suite
+    started as a background job (`pytest &`) has SIGINT ignored by its shell, and an ignored
+    signal stays ignored through fork and exec, so the child would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def assert_close_f64(actual, expected):

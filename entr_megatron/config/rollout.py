@@ -350,8 +350,9 @@ class RolloutConfig:
     staging copy (weight_sync/colocated.py; no NCCL group, so a run fits on one GPU), bucketed and
     versioned as on the broadcast path: in host shared memory (from a GPU learner device-to-host),
     or with rollout.embedded.device 'cuda' in the engine's GPU memory through a CUDA IPC handle.
-    Engines on the learner's host, as the same user. SGLang servers (engine 'sglang', CPU): each
-    bucket packed into shared memory and loaded by SGLang's /update_weights_from_tensor
+    Engines on the learner's host, as the same user. SGLang servers (engine 'sglang', CPU): the
+    learner's snapshot in shared memory (/dev/shm holds one copy of the weights), each bucket loaded
+    from there by SGLang's /update_weights_from_tensor
     (weight_sync SGLangTensorTransport; launcher.kind 'local', one node, servers it launches or
     given by loopback urls)."""
 

@@ -275,6 +275,8 @@ class _SGLangTransportBase:
     `SGLangEngine.update_weights` per version (pause, transfer, resume)."""
 
     layout = "checkpoint"
+    buffer_allocator = None
+    """The snapshot's buffers: host memory (`SGLangTensorTransport`: shared memory)."""
 
     def __init__(self, engine: SGLangEngine):
         self.engine = engine
@@ -288,9 +290,6 @@ class _SGLangTransportBase:
 
     def connect(self) -> None:
         raise NotImplementedError
-
-    buffer_allocator = None
-    """The snapshot's buffers: host memory (`SGLangTensorTransport`: shared memory)."""
 
     def send(self, version: int, stream: SnapshotStream) -> list[WeightUpdateReport]:
         self.connect()
@@ -355,7 +354,7 @@ class SGLangTensorTransport(_SGLangTransportBase):
     buffer_allocator = staticmethod(shared_buffer)
 
     def can_borrow(self, tensor) -> bool:
-        """None: a learner's parameter does not lie in shared memory."""
+        """Never: a learner's parameter does not lie in shared memory."""
         return False
 
     def __init__(self, engine: SGLangEngine):

@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from helpers import sigint_default
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "cpu_demo.yaml"
 
@@ -129,7 +131,7 @@ def _importing_torch(pid: int) -> bool:
 def test_ctrl_c_while_a_command_imports_is_one_line_exit_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "convert", "hf-to-megatron",
                              "--hf", str(tmp_path / "m"), "--out", str(tmp_path / "out")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 60
     while not _importing_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)  # until torch's library is mapped: its Python modules load for a while yet

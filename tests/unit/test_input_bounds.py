@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from entr_megatron.config.loader import load_config, parse_value, read_yaml
+from helpers import sigint_default
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "cpu_demo.yaml"
@@ -167,7 +168,7 @@ def test_plan_at_the_bounds_ends_promptly_on_ctrl_c(tmp_path):
     path.write_text(yaml.safe_dump({"costs": {**COSTS, "max_new_tokens": 4096, "response_median": 2000},
                                     "workload": {"steps": 100, "prompts_per_step": 1250, "n": 8}}))
     proc = subprocess.Popen([sys.executable, "-m", "entr_megatron.cli.main", "plan", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:
         time.sleep(8)  # well into the simulation
         assert proc.poll() is None
@@ -223,7 +224,7 @@ def test_ctrl_c_while_ranks_start_ends_the_group_at_once_without_a_traceback_per
     script = tmp_path / "driver.py"
     script.write_text(SLOW_START)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, cwd=ROOT)
+                            text=True, start_new_session=True, cwd=ROOT, preexec_fn=sigint_default)
     try:
         assert proc.stdout.readline() == "spawned\n"
         time.sleep(0.5)  # the ranks are importing this module, torch with it (6 ranks on a few cores)
@@ -261,7 +262,7 @@ def test_ctrl_c_while_scores_ranks_start_is_one_line(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(GLOO_START)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, cwd=ROOT)
+                            text=True, start_new_session=True, cwd=ROOT, preexec_fn=sigint_default)
     try:
         assert proc.stdout.readline() == "spawning\n"
         time.sleep(1.0)  # the ranks are spawned and importing this module, torch with it
