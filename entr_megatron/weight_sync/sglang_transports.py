@@ -89,10 +89,22 @@ class _SGLangUpdate:
         cfg = self.engine.config
         items = weights.items() if isinstance(weights, Mapping) else weights
         dtype = None if cfg.weight_dtype is None else getattr(torch, cfg.weight_dtype)
-        flush = cfg.kv_on_update == "recompute"  # a pause in place leaves requests that block the flush
-        num_tensors = num_bytes = 0
         buckets = iter_flattened_buckets(items, cfg.weight_bucket_bytes, dtype, buffers=self._pack_buffers,
                                          share_memory=self.share_memory)
+
+        def send(bucket: FlatBucket, flush_cache: bool, weight_version: str | None) -> tuple[int, int]:
+            self._send_bucket(pool, bucket, version, flush_cache=flush_cache, weight_version=weight_version,
+                              timeout=timeout)
+            return len(bucket.names), bucket.num_bytes
+
+        return self._send_in_order(buckets, version, send)
+
+    def _send_in_order(self, buckets: Iterator[Any], version: int,
+                       send: Callable[[Any, bool, str | None], tuple[int, int]]) -> tuple[int, int]:
+        """`send(bucket, flush_cache, weight_version)` -> (tensors, bytes) for each bucket in turn,
+        one bucket looked ahead: the version and the cache flush go on the last one."""
+        flush = self.engine.config.kv_on_update == "recompute"  # a pause in place leaves requests that block the flush
+        num_tensors = num_bytes = 0
         bucket = next(buckets, None)
         if bucket is None:
             raise ValueError("update_weights got no tensors")
@@ -100,10 +112,9 @@ class _SGLangUpdate:
             following = next(buckets, None)
             last = following is None
             self.sent_buckets += 1
-            self._send_bucket(pool, bucket, version, flush_cache=flush and last,
-                              weight_version=str(version) if last else None, timeout=timeout)
-            num_tensors += len(bucket.names)
-            num_bytes += bucket.num_bytes
+            tensors, nbytes = send(bucket, flush and last, str(version) if last else None)
+            num_tensors += tensors
+            num_bytes += nbytes
             bucket = following
         return num_tensors, num_bytes
 
@@ -224,25 +235,17 @@ class SGLangTensorUpdate(_SGLangUpdate):
         if not isinstance(weights, SnapshotWeights) or not weights.shared:
             return super()._send_all(pool, weights, version, timeout)  # packed into shared buffers first
         # The snapshot's own buckets, in shared memory: each sent where it lies, no copy of ours.
-        flush = self.engine.config.kv_on_update == "recompute"
-        num_tensors = num_bytes = 0
+        def send(bucket: SnapshotBucket, flush_cache: bool, weight_version: str | None) -> tuple[int, int]:
+            self._send_named(pool, bucket.views(), version, flush_cache=flush_cache, weight_version=weight_version,
+                             timeout=timeout)
+            bucket.release()
+            return len(bucket.layout.names), bucket.layout.nbytes
+
         buckets = weights.buckets()
         try:
-            bucket = next(buckets, None)
-            if bucket is None:
-                raise ValueError("update_weights got no tensors")
-            while bucket is not None:
-                following = next(buckets, None)  # the version and the cache flush go on the last bucket
-                self.sent_buckets += 1
-                self._send_named(pool, bucket.views(), version, flush_cache=flush and following is None,
-                                 weight_version=None if following is not None else str(version), timeout=timeout)
-                num_tensors += len(bucket.layout.names)
-                num_bytes += bucket.layout.nbytes
-                bucket.release()
-                bucket = following
+            return self._send_in_order(buckets, version, send)
         finally:
             buckets.close()
-        return num_tensors, num_bytes
 
     def _send_bucket(self, pool: cf.ThreadPoolExecutor, bucket: FlatBucket, version: int, *, flush_cache: bool,
                      weight_version: str | None, timeout: float) -> None:
