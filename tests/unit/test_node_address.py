@@ -122,6 +122,43 @@ def test_a_failed_ranks_node_is_lost_when_ray_says_dead_or_its_raylet_refuses():
     assert not node_lost(Gone([]), NODE)  # nothing known: not called lost
 
 
+def test_a_rank_that_does_not_answer_on_a_node_that_left_is_called_lost_before_ray_notices(monkeypatch):
+    """The learner node SIGKILLed mid-push: the engines' broadcast breaks at once, while Ray takes
+    up to half a minute to fail calls to the node's actors. `raise_if_dead` must name the node
+    then (its raylet refuses), not let the engines' error stand; a rank that is only busy (its
+    node answers) is alive."""
+    import ray
+
+    from entr_megatron.controller.ranks import ray_workers
+
+    class Actor:
+        class node_ip:  # noqa: N801 - Ray's call syntax: actor.method.remote()
+            @staticmethod
+            def remote():
+                return object()
+
+    def make_group(nodes):
+        group = object.__new__(ray_workers.RayWorkerGroup)
+        group.name, group.nodes, group._broken, group._actors = "learner", nodes, False, [Actor() for _ in nodes]
+        return group
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: ([], list(refs)))  # nobody answers
+    probes = []
+
+    def lost(_ray, node, probe_s=ray_workers.NODE_PROBE_S):
+        probes.append(node)
+        return node == "127.0.0.3"
+
+    monkeypatch.setattr(ray_workers, "node_lost", lost)
+    make_group(["127.0.0.4", "127.0.0.4"]).raise_if_dead("a push")  # busy ranks on a live node: alive
+    assert probes == ["127.0.0.4"]  # one probe per node, not per rank
+    group = make_group(["127.0.0.4", "127.0.0.3"])
+    with pytest.raises(ray_workers.LearnerNodeLost,
+                       match=r"learner rank 1 died during the push of weight version 3: its node 127\.0\.0\.3 left"):
+        group.raise_if_dead("the push of weight version 3")
+    assert group._broken  # shutdown then kills without asking the dead ranks
+
+
 def test_loopback_nodes_take_loopback_addresses_only():
     from entr_megatron.utils.ray_nodes import LoopbackCluster, RayNode
 

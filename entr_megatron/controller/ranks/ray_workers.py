@@ -191,7 +191,9 @@ class RayWorkerGroup:
 
     def raise_if_dead(self, what: str, grace_s: float = 1.0) -> None:
         """Raises WorkerError if a rank's actor has died (its cheap `node_ip` call fails within
-        `grace_s`); a rank busy in a call answers late, which counts as alive."""
+        `grace_s`), LearnerNodeLost if a rank that did not answer is on a node that left the
+        cluster (Ray may take half a minute to fail calls to actors of a killed node; its raylet
+        refuses at once); a rank busy in a call answers late, which counts as alive."""
         import ray
 
         refs = [a.node_ip.remote() for a in self._actors]
@@ -203,6 +205,18 @@ class RayWorkerGroup:
                 except Exception as e:  # noqa: BLE001 - a dead actor: re-raised with the rank
                     self._broken = True
                     raise self._failure(rank, f"died during {what}", e) from e
+        probed: dict[str, bool] = {}
+        for rank, ref in enumerate(refs):
+            node = self.nodes[rank]
+            if ref in ready:
+                continue
+            if node not in probed:
+                probed[node] = node_lost(ray, node)
+            if probed[node]:
+                self._broken = True
+                raise LearnerNodeLost(f"{self.name} rank {rank} died during {what}: its node {node} left the "
+                                      "Ray cluster (the machine died or its raylet stopped; Ray has not "
+                                      "failed the rank's calls yet)")
 
     def _failure(self, rank: int, what: str, error: Exception) -> WorkerError:
         """The error of rank `rank` that failed (`what`): LearnerNodeLost when its node left the cluster."""
