@@ -25,6 +25,9 @@ from entr_megatron.study.plots import markdown_table  # noqa: E402
 from entr_megatron.utils.run_log import read_metrics  # noqa: E402
 
 BINS = ("0-0.001", "0.001-0.01", "0.01-0.1", "0.1-1", "1-10", "10-inf")
+LOSS_TRUST_REGIONS = ("dppo_tv/mask_fraction", "dppo_kl/mask_fraction")
+"""Tokens a policy loss drops inside itself (DPPO's trust region): not an applied mask, so not in
+the bins; a column of their own."""
 
 
 def cell_row(cell: Path) -> dict | None:
@@ -37,7 +40,8 @@ def cell_row(cell: Path) -> dict | None:
     counts = frame.reindex(columns=[f"entropy_bin_mu/{b}/count" for b in BINS]).fillna(0.0)  # a bin never seen: 0
     total = counts.sum(axis=1)
     out = {**json.loads((cell / "cell.json").read_text())["axes"], "steps": len(frame),
-           "mask": frame["mask/fraction"].mean(), "effective": frame.get("mask/effective_fraction", pd.Series()).mean()}
+           "mask": frame["mask/fraction"].mean(), "effective": frame.get("mask/effective_fraction", pd.Series()).mean(),
+           "loss": next((frame[c].mean() for c in LOSS_TRUST_REGIONS if c in frame), float("nan"))}
     for b in BINS:
         out[f"share {b}"] = (counts[f"entropy_bin_mu/{b}/count"] / total).mean()
         col = f"entropy_bin_mu/{b}/mask_fraction"
@@ -73,19 +77,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for method, group in frame.groupby("method"):
         row = {"method": method, "seeds": group[seed].nunique(), "masked, all tokens": span(group["mask"], "{:.2%}"),
-               "effective (clip would not have zeroed)": span(group["effective"], "{:.2%}")}
+               "effective (clip would not have zeroed)": span(group["effective"], "{:.2%}"),
+               "dropped by the loss's trust region": span(group["loss"], "{:.2%}")}
         for b in BINS:
             if group[f"share {b}"].max() > 0:
                 row[f"H(mu) {b}: share / masked"] = (f"{span(group[f'share {b}'], '{:.1%}')} / "
                                                      f"{span(group[f'masked {b}'], '{:.2%}')}")
         rows.append(row)
+    if not any(r["dropped by the loss's trust region"] for r in rows):  # no DPPO cell: no such column
+        for r in rows:
+            del r["dropped by the loss's trust region"]
     where = ", ".join(args.where) or "every cell"
     text = (f"<!-- written by `python tools/mask_by_entropy_table.py {args.study} "
             f"{' '.join('--where ' + w for w in args.where)}`; do not edit by hand -->\n\n"
             f"# Where the applied mask fell, by the behaviour entropy of the position ({where})\n\n"
             "Per cell, averaged over its steps; ranges over seeds. share: the bin's part of the response "
             "tokens; masked: the part of the bin's tokens the method's rule masked. effective: masked tokens "
-            "that the ratio clip would not have zeroed (the mask's own effect on the gradient).\n\n"
+            "that the ratio clip would not have zeroed (the mask's own effect on the gradient). dropped by the "
+            "loss's trust region: tokens DPPO's loss gives no gradient (its `dppo_tv/mask_fraction`), inside "
+            "the loss rather than an applied mask, so in no bin.\n\n"
             + markdown_table(pd.DataFrame(rows)) + "\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,11 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import mask_by_entropy_table as tool  # noqa: E402
 
 
-def cell(root: Path, name: str, seed: int, steps: list[dict], state: str = "done") -> None:
+def cell(root: Path, name: str, seed: int, steps: list[dict], state: str = "done", method: str = "entr") -> None:
     d = root / "cells" / name
     d.mkdir(parents=True)
     (d / "status.json").write_text(json.dumps({"state": state}))
-    (d / "cell.json").write_text(json.dumps({"axes": {"controller.inter_lag": 32, "method": "entr",
+    (d / "cell.json").write_text(json.dumps({"axes": {"controller.inter_lag": 32, "method": method,
                                                       "controller.seed": seed}}))
     (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **s}) + "\n" for i, s in enumerate(steps)))
 
@@ -41,3 +41,20 @@ def test_shares_and_masks_by_bin(tmp_path, capsys):
     assert cols[4] == "62.5%-80.0% / 1.00%-4.00%"   # H(mu) 0.01-0.1
     assert cols[5] == "20.0%-37.5% / 20.00%"        # H(mu) 1-10: 0.2 in both seeds
     assert len(cols) == 6  # bins with no tokens are left out
+
+
+def test_dppo_trust_region_drops_have_a_column_of_their_own(tmp_path, capsys):
+    """DPPO drops tokens inside its loss (dppo_tv/mask_fraction): 0.03 and 0.05 -> 4.00% for seed 0;
+    its applied mask stays 0 and ENTR's row has no value in the new column."""
+    dppo_step = lambda frac: {**step(30, 10, 0.0, 0.0, 0.0, 0.0), "dppo_tv/mask_fraction": frac}  # noqa: E731
+    cell(tmp_path, "d0", 0, [dppo_step(0.03), dppo_step(0.05)], method="dppo")
+    cell(tmp_path, "d1", 1, [dppo_step(0.06)], method="dppo")
+    cell(tmp_path, "e0", 0, [step(30, 10, 0.0, 0.1, 0.02, 0.001)])
+    assert tool.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in next(x for x in lines if x.startswith("| method")).strip("|").split("|")]
+    assert header[4] == "dropped by the loss's trust region"
+    dppo = [c.strip() for c in next(x for x in lines if x.startswith("| dppo |")).strip("|").split("|")]
+    entr = [c.strip() for c in next(x for x in lines if x.startswith("| entr |")).strip("|").split("|")]
+    assert dppo[2:5] == ["0.00%", "0.00%", "4.00%-6.00%"]
+    assert entr[2:5] == ["2.00%", "0.10%", ""]
