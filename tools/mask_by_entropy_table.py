@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"H(mu) {b}: share / masked"] = (f"{span(group[f'share {b}'], '{:.1%}')} / "
                                                      f"{span(group[f'masked {b}'], '{:.2%}')}")
         rows.append(row)
-    if not any(r["dropped by the loss's trust region"] for r in rows):  # no DPPO cell: no such column
+    in_loss = any(r["dropped by the loss's trust region"] for r in rows)
+    if not in_loss:  # no DPPO cell: no such column
         for r in rows:
             del r["dropped by the loss's trust region"]
     where = ", ".join(args.where) or "every cell"
@@ -93,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             f"# Where the applied mask fell, by the behaviour entropy of the position ({where})\n\n"
             "Per cell, averaged over its steps; ranges over seeds. share: the bin's part of the response "
             "tokens; masked: the part of the bin's tokens the method's rule masked. effective: masked tokens "
-            "that the ratio clip would not have zeroed (the mask's own effect on the gradient). dropped by the "
-            "loss's trust region: tokens DPPO's loss gives no gradient (its `dppo_tv/mask_fraction`), inside "
-            "the loss rather than an applied mask, so in no bin.\n\n"
+            "that the ratio clip would not have zeroed (the mask's own effect on the gradient)."
+            + (" dropped by the loss's trust region: tokens DPPO's loss gives no gradient (its "
+               "`dppo_tv/mask_fraction`), inside the loss rather than an applied mask, so in no bin." if in_loss else "")
+            + "\n\n"
             + markdown_table(pd.DataFrame(rows)) + "\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
