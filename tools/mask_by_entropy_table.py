@@ -28,6 +28,7 @@ BINS = ("0-0.001", "0.001-0.01", "0.01-0.1", "0.1-1", "1-10", "10-inf")
 LOSS_TRUST_REGIONS = ("dppo_tv/mask_fraction", "dppo_kl/mask_fraction")
 """Tokens a policy loss drops inside itself (DPPO's trust region): not an applied mask, so not in
 the bins; a column of their own."""
+IN_LOSS = "dropped by the loss's trust region"
 
 
 def cell_row(cell: Path) -> dict | None:
@@ -78,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     for method, group in frame.groupby("method"):
         row = {"method": method, "seeds": group[seed].nunique(), "masked, all tokens": span(group["mask"], "{:.2%}"),
                "effective (clip would not have zeroed)": span(group["effective"], "{:.2%}"),
-               "dropped by the loss's trust region": span(group["loss"], "{:.2%}")}
+               IN_LOSS: span(group["loss"], "{:.2%}")}
         for b in BINS:
             if group[f"share {b}"].max() > 0:
                 row[f"H(mu) {b}: share / masked"] = (f"{span(group[f'share {b}'], '{:.1%}')} / "
                                                      f"{span(group[f'masked {b}'], '{:.2%}')}")
         rows.append(row)
-    in_loss = any(r["dropped by the loss's trust region"] for r in rows)
+    in_loss = any(r[IN_LOSS] for r in rows)
     if not in_loss:  # no DPPO cell: no such column
         for r in rows:
-            del r["dropped by the loss's trust region"]
+            del r[IN_LOSS]
     where = ", ".join(args.where) or "every cell"
     text = (f"<!-- written by `python tools/mask_by_entropy_table.py {args.study} "
             f"{' '.join('--where ' + w for w in args.where)}`; do not edit by hand -->\n\n"
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             "Per cell, averaged over its steps; ranges over seeds. share: the bin's part of the response "
             "tokens; masked: the part of the bin's tokens the method's rule masked. effective: masked tokens "
             "that the ratio clip would not have zeroed (the mask's own effect on the gradient)."
-            + (" dropped by the loss's trust region: tokens DPPO's loss gives no gradient (its "
+            + (f" {IN_LOSS}: tokens DPPO's loss gives no gradient (its "
                "`dppo_tv/mask_fraction`), inside the loss rather than an applied mask, so in no bin." if in_loss else "")
             + "\n\n"
             + markdown_table(pd.DataFrame(rows)) + "\n")

@@ -214,9 +214,7 @@ class RayWorkerGroup:
                 probed[node] = node_lost(ray, node)
             if probed[node]:
                 self._broken = True
-                raise LearnerNodeLost(f"{self.name} rank {rank} died during {what}: its node {node} left the "
-                                      "Ray cluster (the machine died or its raylet stopped; Ray has not "
-                                      "failed the rank's calls yet)")
+                raise self._node_lost(rank, f"died during {what}", node, "Ray has not failed the rank's calls yet")
 
     def _failure(self, rank: int, what: str, error: Exception) -> WorkerError:
         """The error of rank `rank` that failed (`what`): LearnerNodeLost when its node left the cluster."""
@@ -224,9 +222,13 @@ class RayWorkerGroup:
 
         node = self.nodes[rank] if rank < len(getattr(self, "nodes", [])) else None
         if node is not None and isinstance(error, ray.exceptions.RayActorError) and node_lost(ray, node):
-            return LearnerNodeLost(f"{self.name} rank {rank} {what}: its node {node} left the Ray cluster "
-                                   f"(the machine died or its raylet stopped)\n{error}")
+            return self._node_lost(rank, what, node, str(error))
         return WorkerError(f"{self.name} rank {rank} {what}:\n{error}")
+
+    def _node_lost(self, rank: int, what: str, node: str, detail: str) -> LearnerNodeLost:
+        """The one message for a rank lost with its node (the job's log and the tests read it)."""
+        return LearnerNodeLost(f"{self.name} rank {rank} {what}: its node {node} left the Ray cluster "
+                               f"(the machine died or its raylet stopped)\n{detail}")
 
     def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> _RayPending:
         _checked(method)
