@@ -1,0 +1,72 @@
+"""tools/lm_tail_docs.py's paired tables against hand-computed differences: a cells.csv of three
+methods x two lags x two seeds, one cell not done, one method run at K = 32 only."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import lm_tail_docs as tool  # noqa: E402
+
+# (lag, method, seed) -> (sampled, greedy) after RL
+ACC = {
+    (32, "entr", 0): (0.10, 0.20), (32, "entr", 1): (0.20, 0.30),
+    (32, "none", 0): (0.15, 0.10), (32, "none", 1): (0.10, 0.40),
+    (32, "naive", 0): (0.01, 0.02), (32, "naive", 1): (0.03, 0.05),
+    (32, "naive_entr", 0): (0.02, 0.02), (32, "naive_entr", 1): (0.00, 0.05),
+    (0, "entr", 0): (0.30, 0.40), (0, "entr", 1): (0.25, 0.35),
+    (0, "none", 0): (0.35, 0.40), (0, "none", 1): (0.40, 0.45),
+    (0, "dppo", 0): (0.20, 0.30), (0, "dppo", 1): (0.30, 0.50),
+}
+
+
+def cells() -> pd.DataFrame:
+    rows = [{"cell": f"{lag}-{m}-{s}", "state": "done", "controller.inter_lag": lag, "method": m,
+             "controller.seed": s, "eval_after_sampled": a, "eval_after_greedy": g}
+            for (lag, m, s), (a, g) in ACC.items()]
+    rows.append({"cell": "32-dppo-0", "state": "running", "controller.inter_lag": 32, "method": "dppo",
+                 "controller.seed": 0, "eval_after_sampled": None, "eval_after_greedy": None})
+    return pd.DataFrame(rows)
+
+
+def row(markdown: str, section: str, group: str) -> list[str]:
+    """The cells of `group`'s row in the first table after the line that starts with `section`."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(section))
+    for line in lines[start + 1:]:
+        if line.startswith(f"| {group} |"):
+            return [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("#"):
+            break
+    raise AssertionError(f"no row {group!r} under {section!r}")
+
+
+def test_k32_each_method_minus_entr_and_the_rescue_contrast(tmp_path):
+    text = tool.paired_k32(cells(), tmp_path)
+    none = row(text, "## Sampled", "method=none")
+    assert none[1] == "2" and none[2] == "+0.050 (seed 0), -0.100 (seed 1)"
+    assert float(none[3]) == round((0.05 - 0.10) / 2, 4)
+    greedy = row(text, "## Greedy", "method=none")
+    assert greedy[2] == "-0.100 (seed 0), +0.100 (seed 1)"
+    assert "| method=dppo |" not in text  # its only K = 32 cell is not done
+    rescue = row(text, "## Does ENTR's mask", "method=naive_entr")
+    assert rescue[2] == "+0.010 (seed 0), -0.030 (seed 1)"
+    assert "| method=none |" not in text.split("## Does ENTR's mask")[1]
+    assert (tmp_path / "k32_paired_vs_entr.png").stat().st_size > 0
+
+
+def test_k0_contrasts_and_the_cost_of_staleness_for_methods_run_at_both_lags():
+    text = tool.paired_k0(cells())
+    dppo = row(text, "## K = 0: each method minus ENTR", "method=dppo")
+    assert dppo[2] == "-0.100 (seed 0), +0.050 (seed 1)"
+    versus_none = row(text, "## K = 0: DPPO minus none", "method=dppo")
+    assert versus_none[2] == "-0.150 (seed 0), -0.100 (seed 1)"
+    assert versus_none[9:11] == ["0", "2"]  # better, worse
+    cost = row(text, "### method=none, sampled", "inter_lag=32")
+    assert cost[2] == "-0.200 (seed 0), -0.300 (seed 1)"
+    assert "### method=entr, greedy" in text
+    assert "### method=dppo" not in text and "### method=naive" not in text  # one lag only

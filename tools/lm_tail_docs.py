@@ -1,0 +1,133 @@
+"""Regenerate every committed table of the long-tail study from its run directory, in one command:
+
+    python tools/lm_tail_docs.py runs/studies/lm_tail_main --out docs/studies/lm_tail/main
+
+Writes into --out: `study report`'s report.md, cells.csv and plots (its raw results.csv and
+results.parquet are removed: cells.csv holds every cell's axes and accuracies); paired.md (K = 32:
+each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png, and
+naive + ENTR's mask minus naive); paired_k0.md (K = 0: each method minus ENTR, DPPO minus none, and
+for every method run at both lags K = 32 minus K = 0); masks_by_entropy.md and
+masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
+written cells.csv, so a figure the docs quote from these files is one the committed cells give.
+Rerun it after each `study run` of examples/studies/lm_tail/main.yaml; it rewrites the files whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mask_by_entropy_table  # noqa: E402
+from paired_differences import _plot  # noqa: E402
+
+from entr_megatron.study.paired import paired_differences  # noqa: E402
+from entr_megatron.study.plots import markdown_table  # noqa: E402
+from entr_megatron.study.results import SEED_AXIS, _label  # noqa: E402
+
+LAG = "controller.inter_lag"
+METHOD = "method"
+PRIMARY, STALE, FRESH = "entr", "32", "0"
+COLUMNS = (("eval_after_sampled", "Sampled accuracy (4 samples per problem, 200 held-out problems; the primary "
+                                  "measure)"),
+           ("eval_after_greedy", "Greedy accuracy"))
+HEADER = "<!-- written by `python tools/lm_tail_docs.py`; do not edit by hand -->"
+LEGEND = ("Paired by seed: each row's differences are its cells' held-out accuracy after RL minus the reference "
+          "cell's with the same seed (the same warm-up, prompts and sampling seeds). seeds: the pairs; sd: the "
+          "empirical sd of the per-seed differences; ci90: the 90% t-interval of their mean; better / worse: pairs "
+          "above / below the reference; sign_p: the two-sided sign test.")
+
+
+def select(cells: pd.DataFrame, **where: str) -> pd.DataFrame:
+    """The done cells whose axes carry these labels (`inter_lag="32"`: the lag axis equals 32)."""
+    rows = cells[cells["state"] == "done"] if "state" in cells else cells
+    for axis, value in where.items():
+        column = LAG if axis == "inter_lag" else axis
+        rows = rows[rows[column].map(_label) == value]
+    return rows
+
+
+def table(cells: pd.DataFrame, axis: str, reference: str, column: str, keep: str | None = None) -> str:
+    """The markdown table of per-seed differences against `axis` = `reference` (`keep`: only that
+    group's row, e.g. "method=naive_entr")."""
+    result = paired_differences(cells, [axis, SEED_AXIS], {axis: reference}, column=column)
+    if keep is not None:
+        result = result[result["group"] == keep]
+    return markdown_table(result.round(4)) if len(result) else "(no pairs: a side has not run)"
+
+
+def _name(title: str) -> str:
+    return title.split(" (")[0]
+
+
+def paired_k32(cells: pd.DataFrame, out: Path) -> str:
+    stale = select(cells, inter_lag=STALE)
+    parts = [HEADER, "", "# lm_tail, K = 32: each method minus ENTR (H(mu)), same seed, held-out accuracy after RL",
+             "", "The primary contrasts are ENTR - none and ENTR - DPPO: the negatives of the `method=none` and "
+             "`method=dppo` rows. " + LEGEND, ""]
+    for column, title in COLUMNS:
+        parts += [f"## {title}", "", table(stale, METHOD, PRIMARY, column), ""]
+    parts += ["## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against pi_old, "
+              "mu ignored)", ""]
+    for column, title in COLUMNS:
+        parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column, keep="method=naive_entr"), ""]
+    rows = paired_differences(stale, [METHOD, SEED_AXIS], {METHOD: PRIMARY})
+    if len(rows):
+        _plot(rows, out / "k32_paired_vs_entr.png", "eval_after_sampled minus method=entr's, same seed")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def paired_k0(cells: pd.DataFrame) -> str:
+    fresh = select(cells, inter_lag=FRESH)
+    parts = [HEADER, "", "# lm_tail: the K = 0 cells, and what K = 32 costs each method", "", LEGEND, "",
+             "## K = 0: each method minus ENTR (H(mu)), same seed", ""]
+    for column, title in COLUMNS:
+        parts += [f"{_name(title)}:", "", table(fresh, METHOD, PRIMARY, column), ""]
+    parts += ["## K = 0: DPPO minus none, same seed", ""]
+    for column, title in COLUMNS:
+        parts += [f"{_name(title)}:", "", table(fresh, METHOD, "none", column, keep="method=dppo"), ""]
+    parts += ["## What 32 versions of staleness cost: K = 32 minus K = 0, same method and seed", ""]
+    both = sorted(set(select(cells, inter_lag=STALE)[METHOD]) & set(fresh[METHOD]))
+    for method in both:
+        for column, title in COLUMNS:
+            parts += [f"### method={method}, {_name(title).lower()}", "",
+                      table(select(cells, method=method), LAG, FRESH, column), ""]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("study", type=Path, help="the study directory (study run --out)")
+    p.add_argument("--out", type=Path, required=True, help="the committed report folder")
+    args = p.parse_args(argv)
+    if not (args.study / "study.json").is_file():
+        p.error(f"{args.study}: not a study directory (no study.json); give the `study run --out` folder")
+    from entr_megatron.study.report import write_report
+
+    out = args.out
+    staging = out.with_name(out.name + ".partial")  # written whole, then moved over the old files
+    shutil.rmtree(staging, ignore_errors=True)
+    write_report(args.study, staging)
+    for raw in ("results.csv", "results.parquet"):
+        (staging / raw).unlink(missing_ok=True)
+    cells = pd.read_csv(staging / "cells.csv")
+    (staging / "paired.md").write_text(paired_k32(cells, staging))
+    (staging / "paired_k0.md").write_text(paired_k0(cells))
+    for lag, name in ((STALE, "masks_by_entropy.md"), (FRESH, "masks_by_entropy_k0.md")):
+        mask_by_entropy_table.main([str(args.study), "--where", f"inter_lag={lag}", "--out", str(staging / name)])
+    out.mkdir(parents=True, exist_ok=True)
+    for path in staging.iterdir():
+        path.replace(out / path.name)
+    staging.rmdir()
+    print(f"wrote {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
