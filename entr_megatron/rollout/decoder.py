@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from entr_megatron.rollout.engine import GenerateRequest, GenerateResult, SamplingParams
 from entr_megatron.rollout.hf_model import CausalLM
 from entr_megatron.rollout.sampling import row_params, sample_tokens
+from entr_megatron.utils.seeding import mix_seed
 
 __all__ = ["BatchDecoder", "sample_seed"]
 
@@ -314,10 +315,15 @@ class BatchDecoder:
 def decode_all(model: CausalLM, prompts: list[list[int]], params: SamplingParams, max_batch_size: int,
                eos_token_ids: Iterable[int]) -> list[GenerateResult]:
     """Every sample of every prompt, decoded in this process (no engine around the decoder), in
-    prompt order then sample index: what the measuring tools compare with a learner's scores."""
+    prompt order then sample index: what the measuring tools compare with a learner's scores.
+    A seeded `params` seeds prompt i with mix_seed(seed, i), as the evaluation does: one seed for
+    every prompt would give sample k of each prompt the same random stream, so a rare token drawn
+    at one prompt's sure position would be drawn at every prompt's alike position, and counts of
+    rare tokens would rest on n streams, not on every sample."""
     dec = BatchDecoder(model, max_batch_size=max_batch_size, eos_token_ids=eos_token_ids)
     for i, ids in enumerate(prompts):
-        dec.add(GenerateRequest(ids, params, request_id=str(i)))
+        own = params if params.seed is None else replace(params, seed=mix_seed(params.seed, i))
+        dec.add(GenerateRequest(ids, own, request_id=str(i)))
     results = []
     while dec.has_work():
         results.extend(dec.step())

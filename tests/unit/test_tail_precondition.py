@@ -83,3 +83,35 @@ def test_decode_all_is_hf_greedy_decoding_in_prompt_order():
             want = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=6, do_sample=False,
                                   pad_token_id=0, eos_token_id=None)[0, len(r.prompt_ids):]
         assert r.output_ids == want.tolist()
+
+
+def test_decode_all_gives_each_prompt_its_own_random_stream():
+    """A seeded decode_all samples each prompt with its own stream (mix_seed(seed, i)), as the
+    evaluation does: the same prompt twice gets different samples, each the one a lone request
+    seeded mix_seed(seed, i) gets; the call is deterministic. With one stream for every prompt
+    (the old sampler) the two copies' samples were equal token for token."""
+    import transformers
+
+    from dataclasses import replace
+
+    from entr_megatron.rollout.decoder import BatchDecoder, decode_all
+    from entr_megatron.rollout.engine import GenerateRequest, SamplingParams
+    from entr_megatron.utils.seeding import mix_seed
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=48, vocab_size=64, initializer_range=0.3,
+                                   max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, ignore_eos=True, seed=7)
+    results = decode_all(model, [[5, 6, 7], [5, 6, 7]], params, max_batch_size=8, eos_token_ids=())
+    first, second = [r.output_ids for r in results[:3]], [r.output_ids for r in results[3:]]
+    assert first != second and all(a != b for a, b in zip(first, second))
+    for i in (0, 1):  # each prompt's samples are a lone request's seeded mix_seed(7, i)
+        dec = BatchDecoder(model, max_batch_size=8, eos_token_ids=())
+        dec.add(GenerateRequest([5, 6, 7], replace(params, seed=mix_seed(7, i)), request_id="x"))
+        alone = []
+        while dec.has_work():
+            alone.extend(dec.step())
+        assert [r.output_ids for r in sorted(alone, key=lambda r: r.sample_index)] == [first, second][i]
+    assert [r.output_ids for r in decode_all(model, [[5, 6, 7], [5, 6, 7]], params, 8, ())] == first + second
