@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mask_by_entropy_table  # noqa: E402
-from paired_differences import _plot  # noqa: E402
+from paired_differences import plot_differences  # noqa: E402
 
 from entr_megatron.study.paired import paired_differences  # noqa: E402
 from entr_megatron.study.plots import markdown_table  # noqa: E402
@@ -53,10 +53,16 @@ def select(cells: pd.DataFrame, **where: str) -> pd.DataFrame:
     return rows
 
 
-def table(cells: pd.DataFrame, axis: str, reference: str, column: str, keep: str | None = None) -> str:
-    """The markdown table of per-seed differences against `axis` = `reference` (`keep`: only that
-    group's row, e.g. "method=naive_entr")."""
-    result = paired_differences(cells, [axis, SEED_AXIS], {axis: reference}, column=column)
+def pairs(cells: pd.DataFrame, axis: str, reference: str, column: str) -> pd.DataFrame:
+    """Per-seed differences against `axis` = `reference` (entr_megatron.study.paired)."""
+    return paired_differences(cells, [axis, SEED_AXIS], {axis: reference}, column=column)
+
+
+def table(cells: pd.DataFrame, axis: str, reference: str, column: str, keep: str | None = None,
+          result: pd.DataFrame | None = None) -> str:
+    """The markdown table of `pairs` (or `result`, already computed); `keep`: only that group's
+    row, e.g. "method=naive_entr"."""
+    result = pairs(cells, axis, reference, column) if result is None else result
     if keep is not None:
         result = result[result["group"] == keep]
     return markdown_table(result.round(4)) if len(result) else "(no pairs: a side has not run)"
@@ -71,15 +77,16 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     parts = [HEADER, "", "# lm_tail, K = 32: each method minus ENTR (H(mu)), same seed, held-out accuracy after RL",
              "", "The primary contrasts are ENTR - none and ENTR - DPPO: the negatives of the `method=none` and "
              "`method=dppo` rows. " + LEGEND, ""]
+    versus_entr = {column: pairs(stale, METHOD, PRIMARY, column) for column, _ in COLUMNS}
     for column, title in COLUMNS:
-        parts += [f"## {title}", "", table(stale, METHOD, PRIMARY, column), ""]
+        parts += [f"## {title}", "", table(stale, METHOD, PRIMARY, column, result=versus_entr[column]), ""]
     parts += ["## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against pi_old, "
               "mu ignored)", ""]
     for column, title in COLUMNS:
         parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column, keep="method=naive_entr"), ""]
-    rows = paired_differences(stale, [METHOD, SEED_AXIS], {METHOD: PRIMARY})
-    if len(rows):
-        _plot(rows, out / "k32_paired_vs_entr.png", "eval_after_sampled minus method=entr's, same seed")
+    if len(versus_entr["eval_after_sampled"]):
+        plot_differences(versus_entr["eval_after_sampled"], out / "k32_paired_vs_entr.png",
+                         "eval_after_sampled minus method=entr's, same seed")
     return "\n".join(parts).rstrip() + "\n"
 
 

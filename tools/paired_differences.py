@@ -86,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     table = paired_differences(seen, [ref_col, SEED_AXIS], {ref_col: ref_value}, column=args.column)
     print(markdown_table(table.round(4)))
     if args.plot is not None:
-        _plot(table, args.plot, f"{args.column} minus {ref_key}={ref_value}'s, same seed")
+        plot_differences(table, args.plot, f"{args.column} minus {ref_key}={ref_value}'s, same seed")
     return 0
 
 
-def _plot(table: pd.DataFrame, path: Path, label: str) -> None:
+def plot_differences(table: pd.DataFrame, path: Path, label: str) -> None:
     """One row per method: each seed's difference a dot, the mean a bar; 0 = the reference."""
     import matplotlib
 
