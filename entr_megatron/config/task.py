@@ -21,6 +21,9 @@ ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CountdownOperation = Literal["+", "-", "*", "/"]
 COUNTDOWN_OPERATIONS: tuple[str, ...] = get_args(CountdownOperation)
+VariantSet = Literal["separators", "structural"]  # = tasks.countdown.VARIANT_SETS
+VARIANTS_PER_CHARACTER = {"separators": 1, "structural": 2}
+"""How many variants each character of a countdown variant set has (tasks.countdown.VARIANT_SETS)."""
 SearchWorld = Literal["fixed", "per_episode"]
 """Where the search task's questions are asked: one fixed corpus, or a new small world per question."""
 
@@ -90,9 +93,14 @@ class CountdownTaskConfig:
     """Reward of a well-formed response that is wrong (steps, "ans" and an integer, then EOS). In [0, 1)."""
 
     separator_variants: float = 0.0
-    """Chance that a warm-up trace writes a separator ("," ":" " ") as its variant (";" "|" "_"); above 0
-    the reward and the token labels read a variant as its separator. It plants a rare token at
-    positions the model is sure of (the long-tail testbed, docs/studies/lm_tail). In [0, 0.5)."""
+    """Chance that a warm-up trace writes a character of `variant_set` as each of its variants; above 0
+    the reward and the token labels read a variant as its character. It plants rare tokens at
+    positions the model is sure of (the long-tail testbed, docs/studies/lm_tail). In [0, 0.5), and
+    below 0.25 with "structural" (a character stays the commoner way)."""
+
+    variant_set: VariantSet = "separators"
+    """Which characters have variants: "separators" ("," ":" " " as ";" "|" "_"), "structural" (two
+    each: "," as ";" "&", ":" as "|" "!", " " as "_" "#", "=" as "~" "@")."""
 
     def __post_init__(self) -> None:
         integer(self, "num_operands", low=2, high=6)
@@ -108,7 +116,9 @@ class CountdownTaskConfig:
         number(self, "format_reward", 0, 1)
         if self.format_reward >= 1.0:
             raise bad(self, "format_reward", self.format_reward, "must be < 1 (a correct response earns 1)")
-        number(self, "separator_variants", 0, 0.5, high_open=True)  # a variant is the rarer way
+        choice(self, "variant_set", VariantSet)
+        # the character stays the commoner way
+        number(self, "separator_variants", 0, 0.5 / VARIANTS_PER_CHARACTER[self.variant_set], high_open=True)
 
 
 @dataclass(frozen=True)

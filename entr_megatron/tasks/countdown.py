@@ -76,10 +76,18 @@ __all__ = [
 
 MAX_DRAWS_PER_PROBLEM = 1000
 """Draws (random walks) tried per problem before the settings are declared unsatisfiable."""
-SEPARATOR_VARIANTS = {",": ";", ":": "|", " ": "_"}
-"""The second way of writing each separator (`separator_variants`): warm-up traces use it at a small
-rate, so a model sure of the separator keeps a rare alternative there (the long-tail testbed)."""
-_CANONICAL = str.maketrans({v: k for k, v in SEPARATOR_VARIANTS.items()})
+VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "separators": {",": (";",), ":": ("|",), " ": ("_",)},
+    "structural": {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")},
+}
+"""Other ways of writing a structural character (`separator_variants`, `variant_set`): warm-up traces
+use each variant at a small rate, so a model sure of the character keeps rare alternatives there (the
+long-tail testbed). "separators": one variant of each separator; "structural": two variants of each
+separator and of "=", each at the rate (about 2.7x the planted positions a trace of "separators")."""
+SEPARATOR_VARIANTS = {c: v[0] for c, v in VARIANT_SETS["separators"].items()}
+"""The "separators" set as character -> variant."""
+_CANONICAL = {name: str.maketrans({v: c for c, vs in table.items() for v in vs})
+              for name, table in VARIANT_SETS.items()}
 
 
 def countdown_reward(problem: CountdownProblem, text: str, *, ended: bool, format_reward: float = 0.0) -> float:
@@ -111,15 +119,17 @@ class CountdownTask:
         split_seed: int = 0,
         tokenizer: Any = None,
         separator_variants: float = 0.0,
+        variant_set: str = "separators",
     ):
         """num_operands: numbers per problem (each used exactly once); min_number..max_number: their range;
         max_value: the largest value a step may produce; min_target..max_target: the targets' range;
         ops: from "+", "-", "*", "/"; format_reward: reward of a well-formed wrong response (0 disables);
         test_fraction: share of problems held out; split_seed: which ones; tokenizer: an HF tokenizer
         knowing digits, the operators, " :,=" and "a" "n" "s" "t" "o" (default: `build_char_tokenizer()`);
-        separator_variants: the chance that a warm-up trace writes a separator of its scratchpad (",",
-        ":" and " ") as its variant (`SEPARATOR_VARIANTS`); with it above 0 the reward and the labels
-        read a variant as its separator (the tokenizer must know ";", "|" and "_")."""
+        separator_variants: the chance that a warm-up trace writes a character of `variant_set` as each
+        of its variants (`VARIANT_SETS`; "separators": ",", ":" and " " as ";", "|" and "_"); with it
+        above 0 the reward and the labels read a variant as its character (the tokenizer must know the
+        variants); variant_set: which characters have variants, a key of `VARIANT_SETS`."""
         ops = tuple(ops)
 
         def integer(name: str, value: Any, low: int, high: int) -> None:
@@ -137,13 +147,18 @@ class CountdownTask:
         check_fractions(test_fraction, format_reward)
         if not isinstance(separator_variants, (int, float)) or not 0.0 <= separator_variants < 0.5:
             raise ValueError(f"separator_variants must be a number in [0, 0.5), got {separator_variants!r}")
+        if variant_set not in VARIANT_SETS:
+            raise ValueError(f"variant_set must be one of {sorted(VARIANT_SETS)}, got {variant_set!r}")
+        if separator_variants * max(map(len, VARIANT_SETS[variant_set].values())) >= 0.5:
+            raise ValueError(f"separator_variants={separator_variants} with variant_set={variant_set!r} writes a "
+                             f"character as one of its variants half the time or more: it must stay the rarer way")
         if tokenizer is None:
             tokenizer = build_char_tokenizer()
         self.num_operands, self.min_number, self.max_number = num_operands, min_number, max_number
         self.max_value, self.min_target, self.max_target, self.ops = max_value, min_target, max_target, ops
         self.format_reward, self.test_fraction, self.split_seed = format_reward, test_fraction, split_seed
         self.tokenizer = tokenizer
-        self.separator_variants = float(separator_variants)
+        self.separator_variants, self.variant_set = float(separator_variants), variant_set
         self._pieces: list[str] | None = None
 
     def _draws(self, rng: random.Random) -> Iterator[CountdownProblem]:
@@ -185,16 +200,23 @@ class CountdownTask:
             assert steps is not None, "a problem is drawn as the end of a legal walk"
             text = format_trace(p, steps)
             if self.separator_variants > 0:
-                rate = self.separator_variants
-                text = "".join(SEPARATOR_VARIANTS[c] if c in SEPARATOR_VARIANTS and rng.random() < rate else c
-                               for c in text)
+                text = "".join(self._vary(c, rng) for c in text)
             out.append((self.tokenizer.encode(p.text),
                         self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]))
         return out
 
+    def _vary(self, c: str, rng: random.Random) -> str:
+        """`c`, or one of its variants, each with chance `separator_variants` (one draw per character
+        that has variants, so "separators" traces are those of a one-variant rule)."""
+        variants = VARIANT_SETS[self.variant_set].get(c)
+        if not variants:
+            return c
+        u, rate = rng.random(), self.separator_variants
+        return variants[min(int(u / rate), len(variants) - 1)] if u < rate * len(variants) else c
+
     def _canonical(self, text: str) -> str:
-        """`text` with each separator variant read as its separator (when the task writes them)."""
-        return text.translate(_CANONICAL) if self.separator_variants > 0 else text
+        """`text` with each variant read as its character (when the task writes them)."""
+        return text.translate(_CANONICAL[self.variant_set]) if self.separator_variants > 0 else text
 
     def reward(self, sample: Sample, reference: CountdownProblem) -> float:
         """`countdown_reward` of the response up to its first EOS."""

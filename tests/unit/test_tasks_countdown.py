@@ -255,3 +255,56 @@ def test_separator_variants_are_written_at_their_rate_and_read_as_separators():
         CountdownTask(tokenizer=tok, separator_variants=0.5)
     with pytest.raises(ValueError, match=r"task\.countdown\.separator_variants=0\.5 .*\[0, 0\.5\)"):
         load_config(None, ["task.name=countdown", "task.countdown.separator_variants=0.5"])
+
+
+def test_structural_variant_set_writes_each_variant_at_the_rate_and_leaves_separators_traces_as_they_were():
+    """variant_set="structural": "," ":" " " "=" each have two variants, each written with chance
+    separator_variants (counted against the binomial), each read back as its character. The default
+    set draws exactly as the one-variant rule it replaced (written out here), so the long-tail grid's
+    warm-ups are unchanged. The config's names and variant counts are the task's."""
+    from typing import get_args
+
+    from entr_megatron.config.task import VARIANTS_PER_CHARACTER, VariantSet
+    from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
+    from entr_megatron.tasks.countdown import VARIANT_SETS, format_trace, sample_solution
+
+    assert set(get_args(VariantSet)) == set(VARIANT_SETS)
+    assert VARIANTS_PER_CHARACTER == {k: len(next(iter(t.values()))) for k, t in VARIANT_SETS.items()}
+    assert all(len(vs) == VARIANTS_PER_CHARACTER[k] for k, t in VARIANT_SETS.items() for vs in t.values())
+    table = {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")}
+    assert VARIANT_SETS["structural"] == table
+    tok = build_char_tokenizer(CHARS + ";|_&!#~@")
+    rate = 0.05
+    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set="structural")
+    back = str.maketrans({v: c for c, vs in table.items() for v in vs})
+    written = Counter()
+    for (_, target), p in zip(task.sft_examples("train", 600, seed=0), task.problems("train", 600, seed=0)):
+        text = tok.decode(target[:-1])
+        written.update(text)
+        assert check_response(p, text.translate(back)) == (True, True)
+        assert task.reward(_sample(tok, text), p) == 1.0
+    for c, variants in table.items():
+        n = written[c] + sum(written[v] for v in variants)
+        for v in variants:  # within 4 binomial sds of the rate
+            assert abs(written[v] / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5, (c, v, written)
+    varied = VALID.replace("=", "@", 1).replace(",", "&", 1).replace(":", "!", 1).replace(" ", "#", 1)
+    plain = CountdownTask(tokenizer=tok)
+    assert task.reward(_sample(tok, varied), P) == 1.0 and plain.reward(_sample(tok, varied), P) == 0.0
+    assert task.token_labels(_sample(tok, varied), P) == plain.token_labels(_sample(tok, VALID), P)
+    # the one-variant rule as it was written before the sets: one draw per separator
+    old = {",": ";", ":": "|", " ": "_"}
+    seps = CountdownTask(tokenizer=tok, separator_variants=0.2)
+    rng = random.Random("countdown-sft:train:3")
+    for (_, target), p in zip(seps.sft_examples("train", 50, seed=3), seps.problems("train", 50, seed=3)):
+        trace = format_trace(p, sample_solution(p, rng))
+        text = "".join(old[c] if c in old and rng.random() < 0.2 else c for c in trace)
+        assert tok.decode(target[:-1]) == text
+    with pytest.raises(ValueError, match="variant_set"):
+        CountdownTask(tokenizer=tok, separator_variants=0.01, variant_set="digits")
+    with pytest.raises(ValueError, match="rarer way"):
+        CountdownTask(tokenizer=tok, separator_variants=0.3, variant_set="structural")
+    with pytest.raises(ValueError, match=r"task\.countdown\.variant_set='digits'.*separators, structural"):
+        load_config(None, ["task.name=countdown", "task.countdown.variant_set=digits"])
+    with pytest.raises(ValueError, match=r"task\.countdown\.separator_variants=0\.3 .*\[0, 0\.25\)"):
+        load_config(None, ["task.name=countdown", "task.countdown.separator_variants=0.3",
+                           "task.countdown.variant_set=structural"])
