@@ -1,6 +1,6 @@
 """`entr-megatron study run | report`: scaling studies over any config field.
 
-    entr-megatron study run SPEC.yaml [--out DIR] [--launcher local|ray] [--jobs N] [--dry-run]
+    entr-megatron study run SPEC.yaml [--out DIR] [--launcher local|ray] [--jobs N] [--dry-run] [--warmups-only]
     entr-megatron study report DIR [--out REPORT_DIR]
 
 `run` validates the whole spec (every cell's config) before anything starts, then runs each
@@ -60,7 +60,7 @@ def run(args) -> None:
             _fail(str(e))
     try:
         result = run_study(spec, out, launcher=args.launcher, jobs=args.jobs, ray_address=ray_address,
-                           only=args.only)
+                           only=args.only, warmups_only=args.warmups_only)
     except (SpecError, StudyLockedError, RayConnectError, WarmupError) as e:
         _fail(str(e))
     except WarmupStopped as e:
@@ -109,6 +109,9 @@ def add_parser(sub) -> None:
                    help="run only the cells with these axis values (repeat to narrow further), "
                         "e.g. --only seed=1 --only inter_lag=0,16,64")
     r.add_argument("--dry-run", action="store_true", help="validate the spec and list its cells; run nothing")
+    r.add_argument("--warmups-only", action="store_true",
+                   help="run the spec's warm-ups (each seed's with warmup.per_seed), then stop: to measure what the "
+                        "cells start from before any cell runs")
     r.set_defaults(func=run)
     q = study.add_parser("report", help="results table, plots and report.md of a study directory")
     q.add_argument("dir", metavar="DIR")

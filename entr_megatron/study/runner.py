@@ -348,9 +348,11 @@ def _place(cell: Cell, out: Path, upgraded: list[str] | None = None) -> tuple[Pa
 
 
 def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", jobs: int = 1,
-              ray_address: str | None = None, only: list[str] | None = None) -> StudyResult:
+              ray_address: str | None = None, only: list[str] | None = None,
+              warmups_only: bool = False) -> StudyResult:
     """Runs every cell not yet done (see the module docstring), or of those the ones `only`
-    selects (StudySpec.select); returns what happened."""
+    selects (StudySpec.select); returns what happened. `warmups_only`: the warm-ups, then stop (to
+    measure what the cells will start from before any runs)."""
     if jobs < 1:
         raise SpecError(f"--jobs must be >= 1, got {jobs}")
     if launcher not in ("local", "ray"):
@@ -363,6 +365,10 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
     except RunLockedError as e:
         raise StudyLockedError(str(e).replace("another job", "another study run", 1)) from None
     try:
+        if warmups_only:
+            with StopRequest() as stop:
+                _prepare(spec, out, jobs, stop)
+            return StudyResult(done=[], failed=[], skipped=[], interrupted=False, out=str(out))
         return _run_locked(spec, out, launcher, jobs, ray_address, only)
     finally:
         lock.release()

@@ -161,6 +161,30 @@ def test_per_seed_warmups_run_once_each_and_feed_their_seed_s_cells(tmp_path, mo
     assert sorted(warmed) == [0, 4]
 
 
+def test_warmups_only_runs_each_seed_s_warm_up_and_no_cell(tmp_path, monkeypatch):
+    """`study run --warmups-only`: the warm-ups a per-seed spec needs, nothing else; the cells then
+    start from them without a warm-up running again."""
+    ran = []
+
+    def fake(args, log_path, env=None):
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        ran.append((args[0], run_dir.name))
+        if args[0] == "sft":
+            (run_dir / "sft" / "model").mkdir(parents=True)
+            (run_dir / "sft" / "model" / "config.json").write_text("{}")
+        return 0, ""
+
+    monkeypatch.setattr(runner, "run_command", fake)
+    spec, out = _per_seed_spec(tmp_path, [0, 3]), tmp_path / "out"
+    result = runner.run_study(spec, out, warmups_only=True)
+    assert sorted(ran) == [("sft", "seed=0"), ("sft", "seed=3")]
+    assert result["done"] == result["skipped"] == result["failed"] == []
+    assert json.loads((out / "study.json").read_text())["cells"]  # the report lists the cells as pending
+    runner.run_study(spec, out)
+    assert sorted(name for what, name in ran if what == "sft") == ["seed=0", "seed=3"]
+    assert sum(what == "train" for what, _ in ran) == 2
+
+
 def _per_seed_spec(tmp_path, seeds, sft_steps=2):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({**BASE, "sft": {"steps": sft_steps}}))
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "grid": {"algorithm.tau": [1.0]},
