@@ -83,7 +83,8 @@ VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
 """Other ways of writing a structural character (`separator_variants`, `variant_set`): warm-up traces
 use each variant at a small rate, so a model sure of the character keeps rare alternatives there (the
 long-tail testbed). "separators": one variant of each separator; "structural": two variants of each
-separator and of "=", each at the rate (about 2.7x the planted positions a trace of "separators")."""
+separator and of "=", each at the rate (a 3-operand trace: 8 positions with two variants each, against
+"separators"' 6 with one)."""
 SEPARATOR_VARIANTS = {c: v[0] for c, v in VARIANT_SETS["separators"].items()}
 """The "separators" set as character -> variant."""
 _CANONICAL = {name: str.maketrans({v: c for c, vs in table.items() for v in vs})
