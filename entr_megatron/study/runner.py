@@ -348,11 +348,9 @@ def _place(cell: Cell, out: Path, upgraded: list[str] | None = None) -> tuple[Pa
 
 
 def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", jobs: int = 1,
-              ray_address: str | None = None, only: list[str] | None = None,
-              warmups_only: bool = False) -> StudyResult:
-    """Runs every cell not yet done (see the module docstring), or of those the ones `only`
-    selects (StudySpec.select); returns what happened. `warmups_only`: the warm-ups, then stop (to
-    measure what the cells will start from before any runs)."""
+              ray_address: str | None = None, only: list[str] | None = None, warmups_only: bool = False) -> StudyResult:
+    """Runs every cell not yet done (see the module docstring), or of those the ones `only` selects
+    (StudySpec.select), or with `warmups_only` only the warm-ups; returns what happened."""
     if jobs < 1:
         raise SpecError(f"--jobs must be >= 1, got {jobs}")
     if launcher not in ("local", "ray"):
