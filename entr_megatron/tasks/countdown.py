@@ -85,8 +85,6 @@ use each variant at a small rate, so a model sure of the character keeps rare al
 long-tail testbed). "separators": one variant of each separator; "structural": two variants of each
 separator and of "=", each at the rate (a 3-operand trace: 8 positions with two variants each, against
 "separators"' 6 with one)."""
-SEPARATOR_VARIANTS = {c: v[0] for c, v in VARIANT_SETS["separators"].items()}
-"""The "separators" set as character -> variant."""
 _CANONICAL = {name: str.maketrans({v: c for c, vs in table.items() for v in vs})
               for name, table in VARIANT_SETS.items()}
 

@@ -232,7 +232,9 @@ def test_separator_variants_are_written_at_their_rate_and_read_as_separators():
     the given rate; the reward and the labels read a variant as its separator. Without it a variant
     is what it is: a broken trace."""
     from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
-    from entr_megatron.tasks.countdown import SEPARATOR_VARIANTS
+    from entr_megatron.tasks.countdown import VARIANT_SETS
+
+    SEPARATOR_VARIANTS = {c: v[0] for c, v in VARIANT_SETS["separators"].items()}  # noqa: N806
 
     tok = build_char_tokenizer(CHARS + ";|_")
     task = CountdownTask(tokenizer=tok, separator_variants=0.1)
