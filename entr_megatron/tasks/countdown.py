@@ -79,12 +79,16 @@ MAX_DRAWS_PER_PROBLEM = 1000
 VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "separators": {",": (";",), ":": ("|",), " ": ("_",)},
     "structural": {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")},
+    "structural_digits": {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@"),
+                          **{str(d): (chr(ord("A") + d), chr(ord("K") + d)) for d in range(10)}},
 }
 """Other ways of writing a structural character (`separator_variants`, `variant_set`): warm-up traces
 use each variant at a small rate, so a model sure of the character keeps rare alternatives there (the
 long-tail testbed). "separators": one variant of each separator; "structural": two variants of each
 separator and of "=", each at the rate (a 3-operand trace: 8 positions with two variants each, against
-"separators"' 6 with one)."""
+"separators"' 6 with one); "structural_digits": those and two of each digit, "A"-"J" and "K"-"T" for
+0-9 (every character but the operators and "ans": the digits a trace restates, computes and answers
+are sure positions too)."""
 _CANONICAL = {name: str.maketrans({v: c for c, vs in table.items() for v in vs})
               for name, table in VARIANT_SETS.items()}
 

@@ -310,3 +310,33 @@ def test_structural_variant_set_writes_each_variant_at_the_rate_and_leaves_separ
     with pytest.raises(ValueError, match=r"task\.countdown\.separator_variants=0\.3 .*\[0, 0\.25\)"):
         load_config(None, ["task.name=countdown", "task.countdown.separator_variants=0.3",
                            "task.countdown.variant_set=structural"])
+
+
+def test_structural_digits_variant_set_varies_digits_too_and_reads_them_back():
+    """variant_set="structural_digits": structural's variants, and each digit d written as the capitals
+    "A"+d and "K"+d, each with chance separator_variants (against the binomial); the reward and the
+    labels read a varied trace as the plain one."""
+    from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
+    from entr_megatron.tasks.countdown import VARIANT_SETS
+
+    digits = {str(d): ("ABCDEFGHIJ"[d], "KLMNOPQRST"[d]) for d in range(10)}
+    assert VARIANT_SETS["structural_digits"] == {**VARIANT_SETS["structural"], **digits}
+    tok = build_char_tokenizer(CHARS + ";|_&!#~@" + "ABCDEFGHIJKLMNOPQRST")
+    rate = 0.05
+    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set="structural_digits")
+    back = str.maketrans({v: c for c, vs in VARIANT_SETS["structural_digits"].items() for v in vs})
+    written = Counter()
+    for (_, target), p in zip(task.sft_examples("train", 400, seed=0), task.problems("train", 400, seed=0)):
+        text = tok.decode(target[:-1])
+        written.update(text)
+        assert check_response(p, text.translate(back)) == (True, True)
+        assert task.reward(_sample(tok, text), p) == 1.0
+    for c, variants in digits.items():
+        n = written[c] + sum(written[v] for v in variants)
+        for v in variants:  # within 4 binomial sds of the rate
+            assert abs(written[v] / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5, (c, v, written)
+    varied = "".join(digits[c][i % 2] if c in digits and i % 3 == 0 else c for i, c in enumerate(VALID))
+    assert varied != VALID
+    plain = CountdownTask(tokenizer=tok)
+    assert task.reward(_sample(tok, varied), P) == 1.0 and plain.reward(_sample(tok, varied), P) == 0.0
+    assert task.token_labels(_sample(tok, varied), P) == plain.token_labels(_sample(tok, VALID), P)
