@@ -259,6 +259,25 @@ def test_separator_variants_are_written_at_their_rate_and_read_as_separators():
         load_config(None, ["task.name=countdown", "task.countdown.separator_variants=0.5"])
 
 
+def _check_variants_written_at_rate(tok, variant_set: str, table: dict, rate: float, n: int) -> CountdownTask:
+    """A task with `variant_set` at `rate`: its n warm-up traces, read back through `table` (each variant
+    as its character), are correct and earn 1; each variant is written within 4 binomial sds of the
+    rate. Returns the task."""
+    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set=variant_set)
+    back = str.maketrans({v: c for c, vs in table.items() for v in vs})
+    written = Counter()
+    for (_, target), p in zip(task.sft_examples("train", n, seed=0), task.problems("train", n, seed=0)):
+        text = tok.decode(target[:-1])
+        written.update(text)
+        assert check_response(p, text.translate(back)) == (True, True)
+        assert task.reward(_sample(tok, text), p) == 1.0
+    for c, variants in table.items():
+        total = written[c] + sum(written[v] for v in variants)
+        for v in variants:
+            assert abs(written[v] / total - rate) < 4 * (rate * (1 - rate) / total) ** 0.5, (c, v, written)
+    return task
+
+
 def test_structural_variant_set_writes_each_variant_at_the_rate_and_leaves_separators_traces_as_they_were():
     """variant_set="structural": "," ":" " " "=" each have two variants, each written with chance
     separator_variants (counted against the binomial), each read back as its character. The default
@@ -276,19 +295,7 @@ def test_structural_variant_set_writes_each_variant_at_the_rate_and_leaves_separ
     table = {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")}
     assert VARIANT_SETS["structural"] == table
     tok = build_char_tokenizer(CHARS + ";|_&!#~@")
-    rate = 0.05
-    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set="structural")
-    back = str.maketrans({v: c for c, vs in table.items() for v in vs})
-    written = Counter()
-    for (_, target), p in zip(task.sft_examples("train", 600, seed=0), task.problems("train", 600, seed=0)):
-        text = tok.decode(target[:-1])
-        written.update(text)
-        assert check_response(p, text.translate(back)) == (True, True)
-        assert task.reward(_sample(tok, text), p) == 1.0
-    for c, variants in table.items():
-        n = written[c] + sum(written[v] for v in variants)
-        for v in variants:  # within 4 binomial sds of the rate
-            assert abs(written[v] / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5, (c, v, written)
+    task = _check_variants_written_at_rate(tok, "structural", table, 0.05, 600)
     varied = VALID.replace("=", "@", 1).replace(",", "&", 1).replace(":", "!", 1).replace(" ", "#", 1)
     plain = CountdownTask(tokenizer=tok)
     assert task.reward(_sample(tok, varied), P) == 1.0 and plain.reward(_sample(tok, varied), P) == 0.0
@@ -322,19 +329,7 @@ def test_structural_digits_variant_set_varies_digits_too_and_reads_them_back():
     digits = {str(d): ("ABCDEFGHIJ"[d], "KLMNOPQRST"[d]) for d in range(10)}
     assert VARIANT_SETS["structural_digits"] == {**VARIANT_SETS["structural"], **digits}
     tok = build_char_tokenizer(CHARS + ";|_&!#~@" + "ABCDEFGHIJKLMNOPQRST")
-    rate = 0.05
-    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set="structural_digits")
-    back = str.maketrans({v: c for c, vs in VARIANT_SETS["structural_digits"].items() for v in vs})
-    written = Counter()
-    for (_, target), p in zip(task.sft_examples("train", 400, seed=0), task.problems("train", 400, seed=0)):
-        text = tok.decode(target[:-1])
-        written.update(text)
-        assert check_response(p, text.translate(back)) == (True, True)
-        assert task.reward(_sample(tok, text), p) == 1.0
-    for c, variants in digits.items():
-        n = written[c] + sum(written[v] for v in variants)
-        for v in variants:  # within 4 binomial sds of the rate
-            assert abs(written[v] / n - rate) < 4 * (rate * (1 - rate) / n) ** 0.5, (c, v, written)
+    task = _check_variants_written_at_rate(tok, "structural_digits", VARIANT_SETS["structural_digits"], 0.05, 400)
     varied = "".join(digits[c][i % 2] if c in digits and i % 3 == 0 else c for i, c in enumerate(VALID))
     assert varied != VALID
     plain = CountdownTask(tokenizer=tok)
