@@ -57,7 +57,9 @@ class TextPolicy:
 
 
 def test_every_bad_tool_input_becomes_an_observation_and_nothing_escapes(tmp_path):
-    task = SearchTask(num_entities=16, python_tool=True, tool_timeout_s=3.0, max_tool_output_chars=300)
+    # 8 s of wall time: at 3 s a sandboxed interpreter started on 2 busy cores was once killed before it
+    # could read /etc/passwd (the full suite, 2026-12-06), which says nothing about escaping
+    task = SearchTask(num_entities=16, python_tool=True, tool_timeout_s=8.0, max_tool_output_chars=300)
     problem = task.problems("train", 1, seed=0)[0]
     outside = tmp_path / "escaped.txt"
     turns = [
