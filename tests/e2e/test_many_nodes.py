@@ -117,7 +117,10 @@ def test_sync_run_places_the_learner_and_engines_on_their_nodes_and_pushes_acros
     seen: dict[int, tuple[str, str, set]] = {}
     while job.poll() is None:  # what listens where, sampled while the job runs
         for pid, (node, name, socks) in listeners(cluster).items():
-            seen[pid] = (node, name, seen.get(pid, (None, None, set()))[2] | socks)  # its latest name
+            # the sockets seen under its latest name only: a child caught between fork and exec
+            # still holds its parent's (a Ray worker's server on every interface) under the parent's name
+            before = seen.get(pid)
+            seen[pid] = (node, name, before[2] | socks if before and before[1] == name else socks)
         time.sleep(0.3)
     out = job.stdout.read()
     text = log.read_text()
