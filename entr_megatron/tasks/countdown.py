@@ -76,11 +76,11 @@ __all__ = [
 
 MAX_DRAWS_PER_PROBLEM = 1000
 """Draws (random walks) tried per problem before the settings are declared unsatisfiable."""
+_STRUCTURAL = {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")}
 VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "separators": {",": (";",), ":": ("|",), " ": ("_",)},
-    "structural": {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")},
-    "structural_digits": {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@"),
-                          **{str(d): (chr(ord("A") + d), chr(ord("K") + d)) for d in range(10)}},
+    "structural": _STRUCTURAL,
+    "structural_digits": {**_STRUCTURAL, **{str(d): (chr(ord("A") + d), chr(ord("K") + d)) for d in range(10)}},
 }
 """Other ways of writing a structural character (`separator_variants`, `variant_set`): warm-up traces
 use each variant at a small rate, so a model sure of the character keeps rare alternatives there (the

@@ -227,38 +227,6 @@ def test_registry_builds_it_from_the_config(tok):
         build_task(short, tok)
 
 
-def test_separator_variants_are_written_at_their_rate_and_read_as_separators():
-    """separator_variants (the long-tail testbed): warm-up traces write "," ":" " " as ";" "|" "_" at
-    the given rate; the reward and the labels read a variant as its separator. Without it a variant
-    is what it is: a broken trace."""
-    from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
-    from entr_megatron.tasks.countdown import VARIANT_SETS
-
-    SEPARATOR_VARIANTS = {c: v[0] for c, v in VARIANT_SETS["separators"].items()}  # noqa: N806
-
-    tok = build_char_tokenizer(CHARS + ";|_")
-    task = CountdownTask(tokenizer=tok, separator_variants=0.1)
-    written = Counter()
-    for (_, target), p in zip(task.sft_examples("train", 400, seed=0), task.problems("train", 400, seed=0)):
-        text = tok.decode(target[:-1])
-        written.update(c for c in text if c in SEPARATOR_VARIANTS or c in SEPARATOR_VARIANTS.values())
-        canonical = text.translate(str.maketrans({v: k for k, v in SEPARATOR_VARIANTS.items()}))
-        assert check_response(p, canonical) == (True, True)
-        assert task.reward(_sample(tok, text), p) == 1.0
-    for separator, variant in SEPARATOR_VARIANTS.items():  # 0.1 of each, within 4 binomial sds
-        n = written[separator] + written[variant]
-        assert abs(written[variant] / n - 0.1) < 4 * (0.1 * 0.9 / n) ** 0.5, (separator, written)
-    varied = VALID.replace(",", ";", 1).replace(" ", "_", 1).replace(":", "|", 1)
-    plain = CountdownTask(tokenizer=tok)
-    assert task.reward(_sample(tok, varied), P) == 1.0 and plain.reward(_sample(tok, varied), P) == 0.0
-    assert task.token_labels(_sample(tok, varied), P) == plain.token_labels(_sample(tok, VALID), P)
-    assert plain.sft_examples("train", 8, seed=0) == CountdownTask(tokenizer=tok).sft_examples("train", 8, seed=0)
-    with pytest.raises(ValueError, match="separator_variants"):
-        CountdownTask(tokenizer=tok, separator_variants=0.5)
-    with pytest.raises(ValueError, match=r"task\.countdown\.separator_variants=0\.5 .*\[0, 0\.5\)"):
-        load_config(None, ["task.name=countdown", "task.countdown.separator_variants=0.5"])
-
-
 def _check_variants_written_at_rate(tok, variant_set: str, table: dict, rate: float, n: int) -> CountdownTask:
     """A task with `variant_set` at `rate`: its n warm-up traces, read back through `table` (each variant
     as its character), are correct and earn 1; each variant is written within 4 binomial sds of the
@@ -276,6 +244,28 @@ def _check_variants_written_at_rate(tok, variant_set: str, table: dict, rate: fl
         for v in variants:
             assert abs(written[v] / total - rate) < 4 * (rate * (1 - rate) / total) ** 0.5, (c, v, written)
     return task
+
+
+def test_separator_variants_are_written_at_their_rate_and_read_as_separators():
+    """separator_variants (the long-tail testbed): warm-up traces write "," ":" " " as ";" "|" "_" at
+    the given rate; the reward and the labels read a variant as its separator. Without it a variant
+    is what it is: a broken trace."""
+    from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
+    from entr_megatron.tasks.countdown import VARIANT_SETS
+
+    table = {",": (";",), ":": ("|",), " ": ("_",)}
+    assert VARIANT_SETS["separators"] == table
+    tok = build_char_tokenizer(CHARS + ";|_")
+    task = _check_variants_written_at_rate(tok, "separators", table, 0.1, 400)
+    varied = VALID.replace(",", ";", 1).replace(" ", "_", 1).replace(":", "|", 1)
+    plain = CountdownTask(tokenizer=tok)
+    assert task.reward(_sample(tok, varied), P) == 1.0 and plain.reward(_sample(tok, varied), P) == 0.0
+    assert task.token_labels(_sample(tok, varied), P) == plain.token_labels(_sample(tok, VALID), P)
+    assert plain.sft_examples("train", 8, seed=0) == CountdownTask(tokenizer=tok).sft_examples("train", 8, seed=0)
+    with pytest.raises(ValueError, match="separator_variants"):
+        CountdownTask(tokenizer=tok, separator_variants=0.5)
+    with pytest.raises(ValueError, match=r"task\.countdown\.separator_variants=0\.5 .*\[0, 0\.5\)"):
+        load_config(None, ["task.name=countdown", "task.countdown.separator_variants=0.5"])
 
 
 def test_structural_variant_set_writes_each_variant_at_the_rate_and_leaves_separators_traces_as_they_were():
