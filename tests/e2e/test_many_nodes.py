@@ -114,14 +114,16 @@ def test_sync_run_places_the_learner_and_engines_on_their_nodes_and_pushes_acros
     config, run_dir = job_config(tmp_path, cluster, sft_model, "sync", mode="sync", train_steps=4)
     log = tmp_path / "sync.err"
     job = start(cluster, config, log)
-    seen: dict[int, tuple[str, str, set]] = {}
+    # pid -> (node, {process name: the sockets seen under it}). Kept by name: a Ray worker's title
+    # changes with the method it runs ("ray::IDLE", "ray::_RayRank.start", "ray::_RayRank"), and a child caught
+    # between fork and exec still holds its parent's sockets (a Ray worker's server on every
+    # interface) under the parent's name, not the one it gives itself after
+    by_name: dict[int, tuple[str, dict[str, set]]] = {}
     while job.poll() is None:  # what listens where, sampled while the job runs
         for pid, (node, name, socks) in listeners(cluster).items():
-            # the sockets seen under its latest name only: a child caught between fork and exec
-            # still holds its parent's (a Ray worker's server on every interface) under the parent's name
-            before = seen.get(pid)
-            seen[pid] = (node, name, before[2] | socks if before and before[1] == name else socks)
+            by_name.setdefault(pid, (node, {}))[1].setdefault(name, set()).update(socks)
         time.sleep(0.3)
+    seen = {pid: (node, "|".join(names), set().union(*names.values())) for pid, (node, names) in by_name.items()}
     out = job.stdout.read()
     text = log.read_text()
     assert job.returncode == 0, text[-6000:]
@@ -146,7 +148,8 @@ def test_sync_run_places_the_learner_and_engines_on_their_nodes_and_pushes_acros
     rank0 = next(pid for pid in rank_pids if pid == int(m[1]))
     assert rendezvous in seen[rank0][2], seen[rank0]  # the rendezvous store, on a only
     assert (A, int(meet[2])) in seen[rank0][2], seen[rank0]  # the weight group's store, on a only
-    engine_procs = {pid: v for pid, v in seen.items() if v[1] == "entr-engine"}  # (utils.spawn.name_process)
+    engine_procs = {pid: (node, "entr-engine", names["entr-engine"])  # (utils.spawn.name_process)
+                    for pid, (node, names) in by_name.items() if "entr-engine" in names}
     assert sorted(node for node, _, _ in engine_procs.values()) == ["b", "c"], seen
     for pid, (node, name, socks) in {**by_pid, **engine_procs}.items():
         ours = {s for s in socks if s[0] not in WILDCARD}
