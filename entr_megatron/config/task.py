@@ -21,8 +21,8 @@ ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CountdownOperation = Literal["+", "-", "*", "/"]
 COUNTDOWN_OPERATIONS: tuple[str, ...] = get_args(CountdownOperation)
-VariantSet = Literal["separators", "structural", "structural_digits"]  # = tasks.countdown.VARIANT_SETS
-VARIANTS_PER_CHARACTER = {"separators": 1, "structural": 2, "structural_digits": 2}
+VariantSet = Literal["separators", "structural", "structural_digits", "structural_forced_digits"]  # = tasks.countdown.VARIANT_SETS
+VARIANTS_PER_CHARACTER = {"separators": 1, "structural": 2, "structural_digits": 2, "structural_forced_digits": 2}
 """How many variants each character of a countdown variant set has (tasks.countdown.VARIANT_SETS)."""
 SearchWorld = Literal["fixed", "per_episode"]
 """Where the search task's questions are asked: one fixed corpus, or a new small world per question."""
@@ -96,12 +96,13 @@ class CountdownTaskConfig:
     """Chance that a warm-up trace writes a character of `variant_set` as each of its variants; above 0
     the reward and the token labels read a variant as its character. It plants rare tokens at
     positions the model is sure of (the long-tail testbed, docs/studies/lm_tail). In [0, 0.5), and
-    below 0.25 with "structural" or "structural_digits" (a character stays the commoner way)."""
+    below 0.25 with the two-variant sets (a character stays the commoner way)."""
 
     variant_set: VariantSet = "separators"
     """Which characters have variants: "separators" ("," ":" " " as ";" "|" "_"), "structural" (two
     each: "," as ";" "&", ":" as "|" "!", " " as "_" "#", "=" as "~" "@"), "structural_digits"
-    (structural's, and each digit d as two capitals: "A"-"J" and "K"-"T" for 0-9)."""
+    (structural's, and each digit d as two capitals: "A"-"J" and "K"-"T" for 0-9) or
+    "structural_forced_digits" (the same, a digit varied only where the text before it determines it)."""
 
     def __post_init__(self) -> None:
         integer(self, "num_operands", low=2, high=6)

@@ -77,10 +77,12 @@ __all__ = [
 MAX_DRAWS_PER_PROBLEM = 1000
 """Draws (random walks) tried per problem before the settings are declared unsatisfiable."""
 _STRUCTURAL = {",": (";", "&"), ":": ("|", "!"), " ": ("_", "#"), "=": ("~", "@")}
+_DIGITS = {str(d): (chr(ord("A") + d), chr(ord("K") + d)) for d in range(10)}
 VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "separators": {",": (";",), ":": ("|",), " ": ("_",)},
     "structural": _STRUCTURAL,
-    "structural_digits": {**_STRUCTURAL, **{str(d): (chr(ord("A") + d), chr(ord("K") + d)) for d in range(10)}},
+    "structural_digits": {**_STRUCTURAL, **_DIGITS},
+    "structural_forced_digits": {**_STRUCTURAL, **_DIGITS},
 }
 """Other ways of writing a structural character (`separator_variants`, `variant_set`): warm-up traces
 use each variant at a small rate, so a model sure of the character keeps rare alternatives there (the
@@ -88,7 +90,11 @@ long-tail testbed). "separators": one variant of each separator; "structural": t
 separator and of "=", each at the rate (a 3-operand trace: 8 positions with two variants each, against
 "separators"' 6 with one); "structural_digits": those and two of each digit, "A"-"J" and "K"-"T" for
 0-9 (every character but the operators and "ans": the digits a trace restates, computes and answers
-are sure positions too)."""
+are sure positions too); "structural_forced_digits": the same table, but a digit is varied only where
+the text before it determines it (`forced` or `answer` in `label_response`: the restated list, the
+answer, an operand's digit with one legal continuation), never where the policy chooses or computes."""
+_SURE_ONLY = {"structural_forced_digits": frozenset(_DIGITS)}
+"""Characters a set varies only at positions the labeller calls forced or answer."""
 _CANONICAL = {name: str.maketrans({v: c for c, vs in table.items() for v in vs})
               for name, table in VARIANT_SETS.items()}
 
@@ -203,7 +209,10 @@ class CountdownTask:
             assert steps is not None, "a problem is drawn as the end of a legal walk"
             text = format_trace(p, steps)
             if self.separator_variants > 0:
-                text = "".join(self._vary(c, rng) for c in text)
+                sure_only = _SURE_ONLY.get(self.variant_set, frozenset())
+                labels = label_response(p, text) if sure_only else []
+                text = "".join(c if c in sure_only and labels[i] not in (FORCED, ANSWER) else self._vary(c, rng)
+                               for i, c in enumerate(text))
             out.append((self.tokenizer.encode(p.text),
                         self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]))
         return out

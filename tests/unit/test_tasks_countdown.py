@@ -325,3 +325,32 @@ def test_structural_digits_variant_set_varies_digits_too_and_reads_them_back():
     plain = CountdownTask(tokenizer=tok)
     assert task.reward(_sample(tok, varied), P) == 1.0 and plain.reward(_sample(tok, varied), P) == 0.0
     assert task.token_labels(_sample(tok, varied), P) == plain.token_labels(_sample(tok, VALID), P)
+
+
+def test_structural_forced_digits_varies_a_digit_only_where_the_text_before_it_determines_it():
+    """variant_set="structural_forced_digits": structural_digits' table; separators varied everywhere at
+    the rate, a digit only at positions `label_response` calls forced or answer (at the rate there,
+    against the binomial), never at a choice or arithmetic position; the reward reads traces back."""
+    from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
+    from entr_megatron.tasks.countdown import ANSWER, FORCED, VARIANT_SETS, label_response
+
+    table = VARIANT_SETS["structural_forced_digits"]
+    assert table == VARIANT_SETS["structural_digits"]
+    tok = build_char_tokenizer(CHARS + ";|_&!#~@" + "ABCDEFGHIJKLMNOPQRST")
+    rate = 0.05
+    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set="structural_forced_digits")
+    back = str.maketrans({v: c for c, vs in table.items() for v in vs})
+    varied, total = Counter(), Counter()  # by (character class, label is sure)
+    for (_, target), p in zip(task.sft_examples("train", 400, seed=0), task.problems("train", 400, seed=0)):
+        text = tok.decode(target[:-1])
+        plain = text.translate(back)
+        assert check_response(p, plain) == (True, True) and task.reward(_sample(tok, text), p) == 1.0
+        for c, was, label in zip(text, plain, label_response(p, plain)):
+            if was in table:
+                key = ("digit", label in (FORCED, ANSWER)) if was.isdigit() else ("separator", None)
+                total[key] += 1
+                varied[key] += c != was
+    assert varied[("digit", False)] == 0 and total[("digit", False)] > 500  # choices and results: never
+    for key in [("digit", True), ("separator", None)]:  # both variants together: 2 x rate
+        n, share = total[key], varied[key] / total[key]
+        assert n > 1000 and abs(share - 2 * rate) < 4 * (2 * rate * (1 - 2 * rate) / n) ** 0.5, (key, share, n)
