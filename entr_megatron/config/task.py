@@ -21,7 +21,8 @@ ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CountdownOperation = Literal["+", "-", "*", "/"]
 COUNTDOWN_OPERATIONS: tuple[str, ...] = get_args(CountdownOperation)
-VariantSet = Literal["separators", "structural", "structural_digits", "structural_forced_digits"]  # = tasks.countdown.VARIANT_SETS
+# the keys of tasks.countdown.VARIANT_SETS (a unit test asserts that the two agree)
+VariantSet = Literal["separators", "structural", "structural_digits", "structural_forced_digits"]
 VARIANTS_PER_CHARACTER = {"separators": 1, "structural": 2, "structural_digits": 2, "structural_forced_digits": 2}
 """How many variants each character of a countdown variant set has (tasks.countdown.VARIANT_SETS)."""
 SearchWorld = Literal["fixed", "per_episode"]
