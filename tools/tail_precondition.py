@@ -17,17 +17,20 @@ Responses are sampled by the engine's own decoder (rollout/decoder.BatchDecoder:
 as the engine reports them), with the config's sampling, on the task's held-out prompts; the
 learner scores each sequence with one full forward (log pi(y), pi(y)).
 
-Printed and written (--out: precondition.md, precondition.json, tokens.csv.gz of the rare tokens):
+Printed and written (--out: precondition.md, precondition.json, rare_tokens.csv.gz of the rare tokens):
 per 1k response tokens, tokens with mu(y) < 1e-2 at H(mu) < 0.1 ("rare at low entropy"); of them,
 the share whose |delta| crosses ENTR's threshold (tau, eps of the config; with H(mu), the paper's),
 IcePop's band (pi / mu outside [0.5, 5]) and DPPO's (|pi(y) - mu(y)| > 0.15); the quantiles of their
-|delta|; counts and mean |delta| by H(mu) bin x mu(y) bin. The precondition (issue 43) holds when at
-least 2 tokens per 1k response tokens are rare at low entropy AND cross ENTR's threshold.
+|delta|; counts and mean |delta| by H(mu) bin x mu(y) bin; where the task labels its tokens (the
+countdown's forced / choice / arithmetic / answer), the same counts by label; and the tokens most
+often rare at low entropy. The precondition (issue 43) holds when at least 2 tokens per 1k response
+tokens are rare at low entropy AND cross ENTR's threshold.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import gzip
 import json
 import math
@@ -46,6 +49,7 @@ from entr_megatron.rollout.engine import SamplingParams  # noqa: E402
 from entr_megatron.rollout.hf_model import eos_token_ids, load_causal_lm  # noqa: E402
 from entr_megatron.rollout.quantize import install_rounding  # noqa: E402
 from entr_megatron.tasks import TASK_BUILDERS, load_tokenizer  # noqa: E402
+from entr_megatron.types import Sample  # noqa: E402
 
 ENGINES = {  # name: (dtype, quantize, scale, activations)
     "fp32": ("float32", "none", "per_channel", False),
@@ -62,6 +66,8 @@ RARE_P, LOW_H = 1e-2, 0.1
 ICEPOP_BAND = (0.5, 5.0)
 DPPO_DELTA = 0.15
 PRECONDITION_PER_1K = 2.0
+TOP_TOKENS = 12
+"""The rare-at-low-H tokens listed by identity, commonest first."""
 
 
 def sample(model, prompts: list[list[int]], params: SamplingParams, batch: int) -> list[tuple]:
@@ -83,8 +89,21 @@ def learner_logprobs(model, samples: list[tuple], temperature: float) -> tuple[t
     return torch.cat(lp), torch.cat(ent)
 
 
-def measure(samples: list[tuple], log_pi: torch.Tensor, h_pi: torch.Tensor, tau: float, eps: float) -> dict:
-    """The precondition's numbers for one (engine, learner) pair."""
+def response_labels(task, references: list, samples: list[tuple], n: int) -> list[str] | None:
+    """The task's label of every response token (sample j answers prompt j // n: decode_all's order), or
+    None for a task that labels nothing."""
+    if not hasattr(task, "token_labels"):
+        return None
+    assert len(samples) == len(references) * n, (len(samples), len(references), n)
+    return [label for j, (prompt, resp, log_mu, _) in enumerate(samples)
+            for label in task.token_labels(Sample(prompt, resp, log_mu, [0] * len(resp)), references[j // n])]
+
+
+def measure(samples: list[tuple], log_pi: torch.Tensor, h_pi: torch.Tensor, tau: float, eps: float,
+            labels: list[str] | None = None) -> dict:
+    """The precondition's numbers for one (engine, learner) pair; `labels`: the task's label of each
+    response token (`response_labels`), for the counts by label."""
+    token = torch.tensor([t for s in samples for t in s[1]], dtype=torch.long)
     log_mu = torch.tensor([v for s in samples for v in s[2]], dtype=torch.float64)
     h_mu = torch.tensor([v for s in samples for v in s[3]], dtype=torch.float64)
     mu, pi = log_mu.exp(), log_pi.exp()
@@ -135,8 +154,22 @@ def measure(samples: list[tuple], log_pi: torch.Tensor, h_pi: torch.Tensor, tau:
                 "mean_abs_delta": float(delta[m].abs().mean()) if k else None,
                 "entr_share": float(entr[m].double().mean()) if k else None,
             })
+    if labels is not None:
+        assert len(labels) == n, (len(labels), n)
+        out["by_label"] = {}
+        for name in dict.fromkeys(labels):
+            m = torch.tensor([x == name for x in labels])
+            out["by_label"][name] = {
+                "tokens_per_1k": float(m.sum()) * per_1k, "low_h_share": float(low_h[m].double().mean()),
+                "rare_low_h_per_1k": float((rare & m).sum()) * per_1k,
+                "rare_low_h_entr_per_1k": float((rare & entr & m).sum()) * per_1k}
+    ids, counts = token[rare].unique(return_counts=True)
+    out["rare_low_h_tokens"] = [
+        {"token_id": i, "per_1k": c * per_1k, "entr_share": float(entr[rare & (token == i)].double().mean())}
+        for c, i in sorted(zip(counts.tolist(), ids.tolist()), key=lambda x: (-x[0], x[1]))[:TOP_TOKENS]]
     rows = torch.nonzero(rare)[:, 0].tolist()
-    out["_rare_rows"] = [(float(log_mu[i]), float(h_mu[i]), float(log_pi[i]), float(h_pi[i])) for i in rows]
+    out["_rare_rows"] = [(int(token[i]), labels[i] if labels is not None else "", float(log_mu[i]), float(h_mu[i]),
+                          float(log_pi[i]), float(h_pi[i])) for i in rows]
     return out
 
 
@@ -167,6 +200,22 @@ def markdown(report: dict) -> str:
         m = r["masked_per_1k_all_tokens"]
         lines.append(f"| {r['source']} | {r['engine']} | {m['entr (H mu)']:.2f} | {m['entr (H pi)']:.2f} | "
                      f"{m['icepop band']:.2f} | {m['dppo tv']:.2f} |")
+    if any("by_label" in r for r in report["rows"]):
+        lines += ["", "## By the task's token label", "",
+                  "| source | engine | label | tokens per 1k | positions at low H | rare at low H per 1k | "
+                  "... crossing ENTR (H mu) per 1k |", "|---|---|---|---|---|---|---|"]
+        for r in report["rows"]:
+            for name, b in r.get("by_label", {}).items():
+                lines.append(f"| {r['source']} | {r['engine']} | {name} | {b['tokens_per_1k']:.1f} | "
+                             f"{b['low_h_share']:.3f} | {b['rare_low_h_per_1k']:.2f} | {b['rare_low_h_entr_per_1k']:.2f} |")
+    if any(r.get("rare_low_h_tokens") for r in report["rows"]):
+        lines += ["", f"## The tokens most often rare at low H (at most {TOP_TOKENS} a row)", "",
+                  "| source | engine | token | per 1k | share crossing ENTR (H mu) |", "|---|---|---|---|---|"]
+        for r in report["rows"]:
+            for t in r.get("rare_low_h_tokens", []):
+                shown = json.dumps(t.get("piece", "")).replace("|", "\\|")
+                lines.append(f"| {r['source']} | {r['engine']} | {t['token_id']} {shown} | {t['per_1k']:.2f} | "
+                             f"{t['entr_share']:.2f} |")
     for r in report["rows"]:
         lines += ["", f"## Tokens by H(mu) x mu(y): {r['source']}, {r['engine']}", "",
                   "Each cell: tokens per 1k response tokens / mean |delta| / share crossing ENTR's threshold.", "",
@@ -205,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{d} is not an HF model directory (no config.json)")
     tokenizer = load_tokenizer(a.model)
     task = TASK_BUILDERS[cfg.task.name](cfg.task, tokenizer, cfg.model.max_prompt_len)
-    prompts = [ids for ids, _ in task.prompts("test", a.prompts, a.seed)]
+    prompts, references = map(list, zip(*task.prompts("test", a.prompts, a.seed)))
     s = cfg.rollout.sampling
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             max_new_tokens=s.max_new_tokens, n=s.n, seed=a.seed)
@@ -226,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         samples = sample(model, prompts, params, batch=256)
         del model
         log_pi, h_pi = learner_logprobs(learner, samples, params.temperature)
-        row = {"source": source, "engine": engine, **measure(samples, log_pi, h_pi, tau, eps)}
+        labels = response_labels(task, references, samples, params.n)
+        row = {"source": source, "engine": engine, **measure(samples, log_pi, h_pi, tau, eps, labels)}
+        for t in row["rare_low_h_tokens"]:
+            t["piece"] = tokenizer.decode([t["token_id"]])
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
         print(f"[precondition] {source:9s} {engine:16s} {row['response_tokens']:6d} tokens: rare at low H "
@@ -244,11 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "precondition.md").write_text(markdown(report))
-        with gzip.open(out / "rare_tokens.csv.gz", "wt") as f:
-            f.write("source,engine,log_mu,h_mu,log_pi,h_pi\n")
+        with gzip.open(out / "rare_tokens.csv.gz", "wt", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["source", "engine", "token_id", "piece", "label", "log_mu", "h_mu", "log_pi", "h_pi"])
             for r in rows:
-                for v in r["_rare_rows"]:
-                    f.write(f"{r['source']},{r['engine']}," + ",".join(f"{x:.6g}" for x in v) + "\n")
+                for tid, label, *v in r["_rare_rows"]:
+                    w.writerow([r["source"], r["engine"], tid, tokenizer.decode([tid]), label]
+                               + [f"{x:.6g}" for x in v])
         clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
         (out / "precondition.json").write_text(json.dumps({**report, "rows": clean}, indent=1) + "\n")
     return 0

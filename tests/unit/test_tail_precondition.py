@@ -115,3 +115,47 @@ def test_decode_all_gives_each_prompt_its_own_random_stream():
             alone.extend(dec.step())
         assert [r.output_ids for r in sorted(alone, key=lambda r: r.sample_index)] == [first, second][i]
     assert [r.output_ids for r in decode_all(model, [[5, 6, 7], [5, 6, 7]], params, 8, ())] == first + second
+
+
+def test_counts_by_label_and_the_commonest_rare_tokens_by_hand(tool):
+    # (token id, label, mu, H(mu), pi): three rare tokens at low H, two of them token 11
+    tokens = [
+        (11, "forced", 0.005, 0.05, 0.005 * math.exp(0.5)),   # crosses ENTR (bound 0.245)
+        (11, "forced", 0.005, 0.05, 0.005 * math.exp(0.05)),  # does not
+        (12, "answer", 0.002, 0.02, 0.002 * math.exp(-0.9)),  # crosses
+        (13, "choice", 0.005, 0.50, 0.005),                   # rare at high H: not counted
+    ] + [(7, "forced", 0.99, 0.05, 0.99)] * 496 + [(7, "choice", 0.6, 1.2, 0.6)] * 500
+    samples = [([1], [t for t, *_ in tokens], [math.log(m) for _, _, m, _, _ in tokens], [h for *_, h, _ in tokens])]
+    log_pi = torch.tensor([math.log(p) for *_, p in tokens], dtype=torch.float64)
+    out = tool.measure(samples, log_pi, torch.zeros_like(log_pi), tau=1.0, eps=0.01, labels=[x[1] for x in tokens])
+    by = out["by_label"]
+    assert list(by) == ["forced", "answer", "choice"]
+    assert by["forced"]["tokens_per_1k"] == pytest.approx(498) and by["forced"]["low_h_share"] == 1.0
+    assert by["forced"]["rare_low_h_per_1k"] == pytest.approx(2) and by["forced"]["rare_low_h_entr_per_1k"] == 1
+    assert by["answer"]["rare_low_h_entr_per_1k"] == pytest.approx(1)
+    assert by["choice"]["low_h_share"] == 0 and by["choice"]["rare_low_h_per_1k"] == 0
+    assert out["rare_low_h_tokens"] == [{"token_id": 11, "per_1k": 2.0, "entr_share": 0.5},
+                                        {"token_id": 12, "per_1k": 1.0, "entr_share": 1.0}]
+    assert [r[:2] for r in out["_rare_rows"]] == [(11, "forced"), (11, "forced"), (12, "answer")]
+    text = tool.markdown({"title": "t", "setup": "s", "rows": [{"source": "both", "engine": "bf16", **out}]})
+    assert "| both | bf16 | answer | 1.0 | 1.000 | 1.00 | 1.00 |" in text
+    assert '| both | bf16 | 11 "" | 2.00 | 0.50 |' in text
+
+
+def test_response_labels_are_the_tasks_labels_of_each_prompts_samples():
+    """Sample j answers prompt j // n (decode_all's order); each gets its own problem's labels."""
+    from entr_megatron.tasks.char_tokenizer import build_char_tokenizer
+    from entr_megatron.tasks.countdown import CountdownTask, label_response
+
+    spec = importlib.util.spec_from_file_location("tool_tail_precondition", ROOT / "tools" / "tail_precondition.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tok = build_char_tokenizer()
+    task = CountdownTask(num_operands=3, tokenizer=tok)
+    (p0, ref0), (p1, ref1) = task.prompts("test", 2, seed=0)
+    texts = ["1+2=", "ans 7", "9*9=81:", "3-"]  # two samples of each prompt, right or not
+    samples = [(p, tok.encode(t, add_special_tokens=False), [0.0] * len(t), [0.0] * len(t))
+               for p, t in zip([p0, p0, p1, p1], texts)]
+    want = [x for ref, t in zip([ref0, ref0, ref1, ref1], texts) for x in label_response(ref, t)]
+    assert tool.response_labels(task, [ref0, ref1], samples, n=2) == want
+    assert tool.response_labels(object(), [ref0, ref1], samples, n=2) is None
