@@ -207,7 +207,8 @@ def markdown(report: dict) -> str:
         for r in report["rows"]:
             for name, b in r.get("by_label", {}).items():
                 lines.append(f"| {r['source']} | {r['engine']} | {name} | {b['tokens_per_1k']:.1f} | "
-                             f"{b['low_h_share']:.3f} | {b['rare_low_h_per_1k']:.2f} | {b['rare_low_h_entr_per_1k']:.2f} |")
+                             f"{b['low_h_share']:.3f} | {b['rare_low_h_per_1k']:.2f} | "
+                             f"{b['rare_low_h_entr_per_1k']:.2f} |")
     if any(r.get("rare_low_h_tokens") for r in report["rows"]):
         lines += ["", f"## The tokens most often rare at low H (at most {TOP_TOKENS} a row)", "",
                   "| source | engine | token | per 1k | share crossing ENTR (H mu) |", "|---|---|---|---|---|"]
