@@ -203,13 +203,13 @@ class CountdownTask:
     def sft_examples(self, split: str, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, target ids = a solution drawn uniformly among all of the problem's + EOS)."""
         rng = random.Random(f"countdown-sft:{split}:{seed}")
+        sure_only = _SURE_ONLY.get(self.variant_set, frozenset())
         out = []
         for p in self.problems(split, n, seed):
             steps = sample_solution(p, rng)
             assert steps is not None, "a problem is drawn as the end of a legal walk"
             text = format_trace(p, steps)
             if self.separator_variants > 0:
-                sure_only = _SURE_ONLY.get(self.variant_set, frozenset())
                 labels = label_response(p, text) if sure_only else []
                 text = "".join(c if c in sure_only and labels[i] not in (FORCED, ANSWER) else self._vary(c, rng)
                                for i, c in enumerate(text))

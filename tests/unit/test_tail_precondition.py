@@ -142,14 +142,11 @@ def test_counts_by_label_and_the_commonest_rare_tokens_by_hand(tool):
     assert '| both | bf16 | 11 "" | 2.00 | 0.50 |' in text
 
 
-def test_response_labels_are_the_tasks_labels_of_each_prompts_samples():
+def test_response_labels_are_the_tasks_labels_of_each_prompts_samples(tool):
     """Sample j answers prompt j // n (decode_all's order); each gets its own problem's labels."""
     from entr_megatron.tasks.char_tokenizer import build_char_tokenizer
     from entr_megatron.tasks.countdown import CountdownTask, label_response
 
-    spec = importlib.util.spec_from_file_location("tool_tail_precondition", ROOT / "tools" / "tail_precondition.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     tok = build_char_tokenizer()
     task = CountdownTask(num_operands=3, tokenizer=tok)
     (p0, ref0), (p1, ref1) = task.prompts("test", 2, seed=0)
