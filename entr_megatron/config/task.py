@@ -21,9 +21,11 @@ ARITHMETIC_OPERATIONS: tuple[str, ...] = get_args(ArithmeticOperation)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 CountdownOperation = Literal["+", "-", "*", "/"]
 COUNTDOWN_OPERATIONS: tuple[str, ...] = get_args(CountdownOperation)
-# the keys of tasks.countdown.VARIANT_SETS (a unit test asserts that the two agree)
-VariantSet = Literal["separators", "structural", "structural_digits", "structural_forced_digits"]
-VARIANTS_PER_CHARACTER = {"separators": 1, "structural": 2, "structural_digits": 2, "structural_forced_digits": 2}
+# the keys of tasks.countdown.VARIANT_SETS and tasks.countdown_rules.LAYOUTS (a unit test asserts that they agree)
+CountdownLayout = Literal["compact", "spaced"]
+VariantSet = Literal["separators", "structural", "structural_digits", "structural_forced_digits", "spaces"]
+VARIANTS_PER_CHARACTER = {"separators": 1, "structural": 2, "structural_digits": 2, "structural_forced_digits": 2,
+                          "spaces": 2}
 """How many variants each character of a countdown variant set has (tasks.countdown.VARIANT_SETS)."""
 SearchWorld = Literal["fixed", "per_episode"]
 """Where the search task's questions are asked: one fixed corpus, or a new small world per question."""
@@ -103,7 +105,12 @@ class CountdownTaskConfig:
     """Which characters have variants: "separators" ("," ":" " " as ";" "|" "_"), "structural" (two
     each: "," as ";" "&", ":" as "|" "!", " " as "_" "#", "=" as "~" "@"), "structural_digits"
     (structural's, and each digit d as two capitals: "A"-"J" and "K"-"T" for 0-9) or
-    "structural_forced_digits" (the same, a digit varied only where the text before it determines it)."""
+    "structural_forced_digits" (the same, a digit varied only where the text before it determines it)
+    or "spaces" (the space alone, as "_" "#")."""
+
+    layout: CountdownLayout = "compact"
+    """How a response is written: "compact" ("9*7=63:3 1 63,ans 59") or "spaced" (a space each side of
+    every operator and of "=" ":" ",": "9 * 7 = 63 : 3 1 63 , ans 59")."""
 
     def __post_init__(self) -> None:
         integer(self, "num_operands", low=2, high=6)
@@ -120,6 +127,7 @@ class CountdownTaskConfig:
         if self.format_reward >= 1.0:
             raise bad(self, "format_reward", self.format_reward, "must be < 1 (a correct response earns 1)")
         choice(self, "variant_set", VariantSet)
+        choice(self, "layout", CountdownLayout)
         # the character stays the commoner way
         number(self, "separator_variants", 0, 0.5 / VARIANTS_PER_CHARACTER[self.variant_set], high_open=True)
 

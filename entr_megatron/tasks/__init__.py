@@ -115,7 +115,8 @@ def _countdown(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None)
     c = t.countdown
     task = CountdownTask(c.num_operands, c.min_number, c.max_number, max_value=c.max_value, min_target=c.min_target,
                          max_target=c.max_target, ops=c.operations, format_reward=c.format_reward, tokenizer=tokenizer,
-                         separator_variants=c.separator_variants, variant_set=c.variant_set)
+                         separator_variants=c.separator_variants, variant_set=c.variant_set,
+                         layout=c.layout)
     _check_prompts(task, "countdown", max_prompt_len)
     return task
 

@@ -4,6 +4,7 @@
     task.prompts("train", 2, seed=0)                    # [([<s> 3 7 9 1 ...], CountdownProblem(...)), ...]
     task.reward(sample, problem)                        # 1.0 iff every step is valid and the value is the target
     label_response(problem, "9*7=63:3 1 63,...")        # one TOKEN_LABELS entry per character
+    CountdownTask(layout="spaced")                      # responses as "9 * 7 = 63 : 3 1 63 , ans 59"
 
 The rules and the solver are in countdown_rules.py, the labeller in countdown_labels.py; this
 module is the task (problems, prompts, SFT examples, reward) and re-exports both.
@@ -15,7 +16,11 @@ at the end), then the answer:
 
     9*7=63:3 1 63,63-1=62:3 62,62-3=59:59,ans 59</s>
 
-`A{op}B=R:L` is one step (steps are joined by ","), `ans V` the answer. Every number must be used
+`A{op}B=R:L` is one step (steps are joined by ","), `ans V` the answer. The "spaced" layout
+(`layout`, countdown_rules.LAYOUTS) writes one space on each side of every operator and of "=" ":"
+",": "9 * 7 = 63 : 3 1 63 , 63 - 1 = 62 : 3 62 , 62 - 3 = 59 : 59 , ans 59"; the reward reads it back
+to the compact text and refuses any other spacing, and the labels are the compact text's
+(`label_spaced`). Every number must be used
 exactly once, so a response has num_operands - 1 steps (4 operands: 40-60 characters with EOS,
 the character tokenizer writes one token per character). The rules of a step: A and B are in the
 current list (B in what is left once A is taken), `op` is one of the task's operations, R is an
@@ -59,19 +64,19 @@ from typing import Any
 from entr_megatron.tasks.base import check_fractions, check_split, decode_response, split_of
 from entr_megatron.tasks.char_tokenizer import build_char_tokenizer
 from entr_megatron.tasks.countdown_labels import (
-    ANSWER, ARITHMETIC, CHOICE, FORCED, TOKEN_LABELS, label_response, label_tokens,
+    ANSWER, ARITHMETIC, CHOICE, FORCED, TOKEN_LABELS, label_response, label_spaced, label_tokens,
 )
 from entr_megatron.tasks.countdown_rules import (
-    OPS, CountdownProblem, Step, apply_step, check_response, count_solutions, format_trace, legal_steps,
-    random_walk, sample_solution, solutions,
+    LAYOUTS, OPS, CountdownProblem, Step, apply_step, check_response, compact, count_solutions, format_trace,
+    legal_steps, random_walk, sample_solution, solutions, spaced,
 )
 from entr_megatron.types import Sample
 
 __all__ = [
-    "ANSWER", "ARITHMETIC", "CHOICE", "FORCED", "OPS", "TOKEN_LABELS",
-    "CountdownProblem", "CountdownTask", "Step", "apply_step", "check_response", "count_solutions",
-    "countdown_reward", "format_trace", "label_response", "label_tokens", "legal_steps", "sample_solution",
-    "solutions",
+    "ANSWER", "ARITHMETIC", "CHOICE", "FORCED", "LAYOUTS", "OPS", "TOKEN_LABELS",
+    "CountdownProblem", "CountdownTask", "Step", "apply_step", "check_response", "compact", "count_solutions",
+    "countdown_reward", "format_trace", "label_response", "label_spaced", "label_tokens", "legal_steps",
+    "sample_solution", "solutions", "spaced",
 ]
 
 MAX_DRAWS_PER_PROBLEM = 1000
@@ -83,6 +88,7 @@ VARIANT_SETS: dict[str, dict[str, tuple[str, ...]]] = {
     "structural": _STRUCTURAL,
     "structural_digits": {**_STRUCTURAL, **_DIGITS},
     "structural_forced_digits": {**_STRUCTURAL, **_DIGITS},
+    "spaces": {" ": ("_", "#")},
 }
 """Other ways of writing a structural character (`separator_variants`, `variant_set`): warm-up traces
 use each variant at a small rate, so a model sure of the character keeps rare alternatives there (the
@@ -92,7 +98,9 @@ separator and of "=", each at the rate (a 3-operand trace: 8 positions with two 
 0-9 (every character but the operators and "ans": the digits a trace restates, computes and answers
 are sure positions too); "structural_forced_digits": the same table, but a digit is varied only where
 the text before it determines it (`forced` or `answer` in `label_response`: the restated list, the
-answer, an operand's digit with one legal continuation), never where the policy chooses or computes."""
+answer, an operand's digit with one legal continuation), never where the policy chooses or computes;
+"spaces": two variants of the space alone, "_" and "#" (with the spaced layout, every space-led token
+has two rare alternatives, and no other character is touched)."""
 _SURE_ONLY = {"structural_forced_digits": frozenset(_DIGITS)}
 """Characters a set varies only at positions the labeller calls forced or answer."""
 _CANONICAL = {name: str.maketrans({v: c for c, vs in table.items() for v in vs})
@@ -129,6 +137,7 @@ class CountdownTask:
         tokenizer: Any = None,
         separator_variants: float = 0.0,
         variant_set: str = "separators",
+        layout: str = "compact",
     ):
         """num_operands: numbers per problem (each used exactly once); min_number..max_number: their range;
         max_value: the largest value a step may produce; min_target..max_target: the targets' range;
@@ -138,7 +147,8 @@ class CountdownTask:
         separator_variants: the chance that a warm-up trace writes a character of `variant_set` as each
         of its variants (`VARIANT_SETS`; "separators": ",", ":" and " " as ";", "|" and "_"); with it
         above 0 the reward and the labels read a variant as its character (the tokenizer must know the
-        variants); variant_set: which characters have variants, a key of `VARIANT_SETS`."""
+        variants); variant_set: which characters have variants, a key of `VARIANT_SETS`; layout: how a
+        response is written, one of countdown_rules.LAYOUTS (module docstring)."""
         ops = tuple(ops)
 
         def integer(name: str, value: Any, low: int, high: int) -> None:
@@ -161,13 +171,15 @@ class CountdownTask:
         if separator_variants * max(map(len, VARIANT_SETS[variant_set].values())) >= 0.5:
             raise ValueError(f"separator_variants={separator_variants} with variant_set={variant_set!r} writes a "
                              f"character as one of its variants half the time or more: it must stay the rarer way")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if tokenizer is None:
             tokenizer = build_char_tokenizer()
         self.num_operands, self.min_number, self.max_number = num_operands, min_number, max_number
         self.max_value, self.min_target, self.max_target, self.ops = max_value, min_target, max_target, ops
         self.format_reward, self.test_fraction, self.split_seed = format_reward, test_fraction, split_seed
         self.tokenizer = tokenizer
-        self.separator_variants, self.variant_set = float(separator_variants), variant_set
+        self.separator_variants, self.variant_set, self.layout = float(separator_variants), variant_set, layout
         self._pieces: list[str] | None = None
 
     def _draws(self, rng: random.Random) -> Iterator[CountdownProblem]:
@@ -209,8 +221,10 @@ class CountdownTask:
             steps = sample_solution(p, rng)
             assert steps is not None, "a problem is drawn as the end of a legal walk"
             text = format_trace(p, steps)
+            if self.layout == "spaced":
+                text = spaced(text)
             if self.separator_variants > 0:
-                labels = label_response(p, text) if sure_only else []
+                labels = self._label_text(p, text) if sure_only else []
                 text = "".join(c if c in sure_only and labels[i] not in (FORCED, ANSWER) else self._vary(c, rng)
                                for i, c in enumerate(text))
             out.append((self.tokenizer.encode(p.text),
@@ -226,6 +240,10 @@ class CountdownTask:
         u, rate = rng.random(), self.separator_variants
         return variants[min(int(u / rate), len(variants) - 1)] if u < rate * len(variants) else c
 
+    def _label_text(self, problem: CountdownProblem, text: str) -> list[str]:
+        """One label per character of a response written in this task's layout."""
+        return (label_spaced if self.layout == "spaced" else label_response)(problem, text)
+
     def _canonical(self, text: str) -> str:
         """`text` with each variant read as its character (when the task writes them)."""
         return text.translate(_CANONICAL[self.variant_set]) if self.separator_variants > 0 else text
@@ -234,6 +252,11 @@ class CountdownTask:
         """`countdown_reward` of the response up to its first EOS."""
         ended = self.tokenizer.eos_token_id in sample.response_ids
         text = self._canonical(decode_response(self.tokenizer, sample.response_ids))
+        if self.layout == "spaced":
+            read = compact(text)
+            if read is None:             # not in the layout: not well formed
+                return 0.0
+            text = read
         return countdown_reward(reference, text, ended=ended, format_reward=self.format_reward)
 
     def token_labels(self, sample: Sample, reference: CountdownProblem) -> list[str]:
@@ -241,7 +264,8 @@ class CountdownTask:
         if self._pieces is None:
             self._pieces = [self._canonical(self.tokenizer.decode([i], skip_special_tokens=True))
                             for i in range(len(self.tokenizer))]
-        return label_tokens(reference, list(sample.response_ids), self._pieces, self.tokenizer.eos_token_id)
+        return label_tokens(reference, list(sample.response_ids), self._pieces, self.tokenizer.eos_token_id,
+                            spaced=self.layout == "spaced")
 
     def new_environment(self) -> None:
         """Single turn: no environment."""

@@ -4,6 +4,7 @@
     solutions(problem)                                 # every solution, by exhaustive search
     sample_solution(problem, rng)                      # one of them, uniformly (memoised counts)
     check_response(problem, "9*7=63:3 1 63,...")       # (well formed, correct)
+    spaced("9*7=63:3 1 63,ans 5")                      # "9 * 7 = 63 : 3 1 63 , ans 5" (the spaced layout)
 
 The format and the rules are described in countdown.py's docstring and docs/tasks.md.
 """
@@ -16,8 +17,9 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "ANSWER_MARK", "OPS", "CountdownProblem", "Step", "apply_step", "check_response", "count_solutions",
-    "format_trace", "legal_heads", "legal_steps", "random_walk", "sample_solution", "solutions",
+    "ANSWER_MARK", "LAYOUTS", "MARKS", "OPS", "CountdownProblem", "Step", "apply_step", "check_response", "compact",
+    "count_solutions", "format_trace", "legal_heads", "legal_steps", "random_walk", "sample_solution", "solutions",
+    "spaced",
 ]
 
 OPS = ("+", "-", "*", "/")
@@ -26,6 +28,16 @@ OPS = ("+", "-", "*", "/")
 ANSWER_MARK = "ans "
 """What introduces the answer."""
 
+LAYOUTS = ("compact", "spaced")
+"""How a response is written: "compact" ("9*7=63:3 1 63,ans 59"), or "spaced", with one space on each
+side of every operator and of "=" ":" "," ("9 * 7 = 63 : 3 1 63 , ans 59"): on a BPE that merges a
+space with the character after it, about half the tokens are then spaces or space-led separators,
+positions the text before them determines."""
+MARKS = "+-*/=:,"
+"""The characters the spaced layout writes with a space on each side."""
+_SPACED_RE = re.compile(r"([-+*/=:,])")
+_COMPACT_RE = re.compile(r" ([-+*/=:,]) ")
+_LOOSE_RE = re.compile(r" [-+*/=:,]|[-+*/=:,] ")
 _STEP_RE = re.compile(r"(\d+)([-+*/])(\d+)=(\d+):(\d+(?: \d+)*)")
 _ANSWER_RE = re.compile(r"ans (\d+)")
 
@@ -188,6 +200,18 @@ def format_trace(problem: CountdownProblem, steps: tuple[Step, ...]) -> str:
     if len(values) != 1:
         raise ValueError(f"{len(steps)} steps leave {list(values)}: a trace uses every number")
     return ",".join(parts + [f"{ANSWER_MARK}{values[0]}"])
+
+
+def spaced(text: str) -> str:
+    """A compact response in the spaced layout (LAYOUTS): one space each side of every mark."""
+    return _SPACED_RE.sub(r" \1 ", text)
+
+
+def compact(text: str) -> str | None:
+    """A spaced response in the compact layout, or None when it is not exactly `spaced` of one (a
+    mark without its two spaces, a doubled space): such a response is not well formed."""
+    out = _COMPACT_RE.sub(r"\1", text)
+    return out if spaced(out) == text and _LOOSE_RE.search(out) is None else None
 
 
 def check_response(problem: CountdownProblem, text: str) -> tuple[bool, bool]:

@@ -205,6 +205,7 @@ def test_task_argument_errors():
     ("task.countdown.operations=['^']", r"task\.countdown\.operations=.*\+, -, \*, /"),
     ("task.countdown.operations=[]", r"task\.countdown\.operations=\[\].*at least one"),
     ("task.countdown.format_reward=1.0", r"task\.countdown\.format_reward=1\.0 .*< 1"),
+    ("task.countdown.layout=wide", r"task\.countdown\.layout='wide' .*compact, spaced"),
 ])
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ValueError, match=field):
@@ -227,17 +228,21 @@ def test_registry_builds_it_from_the_config(tok):
         build_task(short, tok)
 
 
-def _check_variants_written_at_rate(tok, variant_set: str, table: dict, rate: float, n: int) -> CountdownTask:
+def _check_variants_written_at_rate(tok, variant_set: str, table: dict, rate: float, n: int,
+                                    layout: str = "compact") -> CountdownTask:
     """A task with `variant_set` at `rate`: its n warm-up traces, read back through `table` (each variant
-    as its character), are correct and earn 1; each variant is written within 4 binomial sds of the
-    rate. Returns the task."""
-    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set=variant_set)
+    as its character, and from the spaced layout to the compact one), are correct and earn 1; each
+    variant is written within 4 binomial sds of the rate. Returns the task."""
+    from entr_megatron.tasks.countdown import compact
+
+    task = CountdownTask(tokenizer=tok, separator_variants=rate, variant_set=variant_set, layout=layout)
     back = str.maketrans({v: c for c, vs in table.items() for v in vs})
     written = Counter()
     for (_, target), p in zip(task.sft_examples("train", n, seed=0), task.problems("train", n, seed=0)):
         text = tok.decode(target[:-1])
         written.update(text)
-        assert check_response(p, text.translate(back)) == (True, True)
+        plain = text.translate(back)
+        assert check_response(p, compact(plain) if layout == "spaced" else plain) == (True, True)
         assert task.reward(_sample(tok, text), p) == 1.0
     for c, variants in table.items():
         total = written[c] + sum(written[v] for v in variants)
@@ -354,3 +359,67 @@ def test_structural_forced_digits_varies_a_digit_only_where_the_text_before_it_d
     for key in [("digit", True), ("separator", None)]:  # both variants together: 2 x rate
         n, share = total[key], varied[key] / total[key]
         assert n > 1000 and abs(share - 2 * rate) < 4 * (2 * rate * (1 - 2 * rate) / n) ** 0.5, (key, share, n)
+
+
+SPACED = "9 * 7 = 63 : 3 1 63 , 63 - 1 = 62 : 3 62 , 62 - 3 = 59 : 59 , ans 59"
+"""VALID in the spaced layout, written out by hand."""
+
+
+def test_spaced_layout_reads_back_exactly_and_refuses_any_other_spacing(tok):
+    from typing import get_args
+
+    from entr_megatron.config.task import CountdownLayout
+    from entr_megatron.tasks.countdown import LAYOUTS, compact, spaced
+
+    assert set(get_args(CountdownLayout)) == set(LAYOUTS)
+    assert spaced(VALID) == SPACED and compact(SPACED) == VALID
+    for bad in [VALID, SPACED.replace("* 7", "*7"), SPACED.replace("9 *", "9  *"), "9 * 7 =63"]:
+        assert compact(bad) is None, bad
+    task = CountdownTask(tokenizer=tok, layout="spaced")
+    assert task.reward(_sample(tok, SPACED), P) == 1.0
+    assert task.reward(_sample(tok, VALID), P) == 0.0                       # compact text: not this layout
+    assert task.reward(_sample(tok, SPACED.replace(", ans", ",  ans")), P) == 0.0
+    assert task.reward(_sample(tok, SPACED + " "), P) == 0.0
+    assert task.reward(_sample(tok, SPACED.replace("59 , ans 59", "58 , ans 58")), P) == 0.0
+    assert CountdownTask(tokenizer=tok).reward(_sample(tok, SPACED), P) == 0.0
+    wrong = CountdownTask(tokenizer=tok, layout="spaced", format_reward=0.1)
+    assert wrong.reward(_sample(tok, SPACED.replace("59 , ans 59", "58 , ans 58")), P) == 0.1
+    with pytest.raises(ValueError, match="layout"):
+        CountdownTask(layout="wide")
+
+
+def test_spaced_labels_by_hand():
+    from entr_megatron.tasks.countdown import label_spaced
+
+    # On [9 7] (+ - *): "9" choice (9 or 7 first), the operator choice (9+7, 9-7, 9*7), "7" forced,
+    # "=" forced; "16" arithmetic; ":16," forced; "ans " forced (one number left); "16" answer.
+    # Spaced: the space before "+" asks the operator's question (a BPE writes " +" as one token):
+    # choice; the space after a mark is forced; the spaces before "=" ":" "," take their forced label.
+    q = CountdownProblem((9, 7), 16)
+    #   9  _  +  _  7  _  =  _  1  6  _  :  _  1  6  _  ,  _  a  n  s  _  1  6
+    expected = [C, C, C] + [F] * 5 + [A, A] + [F] * 12 + [N, N]
+    assert label_spaced(q, "9 + 7 = 16 : 16 , ans 16", eos=True) == expected + [F]
+    assert label_spaced(q, "9 + 7 = 16 : 16 , ans 16") == expected
+    assert label_response(q, "9+7=16:16,ans 16") == [C, C, F, F, A, A] + [F] * 8 + [N, N]
+    # a mark missing a space loses only that space; the rest keeps the compact labels
+    assert label_spaced(q, "9 +7") == [C, C, C, F] and label_spaced(q, "") == []
+
+
+def test_spaced_token_labels_and_space_variants(tok):
+    """The task's token labels in the spaced layout: on every character of VALID, the compact labels;
+    variant_set="spaces" writes each space as "_" and "#" at the rate and touches nothing else."""
+    from entr_megatron.tasks.char_tokenizer import CHARS, build_char_tokenizer
+    from entr_megatron.tasks.countdown import VARIANT_SETS
+
+    task = CountdownTask(tokenizer=tok, layout="spaced")
+    labels = task.token_labels(_sample(tok, SPACED), P)
+    marks = "+-*=:,"
+    inserted = {i for i, c in enumerate(SPACED) if c == " " and (SPACED[i - 1] in marks or SPACED[i + 1] in marks)}
+    assert [x for i, x in enumerate(labels[:-1]) if i not in inserted] == label_response(P, VALID)
+    assert labels[-1] == F and all(labels[i] == F for i in inserted if SPACED[i - 1] in marks)
+    assert VARIANT_SETS["spaces"] == {" ": ("_", "#")}
+    chars = build_char_tokenizer(CHARS + "_#")
+    spaces = _check_variants_written_at_rate(chars, "spaces", VARIANT_SETS["spaces"], 0.05, 300, layout="spaced")
+    varied = SPACED.replace(" ", "_", 3).replace(" ", "#", 2)
+    assert spaces.reward(_sample(chars, varied), P) == 1.0
+    assert spaces.token_labels(_sample(chars, varied), P) == task.token_labels(_sample(tok, SPACED), P)
