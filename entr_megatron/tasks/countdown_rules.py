@@ -31,13 +31,14 @@ ANSWER_MARK = "ans "
 LAYOUTS = ("compact", "spaced")
 """How a response is written: "compact" ("9*7=63:3 1 63,ans 59"), or "spaced", with one space on each
 side of every operator and of "=" ":" "," ("9 * 7 = 63 : 3 1 63 , ans 59"): on a BPE that merges a
-space with the character after it, about half the tokens are then spaces or space-led separators,
-positions the text before them determines."""
+space with the character after it, spaces and space-led marks at positions the text before them
+determines are then 45% of a 3-operand trace's tokens (docs/tasks.md)."""
 MARKS = "+-*/=:,"
 """The characters the spaced layout writes with a space on each side."""
-_SPACED_RE = re.compile(r"([-+*/=:,])")
-_COMPACT_RE = re.compile(r" ([-+*/=:,]) ")
-_LOOSE_RE = re.compile(r" [-+*/=:,]|[-+*/=:,] ")
+_MARK = f"[{re.escape(MARKS)}]"
+_SPACED_RE = re.compile(f"({_MARK})")
+_COMPACT_RE = re.compile(f" ({_MARK}) ")
+_LOOSE_RE = re.compile(f" {_MARK}|{_MARK} ")
 _STEP_RE = re.compile(r"(\d+)([-+*/])(\d+)=(\d+):(\d+(?: \d+)*)")
 _ANSWER_RE = re.compile(r"ans (\d+)")
 
