@@ -180,6 +180,8 @@ class CountdownTask:
         self.format_reward, self.test_fraction, self.split_seed = format_reward, test_fraction, split_seed
         self.tokenizer = tokenizer
         self.separator_variants, self.variant_set, self.layout = float(separator_variants), variant_set, layout
+        self._label_text = label_spaced if layout == "spaced" else label_response
+        """One label per character of a response written in this task's layout."""
         self._pieces: list[str] | None = None
 
     def _draws(self, rng: random.Random) -> Iterator[CountdownProblem]:
@@ -239,10 +241,6 @@ class CountdownTask:
             return c
         u, rate = rng.random(), self.separator_variants
         return variants[min(int(u / rate), len(variants) - 1)] if u < rate * len(variants) else c
-
-    def _label_text(self, problem: CountdownProblem, text: str) -> list[str]:
-        """One label per character of a response written in this task's layout."""
-        return (label_spaced if self.layout == "spaced" else label_response)(problem, text)
 
     def _canonical(self, text: str) -> str:
         """`text` with each variant read as its character (when the task writes them)."""
