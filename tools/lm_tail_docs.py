@@ -9,7 +9,8 @@ naive + ENTR's mask minus naive); paired_k0.md (K = 0: each method minus ENTR, D
 for every method run at both lags K = 32 minus K = 0); masks_by_entropy.md and
 masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
 written cells.csv, so a figure the docs quote from these files is one the committed cells give.
-Rerun it after each `study run` of examples/studies/lm_tail/main.yaml; it rewrites the files whole.
+Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
+folder); it rewrites the files whole. A lag with no done cell gets a mask table that says so.
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ def paired_k0(cells: pd.DataFrame) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
+def mask_tables(study: Path, cells: pd.DataFrame, out: Path) -> None:
+    """masks_by_entropy.md (K = 32) and masks_by_entropy_k0.md (K = 0) by tools/mask_by_entropy_table.py;
+    for a lag with no done cell (a study run with --only), a file that says so."""
+    for lag, name in ((STALE, "masks_by_entropy.md"), (FRESH, "masks_by_entropy_k0.md")):
+        if select(cells, inter_lag=lag).empty:
+            (out / name).write_text(f"{HEADER}\n\nNo cell at K = {lag} has run in `{study}`.\n")
+        else:
+            mask_by_entropy_table.main([str(study), "--where", f"inter_lag={lag}", "--out", str(out / name)])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("study", type=Path, help="the study directory (study run --out)")
@@ -126,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = pd.read_csv(staging / "cells.csv")
     (staging / "paired.md").write_text(paired_k32(cells, staging))
     (staging / "paired_k0.md").write_text(paired_k0(cells))
-    for lag, name in ((STALE, "masks_by_entropy.md"), (FRESH, "masks_by_entropy_k0.md")):
-        mask_by_entropy_table.main([str(args.study), "--where", f"inter_lag={lag}", "--out", str(staging / name)])
+    mask_tables(args.study, cells, staging)
     out.mkdir(parents=True, exist_ok=True)
     for path in staging.iterdir():
         path.replace(out / path.name)

@@ -70,3 +70,14 @@ def test_k0_contrasts_and_the_cost_of_staleness_for_methods_run_at_both_lags():
     assert cost[2] == "-0.200 (seed 0), -0.300 (seed 1)"
     assert "### method=entr, greedy" in text
     assert "### method=dppo" not in text and "### method=naive" not in text  # one lag only
+
+
+def test_mask_tables_for_a_lag_with_no_done_cell_say_so(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tool.mask_by_entropy_table, "main", lambda argv: calls.append(argv))
+    only_stale = cells()[lambda f: f["controller.inter_lag"] == 32]
+    tool.mask_tables(tmp_path / "study", only_stale, tmp_path)
+    assert calls == [[str(tmp_path / "study"), "--where", "inter_lag=32",
+                      "--out", str(tmp_path / "masks_by_entropy.md")]]
+    assert "No cell at K = 0 has run" in (tmp_path / "masks_by_entropy_k0.md").read_text()
+    assert not (tmp_path / "masks_by_entropy.md").exists()  # written by the (replaced) table tool
