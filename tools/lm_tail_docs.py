@@ -4,13 +4,15 @@
 
 Writes into --out: `study report`'s report.md, cells.csv and plots (its raw results.csv and
 results.parquet are removed: cells.csv holds every cell's axes and accuracies); paired.md (K = 32:
-each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png, and
-naive + ENTR's mask minus naive); paired_k0.md (K = 0: each method minus ENTR, DPPO minus none, and
-for every method run at both lags K = 32 minus K = 0); masks_by_entropy.md and
+each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png;
+each method minus none; naive + ENTR's mask minus naive); paired_k0.md (K = 0: each method minus
+ENTR, DPPO minus none, and for every method run at both lags K = 32 minus K = 0); masks_by_entropy.md and
 masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
 written cells.csv, so a figure the docs quote from these files is one the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
 folder); it rewrites the files whole. A lag with no done cell gets a mask table that says so.
+Where the run directory was not kept, `--out F --paired-only` (no study) recomputes the paired tables
+from F's committed cells.csv.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     versus_entr = {column: pairs(stale, METHOD, PRIMARY, column) for column, _ in COLUMNS}
     for column, title in COLUMNS:
         parts += [f"## {title}", "", table(stale, METHOD, PRIMARY, column, result=versus_entr[column]), ""]
+    parts += ["## Each method minus none (PPO-clip against mu, no mask), same seed", ""]
+    for column, title in COLUMNS:
+        parts += [f"{_name(title)}:", "", table(stale, METHOD, "none", column), ""]
     parts += ["## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against pi_old, "
               "mu ignored)", ""]
     for column, title in COLUMNS:
@@ -119,11 +124,29 @@ def mask_tables(study: Path, cells: pd.DataFrame, out: Path) -> None:
             mask_by_entropy_table.main([str(study), "--where", f"inter_lag={lag}", "--out", str(out / name)])
 
 
+def paired_only(out: Path) -> int:
+    """Rewrite paired.md, paired_k0.md and the paired plot from `out`'s committed cells.csv alone."""
+    cells_csv = out / "cells.csv"
+    if not cells_csv.is_file():
+        raise SystemExit(f"{cells_csv}: no such file; --paired-only needs a folder this tool wrote before")
+    cells = pd.read_csv(cells_csv)
+    (out / "paired.md").write_text(paired_k32(cells, out))
+    (out / "paired_k0.md").write_text(paired_k0(cells))
+    print(f"wrote {out}: paired.md, paired_k0.md, k32_paired_vs_entr.png (from cells.csv)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("study", type=Path, help="the study directory (study run --out)")
+    p.add_argument("study", type=Path, nargs="?", help="the study directory (study run --out)")
     p.add_argument("--out", type=Path, required=True, help="the committed report folder")
+    p.add_argument("--paired-only", action="store_true",
+                   help="recompute only the paired tables, from --out's cells.csv (when the run directory is gone)")
     args = p.parse_args(argv)
+    if args.paired_only:
+        return paired_only(args.out)
+    if args.study is None:
+        p.error("give the study directory (study run --out), or --paired-only")
     if not (args.study / "study.json").is_file():
         p.error(f"{args.study}: not a study directory (no study.json); give the `study run --out` folder")
     from entr_megatron.study.report import write_report

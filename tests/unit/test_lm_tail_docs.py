@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
@@ -81,3 +82,25 @@ def test_mask_tables_for_a_lag_with_no_done_cell_say_so(tmp_path, monkeypatch):
                       "--out", str(tmp_path / "masks_by_entropy.md")]]
     assert "No cell at K = 0 has run" in (tmp_path / "masks_by_entropy_k0.md").read_text()
     assert not (tmp_path / "masks_by_entropy.md").exists()  # written by the (replaced) table tool
+
+
+def test_k32_each_method_minus_none(tmp_path):
+    section = "## Each method minus none"
+    text = tool.paired_k32(cells(), tmp_path)
+    entr = row(text, section, "method=entr")
+    assert entr[2] == "-0.050 (seed 0), +0.100 (seed 1)"
+    assert row(text, section, "method=naive")[2] == "-0.140 (seed 0), -0.070 (seed 1)"
+    assert "| method=none |" not in text.split(section)[1].split("## Does")[0]
+
+
+def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_path):
+    cells().to_csv(tmp_path / "cells.csv", index=False)
+    (tmp_path / "paired.md").write_text("stale\n")
+    assert tool.main(["--out", str(tmp_path), "--paired-only"]) == 0
+    assert row((tmp_path / "paired.md").read_text(), "## Sampled", "method=none")[2] == \
+        "+0.050 (seed 0), -0.100 (seed 1)"
+    assert "## K = 0: DPPO minus none" in (tmp_path / "paired_k0.md").read_text()
+    missing = tmp_path / "empty"
+    missing.mkdir()
+    with pytest.raises(SystemExit, match="cells.csv: no such file"):
+        tool.main(["--out", str(missing), "--paired-only"])
