@@ -11,6 +11,7 @@ from entr_megatron.algorithm.corrections_entr import (
     entr_soft_correction,
     matched_band_correction,
     matched_random_correction,
+    random_drop_correction,
 )
 from entr_megatron.algorithm.corrections_sequence import a3po_correction, opsm_correction, trm_correction
 from entr_megatron.algorithm.corrections_ratio import (
@@ -43,4 +44,5 @@ CORRECTIONS: dict[str, CorrectionFn] = {
     "a3po": a3po_correction,
     "matched_band": matched_band_correction,
     "matched_random": matched_random_correction,
+    "random_drop": random_drop_correction,
 }

@@ -4,7 +4,8 @@ All compare the learner directly with the behaviour policy, delta = log pi_theta
 a recomputed old policy is not needed and is ignored. The ablations drop exactly as many
 tokens as ENTR would on the same micro-batch, chosen otherwise: `matched_band` the largest
 |delta| (a magnitude-only band at ENTR's fraction), `matched_random` at random. What ENTR
-gains over them is what judging |delta| against the entropy gains.
+gains over them is what judging |delta| against the entropy gains. `random_drop`, a control, drops
+a fixed share of the tokens at random, whatever ENTR would drop.
 """
 
 from __future__ import annotations
@@ -104,16 +105,29 @@ def matched_band_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> C
     return finish("matched_band", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT)
 
 
-def matched_random_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
-    """Ablation: a random mask at ENTR's mask fraction: as many valid tokens as ENTR drops on the same
-    micro-batch, chosen uniformly (a generator seeded by the micro-batch's values, so a rerun drops
-    the same ones); weight 1, PPO against mu, every token in the denominator."""
-    x = prepare_inputs(inputs, use_old=False)
-    count = _matched_drop_count(x, cfg)
+def _drop_at_random(x: TokenInputs, count: int):
+    """Keep mask dropping `count` valid tokens chosen uniformly, by a generator seeded by the
+    micro-batch's values (a rerun drops the same ones)."""
     seed = int(torch.round(x.behaviour_BT.abs().sum() * 1e3).item()) % (2**31)
     scores = torch.rand(x.delta_BT.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    keep_BT = _drop_ranked(x, scores.to(x.delta_BT.device, x.delta_BT.dtype), count)
+    return _drop_ranked(x, scores.to(x.delta_BT.device, x.delta_BT.dtype), count)
+
+
+def matched_random_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """Ablation: a random mask at ENTR's mask fraction: as many valid tokens as ENTR drops on the same
+    micro-batch, chosen uniformly; weight 1, PPO against mu, every token in the denominator."""
+    x = prepare_inputs(inputs, use_old=False)
+    keep_BT = _drop_at_random(x, _matched_drop_count(x, cfg))
     return finish("matched_random", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT)
+
+
+def random_drop_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """Control: round(random_drop_fraction x valid tokens) of each micro-batch dropped uniformly,
+    whatever ENTR would drop (matched_random's choice at a fixed size); weight 1, PPO against mu, every
+    token in the denominator. Asks what dropping tokens does by itself."""
+    x = prepare_inputs(inputs, use_old=False)
+    keep_BT = _drop_at_random(x, round(cfg.random_drop_fraction * int(x.valid_BT.sum())))
+    return finish("random_drop", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT)
 
 
 def with_entr_mask(out: CorrectionOutput, inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:

@@ -18,6 +18,7 @@ ADVANTAGE_ESTIMATOR_NAMES: tuple[str, ...] = get_args(AdvantageEstimator)
 Correction = Literal[
     "none", "naive", "entr", "entr_calibrated", "entr_soft", "tis", "mis_token", "mis_seq", "mis_geo", "icepop",
     "kpop", "m2po", "decoupled", "opsm", "trm", "a3po", "matched_band", "matched_random",
+    "random_drop",
 ]
 CORRECTION_NAMES: tuple[str, ...] = get_args(Correction)
 PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll", "dppo_tv", "dppo_kl", "sapo", "vespo"]
@@ -118,6 +119,10 @@ class AlgorithmConfig:
 
     entr_eps: float = 0.01
     """ENTR entropy floor eps in delta^2 / (H + eps) (paper value 0.01). > 0."""
+
+    random_drop_fraction: float = 0.02
+    """random_drop (a control, not a correction): the share of each micro-batch's valid tokens
+    dropped at random, whatever ENTR would drop; PPO against mu otherwise. In [0, 1); 0 is 'none'."""
 
     calibrated_z: float = 3.5
     """entr_calibrated: keep a token when its calibrated score S <= z^2. > 0."""
@@ -316,6 +321,7 @@ class AlgorithmConfig:
         ):
             number(self, name, low=0.0, low_open=True)
         number(self, "dppo_ratio_cap", low=1.0, low_open=True)
+        number(self, "random_drop_fraction", low=0.0, high=1.0, high_open=True)
         for name in ("vespo_k", "vespo_lambda"):
             _positive_pair(self, name)
         number(self, "soft_mask_multiple", low=1.0)

@@ -312,6 +312,8 @@ def _reference(name, lp, mu, H, mask, cfg, old, adv=None, versions=None, policy_
                 keep[k] = False
         else:  # which ones is the generator's choice: the test checks the count
             keep = {"count": count}
+    elif name == "random_drop":  # a fixed share at random, whatever ENTR drops: the test checks the count
+        keep = {"count": round(cfg.random_drop_fraction * len(valid))}
     else:
         assert name in ("none", "naive")
     if weighted and name != "mis_seq":
@@ -375,8 +377,8 @@ def test_against_loop_reference(name, with_old, mode):
         name, lp.tolist(), mu.tolist(), H.tolist(), mask.tolist(), cfg, old.tolist() if uses_old else None,
         ADVANTAGES, _versions().tolist(), POLICY_VERSION,
     )
-    if name == "matched_random":
-        assert int((mask & ~out.keep_mask_BT).sum()) == keep["count"] > 0  # ENTR's count, at random
+    if name in ("matched_random", "random_drop"):
+        assert int((mask & ~out.keep_mask_BT).sum()) == keep["count"] > 0  # the count, at random
         assert (out.weight_BT[out.keep_mask_BT] == 1).all() and torch.equal(out.anchor_logprobs_BT[mask], mu[mask])
         again = CORRECTIONS[name](_full_inputs(lp, mu, H, mask, old if with_old else None), cfg)
         assert torch.equal(again.keep_mask_BT, out.keep_mask_BT)  # a rerun drops the same tokens
@@ -426,3 +428,26 @@ def test_bf16_inputs_are_upcast():
         CorrectionInputs(lp.bfloat16().double(), mu.bfloat16().double(), H.bfloat16().double(), mask), CFG
     )
     assert out.keep_mask_BT.tolist() == reference.keep_mask_BT.tolist()
+
+
+def test_random_drop_is_none_with_a_fixed_share_of_tokens_dropped():
+    """random_drop at 0 is `none` token for token; at 0.25 it drops round(0.25 x valid) valid tokens,
+    whatever ENTR would drop, and keeps none's weight, anchor (mu) and denominator."""
+    lp, mu, H, mask, old = _random_batch(seed=5)
+    inputs = _full_inputs(lp, mu, H, mask, old)
+    none = CORRECTIONS["none"](inputs, AlgorithmConfig(correction="none"))
+    zero = CORRECTIONS["random_drop"](inputs, AlgorithmConfig(correction="random_drop", random_drop_fraction=0.0))
+    for field in ("keep_mask_BT", "weight_BT", "anchor_logprobs_BT", "denominator_BT"):
+        assert torch.equal(getattr(zero, field), getattr(none, field)), field
+    for tau in (0.5, 4.0):  # ENTR's count changes with tau; random_drop's does not
+        cfg = AlgorithmConfig(correction="random_drop", random_drop_fraction=0.25, tau=tau)
+        out = CORRECTIONS["random_drop"](inputs, cfg)
+        assert int((mask & ~out.keep_mask_BT).sum()) == round(0.25 * int(mask.sum()))
+        assert not out.keep_mask_BT[~mask].any()
+        assert torch.equal(out.anchor_logprobs_BT[mask], mu[mask]) and torch.equal(out.denominator_BT, mask)
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, float("nan")])
+def test_random_drop_fraction_outside_0_1_is_refused(value):
+    with pytest.raises(ValueError, match="random_drop_fraction"):
+        AlgorithmConfig(correction="random_drop", random_drop_fraction=value)
