@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="recompute only the paired tables, from --out's cells.csv (when the run directory is gone)")
     args = p.parse_args(argv)
     if args.paired_only:
+        if args.study is not None:
+            p.error("--paired-only reads --out's cells.csv alone: give no study directory with it")
         return paired_only(args.out)
     if args.study is None:
         p.error("give the study directory (study run --out), or --paired-only")

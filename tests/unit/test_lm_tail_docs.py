@@ -104,3 +104,5 @@ def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_pat
     missing.mkdir()
     with pytest.raises(SystemExit, match="cells.csv: no such file"):
         tool.main(["--out", str(missing), "--paired-only"])
+    with pytest.raises(SystemExit):  # a study directory with --paired-only is refused, not ignored
+        tool.main([str(tmp_path), "--out", str(tmp_path), "--paired-only"])
