@@ -34,9 +34,11 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_and_not_alike():
 def test_a_taken_port_is_never_returned(monkeypatch):
     from entr_megatron.utils import spawn
 
+    # Two consecutive ports free a moment ago, drawn below the ephemeral range: a port the kernel
+    # hands out (bind to 0) can have a neighbour another job holds, and then no port is free here.
+    taken = free_port_range(2)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        held.bind(("127.0.0.1", 0))
-        taken = held.getsockname()[1]
+        held.bind(("127.0.0.1", taken))
         monkeypatch.setattr(spawn, "LISTEN_PORTS_LOW", taken)
         monkeypatch.setattr(spawn, "_ephemeral_range", lambda: (taken + 2, 60999))
         assert {spawn.free_port() for _ in range(20)} == {taken + 1}  # the only free one of [taken, taken + 1]
