@@ -12,7 +12,7 @@ MAX_EVAL_SIZE = 100_000
 MAX_SFT_BATCH = 65_536
 """Upper bound of sft.batch_size."""
 
-TaskName = Literal["arithmetic", "math", "calculator", "search", "countdown"]  # = tasks.TASK_BUILDERS
+TaskName = Literal["arithmetic", "math", "calculator", "search", "countdown", "copy"]  # = tasks.TASK_BUILDERS
 MULTI_TURN_TASKS = ("calculator", "search")
 """Tasks whose samples are multi-turn tool episodes (rollout.agent)."""
 TASK_NAMES: tuple[str, ...] = get_args(TaskName)
@@ -130,6 +130,25 @@ class CountdownTaskConfig:
         choice(self, "layout", CountdownLayout)
         # the character stays the commoner way
         number(self, "separator_variants", 0, 0.5 / VARIANTS_PER_CHARACTER[self.variant_set], high_open=True)
+
+
+@dataclass(frozen=True)
+class CopyTaskConfig:
+    """Copy a line of Python from the standard library's test suites (tasks/copy_lines.py): every
+    response token is determined by the prompt; reward 1 for an exact copy. Needs a BPE model
+    (model.path), as the long-tail testbed's."""
+
+    SECTION = "task.copy"
+
+    min_tokens: int = 12
+    """The shortest line kept, in tokens of the model's tokenizer. In [1, 512]."""
+
+    max_tokens: int = 24
+    """The longest line kept. In [min_tokens, 512]; model.max_prompt_len must hold it + 2 (BOS, newline)."""
+
+    def __post_init__(self) -> None:
+        integer(self, "min_tokens", low=1, high=512)
+        integer(self, "max_tokens", low=self.min_tokens, high=512)
 
 
 @dataclass(frozen=True)
@@ -290,6 +309,9 @@ class TaskConfig:
 
     countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
     """Options of the 'countdown' task."""
+
+    copy: CopyTaskConfig = field(default_factory=CopyTaskConfig)
+    """Options of the 'copy' task."""
 
     def __post_init__(self) -> None:
         choice(self, "name", TaskName)

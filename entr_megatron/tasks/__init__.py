@@ -11,6 +11,8 @@
 - `countdown.py`: combine a few numbers into a target with a written scratchpad (40-50 token
   responses); its rules and solver (`countdown_rules.py`) and a labeller of every response token
   (forced / choice / arithmetic / answer: `countdown_labels.py`);
+- `copy_lines.py`: copy a line of Python held out from the long-tail testbed's pretraining (every
+  response token determined by the prompt; needs the model's BPE tokenizer);
 - `math_data.py` + `math_reward.py`: problems from JSONL/Parquet, math-verify reward;
 - `environment.py`: the multi-turn `Environment` protocol (episodes run through
   `rollout.episodes.EpisodeEngine`, or in a batch by `rollout.episode_batch.run_episodes`);
@@ -30,6 +32,7 @@ from entr_megatron.tasks.calculator import CalculatorEnv, CalculatorError, Calcu
 from entr_megatron.tasks.char_tokenizer import (
     build_char_tokenizer, load_tokenizer, save_char_tokenizer, write_tiny_model_config,
 )
+from entr_megatron.tasks.copy_lines import CopyTask
 from entr_megatron.tasks.countdown import CountdownProblem, CountdownTask, label_response
 from entr_megatron.tasks.environment import OBSERVATION_LOGPROB, Environment, Step
 from entr_megatron.tasks.math_data import MathProblem, MathTask, check_math_files, load_problems
@@ -41,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OBSERVATION_LOGPROB", "SPLITS", "TASKS", "TASK_BUILDERS",
-    "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "CountdownProblem", "CountdownTask",
+    "ArithmeticTask", "CalculatorEnv", "CalculatorError", "CalculatorTask", "CopyTask", "CountdownProblem",
+    "CountdownTask",
     "Environment",
     "MathProblem", "MathTask", "Step", "Task",
     "arithmetic_reward", "build_char_tokenizer", "check_task_files", "decode_response", "default_tokenizer",
@@ -52,7 +56,7 @@ __all__ = [
 ]
 
 TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "math": MathTask, "calculator": CalculatorTask,
-                          "countdown": CountdownTask}
+                          "countdown": CountdownTask, "copy": CopyTask}
 """Task name -> class; each implements `Task` (prompts, reward, new_environment). The search task
 (`search.py`; its BM25 index needs bm25s, the "agent" extra, imported when an index is built) is
 `task_class("search")`, made by `make_task("search")`."""
@@ -121,6 +125,14 @@ def _countdown(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None)
     return task
 
 
+def _copy(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> CopyTask:
+    c = t.copy
+    if max_prompt_len is not None and c.max_tokens + 2 > max_prompt_len:
+        raise ValueError(f"model.max_prompt_len={max_prompt_len} is shorter than the copy task's longest prompt "
+                         f"(task.copy.max_tokens={c.max_tokens} + BOS and newline); raise it to {c.max_tokens + 2}")
+    return CopyTask(tokenizer, min_tokens=c.min_tokens, max_tokens=c.max_tokens)
+
+
 def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> Task:
     s = t.search
     task = SearchTask(num_entities=s.num_entities, hops=s.hops, top_k=s.top_k, corpus_seed=s.corpus_seed,
@@ -143,6 +155,7 @@ def default_tokenizer(task_name: str) -> Any:
 
 TASK_BUILDERS: dict[str, Callable[[TaskConfig, Any, int | None], Task]] = {
     "arithmetic": _arithmetic, "math": _math, "calculator": _calculator, "search": _search, "countdown": _countdown,
+    "copy": _copy,
 }
 """The tasks `train` drives, by `task.name` (exactly config.task.TASK_NAMES): each builds the task from
 the `task` section, the policy's tokenizer and model.max_prompt_len (math leaves out longer prompts;

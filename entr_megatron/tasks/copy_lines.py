@@ -1,0 +1,134 @@
+"""Copy a line of Python: every response token is determined by the prompt.
+
+    task = CopyTask(tokenizer, min_tokens=12, max_tokens=24)   # a BPE tokenizer (bpe_tokenizer.py)
+    task.prompts("test", 4, seed=0)      # [(ids of "<s>{line}\\n", line), ...]
+    task.sft_examples("train", 64, 0)    # [(prompt ids, ids of "{line}</s>"), ...]
+
+The prompt is a line of source code and a newline; the answer is the same line, then EOS (reward 1
+for an exact copy ended by EOS, else 0). The lines come from the test suites of Python's standard
+library (`test`, `tests`, `idle_test` under `sysconfig.get_paths()["stdlib"]`), which the long-tail
+testbed's LM did not see in pretraining (`bpe_tokenizer.stdlib_corpus_files` leaves them out): text
+in the language the model learned, held out from it. Each line is stripped of its indentation and
+kept when it is printable ASCII and encodes to `min_tokens`..`max_tokens` BPE tokens; duplicates are
+dropped; a line's split (train / test) is decided by its text (`base.split_of`).
+
+Why this task (docs/studies/lm_tail/README.md, attempt 17): ENTR's case is a rare token sampled at a
+position where the model is sure. On countdown the sure positions are a third to a half of a
+response and their tail had to be planted; here every position is sure once the model copies, and
+the tail is the one the LM learned from text (identifiers, words and punctuation it would write
+instead), not one written into the warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from entr_megatron.tasks.base import check_fractions, check_split, decode_response, split_of
+from entr_megatron.types import Sample
+
+__all__ = ["CopyTask", "copy_source_lines"]
+
+_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+"""The standard library's test-suite folders: the lines' source."""
+_MAX_FILE_BYTES = 1 << 20
+"""Files over 1 MiB are data, not code (as bpe_tokenizer's corpus)."""
+
+
+def copy_source_lines(root: str | os.PathLike | None = None) -> list[str]:
+    """The distinct stripped lines of the `.py` files in the test-suite folders under `root` (default:
+    this interpreter's standard library), printable ASCII, in sorted order (the same list on every
+    machine with the same Python release)."""
+    base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise ValueError(f"copy task source root {str(base)!r} is not a directory")
+    lines: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        if not _TEST_DIRS & set(Path(dirpath).relative_to(base).parts):
+            continue
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if not name.endswith(".py") or not path.is_file() or path.stat().st_size > _MAX_FILE_BYTES:
+                continue
+            for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+                line = line.strip()
+                if line and line.isascii() and line.isprintable():
+                    lines.add(line)
+    if not lines:
+        raise ValueError(f"no test-suite .py lines under {str(base)!r} (folders named {sorted(_TEST_DIRS)})")
+    return sorted(lines)
+
+
+class CopyTask:
+    """Copy the prompt's line (module docstring)."""
+
+    name = "copy"
+
+    def __init__(self, tokenizer: Any, *, min_tokens: int = 12, max_tokens: int = 24, test_fraction: float = 0.1,
+                 split_seed: int = 0, lines: list[str] | None = None):
+        """tokenizer: an HF tokenizer that adds BOS when encoding (the long-tail testbed's BPE);
+        min_tokens..max_tokens: the lines kept, by their length in tokens (without BOS/EOS);
+        test_fraction, split_seed: which lines are held out; lines: the candidate lines
+        (default: `copy_source_lines()`)."""
+        for field, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 512:
+                raise ValueError(f"{field} must be an int in [1, 512], got {value!r}")
+        if min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+        check_fractions(test_fraction)
+        if tokenizer is None or tokenizer.eos_token_id is None:
+            raise ValueError("the copy task needs a tokenizer with an EOS token (the long-tail testbed's BPE: "
+                             "model.path=runs/lm_testbed/lm)")
+        self.tokenizer = tokenizer
+        self.min_tokens, self.max_tokens = min_tokens, max_tokens
+        self.test_fraction, self.split_seed = test_fraction, split_seed
+        candidates = copy_source_lines() if lines is None else list(lines)
+        encoded = tokenizer(candidates, add_special_tokens=False)["input_ids"] if candidates else []
+        self._ids: dict[str, list[int]] = {}
+        self._pool: dict[str, list[str]] = {s: [] for s in ("train", "test")}
+        for line, ids in zip(candidates, encoded):
+            if min_tokens <= len(ids) <= max_tokens and tokenizer.decode(ids) == line and line not in self._ids:
+                self._ids[line] = ids
+                self._pool[split_of(line, test_fraction, split_seed)].append(line)
+        for split, pool in self._pool.items():
+            if not pool:
+                raise ValueError(f"the copy task has no {split!r} line of {min_tokens}..{max_tokens} tokens "
+                                 f"among {len(candidates)} candidates: widen task.copy.min_tokens/max_tokens")
+        self._newline = tokenizer.encode("\n", add_special_tokens=False)
+
+    def lines(self, split: str, n: int, seed: int) -> list[str]:
+        """`n` distinct lines of `split` (all of them, shuffled, then again, when n exceeds the split),
+        a pure function of the arguments."""
+        check_split(split)
+        pool = self._pool[split]
+        rng = random.Random(f"copy:{split}:{seed}")
+        out: list[str] = []
+        while len(out) < n:
+            out += rng.sample(pool, min(n - len(out), len(pool)))
+        return out
+
+    def _prompt(self, line: str) -> list[int]:
+        return [self.tokenizer.bos_token_id] + self._ids[line] + self._newline
+
+    def prompts(self, split: str, n: int, seed: int) -> list[tuple[list[int], str]]:
+        """(ids of BOS, the line and a newline; the line) pairs."""
+        return [(self._prompt(line), line) for line in self.lines(split, n, seed)]
+
+    def sft_examples(self, split: str, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, the line's ids + EOS): the only right answer of each prompt."""
+        return [(self._prompt(line), self._ids[line] + [self.tokenizer.eos_token_id])
+                for line in self.lines(split, n, seed)]
+
+    def reward(self, sample: Sample, reference: str) -> float:
+        """1.0 when the response up to its first EOS is the line and EOS was written, else 0.0."""
+        if self.tokenizer.eos_token_id not in sample.response_ids:
+            return 0.0
+        return 1.0 if decode_response(self.tokenizer, sample.response_ids) == reference else 0.0
+
+    def new_environment(self) -> None:
+        """Single turn: no environment."""
+        return None

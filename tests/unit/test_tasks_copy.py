@@ -1,0 +1,105 @@
+"""The copy task: lines from the standard library's test suites only, prompts and SFT targets that
+decode to the line, an exact-copy reward, disjoint splits, and refusals that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from entr_megatron.config.task import CopyTaskConfig, TaskConfig
+from entr_megatron.tasks import TASK_BUILDERS, CopyTask
+from entr_megatron.tasks.bpe_tokenizer import stdlib_corpus_files, train_bpe_tokenizer
+from entr_megatron.tasks.copy_lines import copy_source_lines
+from entr_megatron.types import Sample
+
+
+@pytest.fixture(scope="module")
+def tok():
+    picked = [f for f in stdlib_corpus_files() if f.name in ("textwrap.py", "shlex.py", "fractions.py")]
+    return train_bpe_tokenizer(picked, vocab_size=1000)
+
+
+LINES = [f"self.assertEqual(f({i}), {i * 7})" for i in range(40)] + [
+    f"x_{i} = compute_value(alpha, beta)  # step {i}" for i in range(40)]
+
+
+def test_source_lines_come_from_test_folders_only_stripped_deduplicated_and_ascii(tmp_path):
+    (tmp_path / "test").mkdir()
+    (tmp_path / "pkg" / "tests").mkdir(parents=True)
+    (tmp_path / "test" / "test_a.py").write_text("    x = 1\n\nx = 1\n  print('caf\u00e9')\nassert f(2) == 3\n")
+    (tmp_path / "pkg" / "tests" / "t.py").write_text("import os\n")
+    (tmp_path / "pkg" / "tests" / "notes.txt").write_text("not python\n")
+    (tmp_path / "mod.py").write_text("only in the pretraining corpus\n")
+    assert copy_source_lines(tmp_path) == ["assert f(2) == 3", "import os", "x = 1"]
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "mod.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="no test-suite .py lines"):
+        copy_source_lines(tmp_path / "bare")
+    with pytest.raises(ValueError, match="is not a directory"):
+        copy_source_lines(tmp_path / "missing")
+
+
+def test_the_real_source_is_the_stdlib_test_suites():
+    lines = copy_source_lines()
+    assert len(lines) > 10_000 and lines == sorted(set(lines))
+    assert all(line == line.strip() and line.isascii() for line in lines[:2000])
+
+
+def test_prompt_and_target_decode_to_the_line(tok):
+    task = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES)
+    for (prompt, line), (sft_prompt, target) in zip(task.prompts("train", 8, 3), task.sft_examples("train", 8, 3)):
+        assert prompt == sft_prompt and prompt[0] == tok.bos_token_id
+        assert tok.decode(prompt, skip_special_tokens=True) == line + "\n"
+        assert target[-1] == tok.eos_token_id and tok.decode(target[:-1]) == line
+        assert target[:-1] == tok.encode(line, add_special_tokens=False)
+
+
+def test_reward_is_one_for_an_exact_copy_ended_by_eos_only(tok):
+    task = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES)
+    (prompt, line), = task.prompts("test", 1, 0)
+    ids = tok.encode(line, add_special_tokens=False)
+
+    def reward(resp):
+        return task.reward(Sample(prompt, resp, [0.0] * len(resp), [0] * len(resp)), line)
+
+    eos = tok.eos_token_id
+    assert reward(ids + [eos]) == 1.0
+    assert reward(ids + [eos, ids[0]]) == 1.0                  # what follows EOS never counts
+    assert reward(ids) == 0.0                                  # no EOS
+    assert reward(ids[:-1] + [eos]) == 0.0                     # a token short
+    other = next(t for t in range(4, len(tok)) if t != ids[2] and tok.decode([t]) != tok.decode([ids[2]]))
+    assert reward(ids[:2] + [other] + ids[3:] + [eos]) == 0.0   # one token changed
+
+
+def test_splits_are_disjoint_by_text_and_draws_are_pure(tok):
+    task = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES)
+    train = {line for _, line in task.prompts("train", 200, 0)}
+    test = {line for _, line in task.prompts("test", 200, 0)}
+    assert train and test and not train & test and train | test == set(LINES)
+    assert task.prompts("test", 5, 7) == task.prompts("test", 5, 7)
+    assert task.lines("train", 5, 1) != task.lines("train", 5, 2)
+    drawn = task.lines("test", 3, 0)
+    assert len(set(drawn)) == 3
+
+
+def test_lines_are_kept_by_their_length_in_tokens(tok):
+    lengths = {line: len(tok.encode(line, add_special_tokens=False)) for line in LINES}
+    lo, hi = sorted(lengths.values())[len(LINES) // 4], sorted(lengths.values())[3 * len(LINES) // 4]
+    task = CopyTask(tok, min_tokens=lo, max_tokens=hi, lines=LINES)
+    kept = {line for split in ("train", "test") for line in task.lines(split, 500, 0)}
+    assert kept == {line for line, n in lengths.items() if lo <= n <= hi}
+
+
+def test_bad_arguments_and_configs_are_refused_naming_the_field(tok):
+    with pytest.raises(ValueError, match="min_tokens"):
+        CopyTask(tok, min_tokens=0, lines=LINES)
+    with pytest.raises(ValueError, match=r"min_tokens \(30\) must be <= max_tokens \(20\)"):
+        CopyTask(tok, min_tokens=30, max_tokens=20, lines=LINES)
+    with pytest.raises(ValueError, match="widen task.copy.min_tokens/max_tokens"):
+        CopyTask(tok, min_tokens=200, max_tokens=300, lines=LINES)
+    with pytest.raises(ValueError, match="task.copy.max_tokens"):
+        CopyTaskConfig(min_tokens=20, max_tokens=10)
+    cfg = dataclasses.replace(TaskConfig(name="copy"), copy=CopyTaskConfig(min_tokens=4, max_tokens=30))
+    with pytest.raises(ValueError, match="model.max_prompt_len=24 .* raise it to 32"):
+        TASK_BUILDERS["copy"](cfg, tok, 24)
