@@ -93,10 +93,16 @@ def test_k32_each_method_minus_none(tmp_path):
     assert "| method=none |" not in text.split(section)[1].split("## Does")[0]
 
 
-def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_path):
+def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_path, capsys):
     cells().to_csv(tmp_path / "cells.csv", index=False)
     (tmp_path / "paired.md").write_text("stale\n")
     assert tool.main(["--out", str(tmp_path), "--paired-only"]) == 0
+    assert "k32_paired_vs_entr.png" in capsys.readouterr().out and (tmp_path / "k32_paired_vs_entr.png").is_file()
+    no_entr = tmp_path / "no_entr"
+    no_entr.mkdir()
+    cells().query("method != 'entr'").to_csv(no_entr / "cells.csv", index=False)
+    assert tool.main(["--out", str(no_entr), "--paired-only"]) == 0
+    assert "png" not in capsys.readouterr().out           # no K = 32 pair with ENTR: no plot, and none claimed
     assert row((tmp_path / "paired.md").read_text(), "## Sampled", "method=none")[2] == \
         "+0.050 (seed 0), -0.100 (seed 1)"
     assert "## K = 0: DPPO minus none" in (tmp_path / "paired_k0.md").read_text()
