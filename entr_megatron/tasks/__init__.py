@@ -11,7 +11,7 @@
 - `countdown.py`: combine a few numbers into a target with a written scratchpad (40-50 token
   responses); its rules and solver (`countdown_rules.py`) and a labeller of every response token
   (forced / choice / arithmetic / answer: `countdown_labels.py`);
-- `copy_lines.py`: copy a line of Python held out from the long-tail testbed's pretraining (every
+- `copy_lines.py`: copy a line of Python from files held out of the long-tail testbed's pretraining (every
   response token determined by the prompt; needs the model's BPE tokenizer);
 - `math_data.py` + `math_reward.py`: problems from JSONL/Parquet, math-verify reward;
 - `environment.py`: the multi-turn `Environment` protocol (episodes run through

@@ -8,7 +8,8 @@ The prompt is a line of source code and a newline; the answer is the same line, 
 for an exact copy ended by EOS, else 0). The lines come from the test suites of Python's standard
 library (`test`, `tests`, `idle_test` under `sysconfig.get_paths()["stdlib"]`), which the long-tail
 testbed's LM did not see in pretraining (`bpe_tokenizer.stdlib_corpus_files` leaves them out): text
-in the language the model learned, held out from it. Each line is stripped of its indentation and
+in the language the model learned, from files held out from it (a common line, such as `import os`,
+also occurs in files it saw). Each line is stripped of its indentation and
 kept when it is printable ASCII and encodes to `min_tokens`..`max_tokens` BPE tokens; duplicates are
 dropped; a line's split (train / test) is decided by its text (`base.split_of`).
 
