@@ -6,7 +6,7 @@ pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 from entr_megatron.tasks import (  # noqa: E402
-    TASKS, ArithmeticTask, CalculatorTask, CountdownTask, MathTask, make_task, write_tiny_model_config,
+    TASKS, ArithmeticTask, CalculatorTask, CopyTask, CountdownTask, MathTask, make_task, write_tiny_model_config,
 )
 from entr_megatron.types import Sample  # noqa: E402
 
@@ -101,7 +101,7 @@ def test_reverse_answer_and_validation(tok):
 
 def test_registry(tok):
     assert TASKS == {"arithmetic": ArithmeticTask, "math": MathTask, "calculator": CalculatorTask,
-                     "countdown": CountdownTask}
+                     "countdown": CountdownTask, "copy": CopyTask}
     t = make_task("arithmetic", digits=1, tokenizer=tok)
     assert isinstance(t, ArithmeticTask) and t.new_environment() is None
     assert len(t.prompts("train", 5, 0)) == 5
