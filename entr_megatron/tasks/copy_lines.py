@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from entr_megatron.tasks.base import check_fractions, check_split, decode_response, split_of
+from entr_megatron.tasks.bpe_tokenizer import _MAX_FILE_BYTES, iter_corpus_texts
 from entr_megatron.types import Sample
 
 __all__ = ["CopyTask", "copy_source_lines"]
 
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
-"""The standard library's test-suite folders: the lines' source."""
-_MAX_FILE_BYTES = 1 << 20
-"""Files over 1 MiB are data, not code (as bpe_tokenizer's corpus)."""
+"""The standard library's test-suite folders: the lines' source (files over bpe_tokenizer's
+_MAX_FILE_BYTES are data and left out, as from its corpus)."""
 
 
 def copy_source_lines(root: str | os.PathLike | None = None) -> list[str]:
@@ -46,19 +46,14 @@ def copy_source_lines(root: str | os.PathLike | None = None) -> list[str]:
     base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
         raise ValueError(f"copy task source root {str(base)!r} is not a directory")
-    lines: set[str] = set()
+    files = []
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        if not _TEST_DIRS & set(Path(dirpath).relative_to(base).parts):
-            continue
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            if not name.endswith(".py") or not path.is_file() or path.stat().st_size > _MAX_FILE_BYTES:
-                continue
-            for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-                line = line.strip()
-                if line and line.isascii() and line.isprintable():
-                    lines.add(line)
+        if _TEST_DIRS & set(Path(dirpath).relative_to(base).parts):
+            files += [Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py")]
+    files = [f for f in files if f.is_file() and f.stat().st_size <= _MAX_FILE_BYTES]
+    lines = {line.strip() for text in iter_corpus_texts(files) for line in text.splitlines()}
+    lines = {line for line in lines if line and line.isascii() and line.isprintable()}
     if not lines:
         raise ValueError(f"no test-suite .py lines under {str(base)!r} (folders named {sorted(_TEST_DIRS)})")
     return sorted(lines)
