@@ -90,9 +90,11 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
               "mu ignored)", ""]
     for column, title in COLUMNS:
         parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column, keep="method=naive_entr"), ""]
+    plot = out / "k32_paired_vs_entr.png"
     if len(versus_entr["eval_after_sampled"]):
-        plot_differences(versus_entr["eval_after_sampled"], out / "k32_paired_vs_entr.png",
-                         "eval_after_sampled minus method=entr's, same seed")
+        plot_differences(versus_entr["eval_after_sampled"], plot, "eval_after_sampled minus method=entr's, same seed")
+    else:
+        plot.unlink(missing_ok=True)  # an earlier run's plot would no longer match paired.md
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -132,8 +134,8 @@ def paired_only(out: Path) -> int:
     cells = pd.read_csv(cells_csv)
     (out / "paired.md").write_text(paired_k32(cells, out))
     (out / "paired_k0.md").write_text(paired_k0(cells))
-    plotted = len(pairs(select(cells, inter_lag=STALE), METHOD, PRIMARY, "eval_after_sampled")) > 0  # paired_k32's test
-    wrote = ["paired.md", "paired_k0.md"] + (["k32_paired_vs_entr.png"] if plotted else [])
+    plot = out / "k32_paired_vs_entr.png"  # paired_k32 writes it, or removes a stale one
+    wrote = ["paired.md", "paired_k0.md"] + ([plot.name] if plot.is_file() else [])
     print(f"wrote {out}: {', '.join(wrote)} (from cells.csv)")
     return 0
 

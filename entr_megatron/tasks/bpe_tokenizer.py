@@ -28,11 +28,14 @@ from typing import Any
 
 from entr_megatron.tasks.char_tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
 
-__all__ = ["MIN_VOCAB", "corpus_digest", "iter_corpus_texts", "stdlib_corpus_files", "train_bpe_tokenizer"]
+__all__ = ["MIN_VOCAB", "STDLIB_TEST_DIRS", "corpus_digest", "iter_corpus_texts", "stdlib_corpus_files", "stdlib_test_files",
+           "train_bpe_tokenizer"]
 
 MIN_VOCAB = 512
 """The smallest vocabulary asked for: the 256 bytes, the specials and room for merges."""
-_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
+STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+"""The standard library's test-suite folders."""
+_SKIPPED_DIRS = STDLIB_TEST_DIRS | {"site-packages", "__pycache__", "lib2to3"}
 """Left out of the corpus: test suites (generated data, long literals), third-party packages (they
 differ between machines), caches, and lib2to3's grammar fixtures."""
 _MAX_FILE_BYTES = 1 << 20
@@ -42,18 +45,38 @@ _MAX_FILE_BYTES = 1 << 20
 def stdlib_corpus_files(root: str | os.PathLike | None = None) -> list[Path]:
     """The `.py` files under `root` (default: this interpreter's standard library), sorted, without
     test suites, site-packages and files over `_MAX_FILE_BYTES`."""
+    base = _stdlib_root(root, "corpus root")
+    out = _py_files(base, _SKIPPED_DIRS, in_tests=False)
+    if not out:
+        raise ValueError(f"corpus root {str(base)!r} holds no .py files")
+    return out
+
+
+def stdlib_test_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """The `.py` files of the test suites (`STDLIB_TEST_DIRS`) under `root` that `stdlib_corpus_files`
+    leaves out, sorted, without site-packages and files over `_MAX_FILE_BYTES` (possibly none)."""
+    return _py_files(_stdlib_root(root, "test-suite root"), {"site-packages", "__pycache__"}, in_tests=True)
+
+
+def _stdlib_root(root: str | os.PathLike | None, what: str) -> Path:
     base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
-        raise ValueError(f"corpus root {str(base)!r} is not a directory")
+        raise ValueError(f"{what} {str(base)!r} is not a directory")
+    return base
+
+
+def _py_files(base: Path, skipped_dirs: set[str] | frozenset[str], in_tests: bool) -> list[Path]:
+    """`.py` files of at most `_MAX_FILE_BYTES` under `base`, sorted, outside `skipped_dirs`; with
+    `in_tests`, only those under a `STDLIB_TEST_DIRS` folder."""
     out = []
     for dirpath, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in skipped_dirs)
+        if in_tests and not STDLIB_TEST_DIRS & set(Path(dirpath).relative_to(base).parts):
+            continue
         for name in sorted(filenames):
             path = Path(dirpath) / name
             if name.endswith(".py") and path.is_file() and path.stat().st_size <= _MAX_FILE_BYTES:
                 out.append(path)
-    if not out:
-        raise ValueError(f"corpus root {str(base)!r} holds no .py files")
     return sorted(out)
 
 

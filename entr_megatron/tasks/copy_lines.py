@@ -6,7 +6,7 @@
 
 The prompt is a line of source code and a newline; the answer is the same line, then EOS (reward 1
 for an exact copy ended by EOS, else 0). The lines come from the test suites of Python's standard
-library (`test`, `tests`, `idle_test` under `sysconfig.get_paths()["stdlib"]`), which the long-tail
+library (`bpe_tokenizer.stdlib_test_files`: `test`, `tests`, `idle_test`), which the long-tail
 testbed's LM did not see in pretraining (`bpe_tokenizer.stdlib_corpus_files` leaves them out): text
 in the language the model learned, from files held out from it (a common line, such as `import os`,
 also occurs in files it saw). Each line is stripped of its indentation and
@@ -24,38 +24,24 @@ from __future__ import annotations
 
 import os
 import random
-import sysconfig
-from pathlib import Path
 from typing import Any
 
 from entr_megatron.tasks.base import check_fractions, check_split, decode_response, split_of
-from entr_megatron.tasks.bpe_tokenizer import _MAX_FILE_BYTES, iter_corpus_texts
+from entr_megatron.tasks.bpe_tokenizer import STDLIB_TEST_DIRS, iter_corpus_texts, stdlib_test_files
 from entr_megatron.types import Sample
 
 __all__ = ["CopyTask", "copy_source_lines"]
-
-_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
-"""The standard library's test-suite folders: the lines' source (files over bpe_tokenizer's
-_MAX_FILE_BYTES are data and left out, as from its corpus)."""
-
 
 def copy_source_lines(root: str | os.PathLike | None = None) -> list[str]:
     """The distinct stripped lines of the `.py` files in the test-suite folders under `root` (default:
     this interpreter's standard library), printable ASCII, in sorted order (the same list on every
     machine with the same Python release)."""
-    base = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
-    if not base.is_dir():
-        raise ValueError(f"copy task source root {str(base)!r} is not a directory")
-    files = []
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        if _TEST_DIRS & set(Path(dirpath).relative_to(base).parts):
-            files += [Path(dirpath) / name for name in sorted(filenames) if name.endswith(".py")]
-    files = [f for f in files if f.is_file() and f.stat().st_size <= _MAX_FILE_BYTES]
-    lines = {line.strip() for text in iter_corpus_texts(files) for line in text.splitlines()}
+    texts = iter_corpus_texts(stdlib_test_files(root))
+    lines = {line.strip() for text in texts for line in text.splitlines()}
     lines = {line for line in lines if line and line.isascii() and line.isprintable()}
     if not lines:
-        raise ValueError(f"no test-suite .py lines under {str(base)!r} (folders named {sorted(_TEST_DIRS)})")
+        where = root if root is not None else "the standard library"
+        raise ValueError(f"no test-suite .py lines under {str(where)!r} (folders named {sorted(STDLIB_TEST_DIRS)})")
     return sorted(lines)
 
 
