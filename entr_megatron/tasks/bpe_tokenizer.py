@@ -28,8 +28,8 @@ from typing import Any
 
 from entr_megatron.tasks.char_tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
 
-__all__ = ["MIN_VOCAB", "STDLIB_TEST_DIRS", "corpus_digest", "iter_corpus_texts", "stdlib_corpus_files", "stdlib_test_files",
-           "train_bpe_tokenizer"]
+__all__ = ["MIN_VOCAB", "STDLIB_TEST_DIRS", "corpus_digest", "iter_corpus_texts", "stdlib_corpus_files",
+           "stdlib_test_files", "train_bpe_tokenizer"]
 
 MIN_VOCAB = 512
 """The smallest vocabulary asked for: the 256 bytes, the specials and room for merges."""
