@@ -146,9 +146,16 @@ class CopyTaskConfig:
     max_tokens: int = 24
     """The longest line kept. In [min_tokens, 512]; model.max_prompt_len must hold it + 2 (BOS, newline)."""
 
+    sft_split_prob: float = 0.0
+    """The warm-up's sampled tokenizations: each token of a training answer that spells two or more
+    characters is, with this probability, written as two parts cut at a uniform character boundary,
+    each part encoded by the BPE (the same text, so the same reward). 0: the BPE's own tokenization
+    only. Held-out answers (the warm-up's expected accuracy) and prompts keep the BPE's. In [0, 0.5]."""
+
     def __post_init__(self) -> None:
         integer(self, "min_tokens", low=1, high=512)
         integer(self, "max_tokens", low=self.min_tokens, high=512)
+        number(self, "sft_split_prob", low=0, high=0.5)
 
 
 @dataclass(frozen=True)

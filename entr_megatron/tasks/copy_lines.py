@@ -3,6 +3,7 @@
     task = CopyTask(tokenizer, min_tokens=12, max_tokens=24)   # a BPE tokenizer (bpe_tokenizer.py)
     task.prompts("test", 4, seed=0)      # [(ids of "<s>{line}\\n", line), ...]
     task.sft_examples("train", 64, 0)    # [(prompt ids, ids of "{line}</s>"), ...]
+    CopyTask(tokenizer, sft_split_prob=0.01).sft_examples("train", 64, 0)   # sampled tokenizations
 
 The prompt is a line of source code and a newline; the answer is the same line, then EOS (reward 1
 for an exact copy ended by EOS, else 0). The lines come from the test suites of Python's standard
@@ -12,6 +13,14 @@ in the language the model learned, from files held out from it (a common line, s
 also occurs in files it saw). Each line is stripped of its indentation and
 kept when it is printable ASCII and encodes to `min_tokens`..`max_tokens` BPE tokens; duplicates are
 dropped; a line's split (train / test) is decided by its text (`base.split_of`).
+
+With `sft_split_prob` p > 0 the training answers are written in sampled tokenizations: each token of
+two or more characters is, with probability p, cut at a uniform character boundary and each part
+encoded by the BPE (a part may itself take more than one token). The text, and so the reward, is
+the same. The tail this writes at a sure position sits on a few tokens (the prefixes of the token
+the model is sure of), where the LM's own tail there spreads over many tokens under 1e-3
+(docs/studies/lm_tail/README.md, attempts 17-20). Held-out answers keep the BPE's tokenization, so
+the warm-up's expected accuracy is the probability of that one (a lower bound on the copy accuracy).
 
 Why this task (docs/studies/lm_tail/README.md, attempt 17): ENTR's case is a rare token sampled at a
 position where the model is sure. On countdown the sure positions are a third to a half of a
@@ -51,17 +60,22 @@ class CopyTask:
     name = "copy"
 
     def __init__(self, tokenizer: Any, *, min_tokens: int = 12, max_tokens: int = 24, test_fraction: float = 0.1,
-                 split_seed: int = 0, lines: list[str] | None = None):
+                 split_seed: int = 0, lines: list[str] | None = None, sft_split_prob: float = 0.0):
         """tokenizer: an HF tokenizer that adds BOS when encoding (the long-tail testbed's BPE);
         min_tokens..max_tokens: the lines kept, by their length in tokens (without BOS/EOS);
         test_fraction, split_seed: which lines are held out; lines: the candidate lines
-        (default: `copy_source_lines()`)."""
+        (default: `copy_source_lines()`); sft_split_prob: the training answers' sampled tokenizations
+        (module docstring), in [0, 0.5]."""
         for field, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 512:
                 raise ValueError(f"{field} must be an int in [1, 512], got {value!r}")
         if min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
         check_fractions(test_fraction)
+        if not isinstance(sft_split_prob, (int, float)) or isinstance(sft_split_prob, bool) \
+                or not 0 <= sft_split_prob <= 0.5:
+            raise ValueError(f"sft_split_prob must be a number in [0, 0.5], got {sft_split_prob!r}")
+        self.sft_split_prob = float(sft_split_prob)
         if tokenizer is None or tokenizer.eos_token_id is None:
             raise ValueError("the copy task needs a tokenizer with an EOS token (the long-tail testbed's BPE: "
                              "model.path=runs/lm_testbed/lm)")
@@ -81,6 +95,7 @@ class CopyTask:
                 raise ValueError(f"the copy task has no {split!r} line of {min_tokens}..{max_tokens} tokens "
                                  f"among {len(candidates)} candidates: widen task.copy.min_tokens/max_tokens")
         self._newline = tokenizer.encode("\n", add_special_tokens=False)
+        self._pieces: dict[int, str] = {}
 
     def lines(self, split: str, n: int, seed: int) -> list[str]:
         """`n` distinct lines of `split` (all of them, shuffled, then again, when n exceeds the split),
@@ -101,9 +116,30 @@ class CopyTask:
         return [(self._prompt(line), line) for line in self.lines(split, n, seed)]
 
     def sft_examples(self, split: str, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-        """(prompt ids, the line's ids + EOS): the only right answer of each prompt."""
-        return [(self._prompt(line), self._ids[line] + [self.tokenizer.eos_token_id])
-                for line in self.lines(split, n, seed)]
+        """(prompt ids, the line's ids + EOS): the BPE's tokenization, or on the train split with
+        sft_split_prob > 0 a sampled one (module docstring), a pure function of the arguments."""
+        lines = self.lines(split, n, seed)
+        eos = self.tokenizer.eos_token_id
+        if split != "train" or self.sft_split_prob == 0:
+            return [(self._prompt(line), self._ids[line] + [eos]) for line in lines]
+        rng = random.Random(f"copy-split:{seed}")
+        return [(self._prompt(line), self.sampled_ids(line, rng) + [eos]) for line in lines]
+
+    def sampled_ids(self, line: str, rng: random.Random) -> list[int]:
+        """`line` (a line of the task) in a sampled tokenization: each BPE token of two or more
+        characters cut in two with probability sft_split_prob (module docstring); decodes to `line`."""
+        out: list[int] = []
+        for token in self._ids[line]:
+            text = self._pieces.get(token)
+            if text is None:
+                text = self._pieces[token] = self.tokenizer.decode([token])
+            if len(text) < 2 or rng.random() >= self.sft_split_prob:
+                out.append(token)
+                continue
+            cut = rng.randrange(1, len(text))
+            out += self.tokenizer.encode(text[:cut], add_special_tokens=False)
+            out += self.tokenizer.encode(text[cut:], add_special_tokens=False)
+        return out
 
     def reward(self, sample: Sample, reference: str) -> float:
         """1.0 when the response up to its first EOS is the line and EOS was written, else 0.0."""

@@ -103,3 +103,54 @@ def test_bad_arguments_and_configs_are_refused_naming_the_field(tok):
     cfg = dataclasses.replace(TaskConfig(name="copy"), copy=CopyTaskConfig(min_tokens=4, max_tokens=30))
     with pytest.raises(ValueError, match="model.max_prompt_len=24 .* raise it to 32"):
         TASK_BUILDERS["copy"](cfg, tok, 24)
+
+
+def _boundaries(tok, ids):
+    """The character offsets where the tokens of `ids` end (ASCII lines: one character per byte)."""
+    ends, at = set(), 0
+    for t in ids:
+        at += len(tok.decode([t]))
+        ends.add(at)
+    return ends
+
+
+def test_sampled_tokenizations_cut_each_long_token_with_the_given_probability(tok):
+    p = 0.3
+    task = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES, sft_split_prob=p)
+    canonical = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES)
+    examples = task.sft_examples("train", 400, 5)
+    assert examples == task.sft_examples("train", 400, 5) and examples != task.sft_examples("train", 400, 6)
+    long_tokens = cut = 0
+    for (prompt, target), (ref_prompt, ref_target) in zip(examples, canonical.sft_examples("train", 400, 5)):
+        line = tok.decode(ref_target[:-1])
+        assert prompt == ref_prompt and target[-1] == tok.eos_token_id and tok.decode(target[:-1]) == line
+        ref_ends, ends = _boundaries(tok, ref_target[:-1]), _boundaries(tok, target[:-1])
+        assert ref_ends <= ends                      # a cut falls inside a token, never across one
+        start = 0
+        for end in sorted(ref_ends):
+            if end - start >= 2:                     # a token of two or more characters
+                long_tokens += 1
+                cut += any(start < b < end for b in ends)
+            else:
+                assert not any(start < b < end for b in ends)
+            start = end
+    assert long_tokens > 1000 and abs(cut / long_tokens - p) < 0.05   # binomial sd ~0.013
+    # held-out answers and p = 0 keep the BPE's tokenization
+    assert task.sft_examples("test", 50, 0) == canonical.sft_examples("test", 50, 0)
+    zero = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES, sft_split_prob=0.0)
+    assert zero.sft_examples("train", 50, 5) == canonical.sft_examples("train", 50, 5)
+
+
+def test_sampled_tokenizations_score_as_the_line_and_are_configured(tok):
+    task = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES, sft_split_prob=0.5)
+    (prompt, target), = task.sft_examples("train", 1, 3)
+    line = tok.decode(target[:-1])
+    assert target[:-1] != tok.encode(line, add_special_tokens=False)
+    assert task.reward(Sample(prompt, target, [0.0] * len(target), [0] * len(target)), line) == 1.0
+    with pytest.raises(ValueError, match="sft_split_prob must be a number in \\[0, 0.5\\], got 0.6"):
+        CopyTask(tok, lines=LINES, sft_split_prob=0.6)
+    with pytest.raises(ValueError, match="task.copy.sft_split_prob"):
+        CopyTaskConfig(sft_split_prob=-0.1)
+    cfg = dataclasses.replace(TaskConfig(name="copy"),
+                              copy=CopyTaskConfig(min_tokens=4, max_tokens=30, sft_split_prob=0.25))
+    assert TASK_BUILDERS["copy"](cfg, tok, 32).sft_split_prob == 0.25
