@@ -17,9 +17,9 @@ dropped; a line's split (train / test) is decided by its text (`base.split_of`).
 With `sft_split_prob` p > 0 the training answers are written in sampled tokenizations: each token of
 two or more characters is, with probability p, cut at a uniform character boundary and each part
 encoded by the BPE (a part may itself take more than one token). The text, and so the reward, is
-the same. The tail this writes at a sure position sits on a few tokens (the prefixes of the token
-the model is sure of), where the LM's own tail there spreads over many tokens under 1e-3
-(docs/studies/lm_tail/README.md, attempts 17-20). Held-out answers keep the BPE's tokenization, so
+the same. This puts mass at a sure position on a few tokens (the prefixes of the token the model is
+sure of), where the LM's own tail there is spread over many tokens under 1e-3
+(docs/studies/lm_tail/README.md, attempts 17-21). Held-out answers keep the BPE's tokenization, so
 the warm-up's expected accuracy is the probability of that one (a lower bound on the copy accuracy).
 
 Why this task (docs/studies/lm_tail/README.md, attempt 17): ENTR's case is a rare token sampled at a
