@@ -40,6 +40,8 @@ PRIMARY, STALE, FRESH = "entr", "32", "0"
 COLUMNS = (("eval_after_sampled", "Sampled accuracy (4 samples per problem, 200 held-out problems; the primary "
                                   "measure)"),
            ("eval_after_greedy", "Greedy accuracy"))
+PAIRED_PLOT = "k32_paired_vs_entr.png"
+"""The per-seed plot of paired_k32 (each method minus ENTR at K = 32), in the output folder."""
 HEADER = "<!-- written by `python tools/lm_tail_docs.py`; do not edit by hand -->"
 LEGEND = ("Paired by seed: each row's differences are its cells' held-out accuracy after RL minus the reference "
           "cell's with the same seed (the same warm-up, prompts and sampling seeds). seeds: the pairs; sd: the "
@@ -90,7 +92,7 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
               "mu ignored)", ""]
     for column, title in COLUMNS:
         parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column, keep="method=naive_entr"), ""]
-    plot = out / "k32_paired_vs_entr.png"
+    plot = out / PAIRED_PLOT
     if len(versus_entr["eval_after_sampled"]):
         plot_differences(versus_entr["eval_after_sampled"], plot, "eval_after_sampled minus method=entr's, same seed")
     else:
@@ -134,7 +136,7 @@ def paired_only(out: Path) -> int:
     cells = pd.read_csv(cells_csv)
     (out / "paired.md").write_text(paired_k32(cells, out))
     (out / "paired_k0.md").write_text(paired_k0(cells))
-    plot = out / "k32_paired_vs_entr.png"  # paired_k32 writes it, or removes a stale one
+    plot = out / PAIRED_PLOT  # paired_k32 writes it, or removes a stale one
     wrote = ["paired.md", "paired_k0.md"] + ([plot.name] if plot.is_file() else [])
     print(f"wrote {out}: {', '.join(wrote)} (from cells.csv)")
     return 0
