@@ -146,6 +146,11 @@ class CopyTaskConfig:
     max_tokens: int = 24
     """The longest line kept. In [min_tokens, 512]; model.max_prompt_len must hold it + 2 (BOS, newline)."""
 
+    max_token_id: int | None = None
+    """Keep only lines whose every token id is below this (the BPE numbers its merges in the order it
+    learned them, most frequent pair first, so a low cap keeps lines of common tokens). None: all lines.
+    Null or an integer >= 1."""
+
     sft_split_prob: float = 0.0
     """The warm-up's sampled tokenizations: each token of a training answer that spells two or more
     characters is, with this probability, written as two parts cut at a uniform character boundary,
@@ -155,6 +160,7 @@ class CopyTaskConfig:
     def __post_init__(self) -> None:
         integer(self, "min_tokens", low=1, high=512)
         integer(self, "max_tokens", low=self.min_tokens, high=512)
+        integer(self, "max_token_id", low=1, optional=True)
         number(self, "sft_split_prob", low=0, high=0.5)
 
 

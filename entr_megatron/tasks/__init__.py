@@ -130,7 +130,8 @@ def _copy(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> C
     if max_prompt_len is not None and c.max_tokens + 2 > max_prompt_len:
         raise ValueError(f"model.max_prompt_len={max_prompt_len} is shorter than the copy task's longest prompt "
                          f"(task.copy.max_tokens={c.max_tokens} + BOS and newline); raise it to {c.max_tokens + 2}")
-    return CopyTask(tokenizer, min_tokens=c.min_tokens, max_tokens=c.max_tokens, sft_split_prob=c.sft_split_prob)
+    return CopyTask(tokenizer, min_tokens=c.min_tokens, max_tokens=c.max_tokens, sft_split_prob=c.sft_split_prob,
+                    max_token_id=c.max_token_id)
 
 
 def _search(t: TaskConfig, tokenizer: Any, max_prompt_len: int | None = None) -> Task:

@@ -60,17 +60,22 @@ class CopyTask:
     name = "copy"
 
     def __init__(self, tokenizer: Any, *, min_tokens: int = 12, max_tokens: int = 24, test_fraction: float = 0.1,
-                 split_seed: int = 0, lines: list[str] | None = None, sft_split_prob: float = 0.0):
+                 split_seed: int = 0, lines: list[str] | None = None, sft_split_prob: float = 0.0,
+                 max_token_id: int | None = None):
         """tokenizer: an HF tokenizer that adds BOS when encoding (the long-tail testbed's BPE);
         min_tokens..max_tokens: the lines kept, by their length in tokens (without BOS/EOS);
         test_fraction, split_seed: which lines are held out; lines: the candidate lines
         (default: `copy_source_lines()`); sft_split_prob: the training answers' sampled tokenizations
-        (module docstring), in [0, 0.5]."""
+        (module docstring), in [0, 0.5]; max_token_id: keep only lines whose every token id is below it
+        (None: no cap; the BPE numbers merges most frequent first, so a low cap keeps common tokens)."""
         for field, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 512:
                 raise ValueError(f"{field} must be an int in [1, 512], got {value!r}")
         if min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+        if max_token_id is not None and (not isinstance(max_token_id, int) or isinstance(max_token_id, bool)
+                                         or max_token_id < 1):
+            raise ValueError(f"max_token_id must be None or an int >= 1, got {max_token_id!r}")
         check_fractions(test_fraction)
         if not isinstance(sft_split_prob, (int, float)) or isinstance(sft_split_prob, bool) \
                 or not 0 <= sft_split_prob <= 0.5:
@@ -82,18 +87,23 @@ class CopyTask:
         self.tokenizer = tokenizer
         self.min_tokens, self.max_tokens = min_tokens, max_tokens
         self.test_fraction, self.split_seed = test_fraction, split_seed
+        self.max_token_id = max_token_id
         candidates = copy_source_lines() if lines is None else list(lines)
         encoded = tokenizer(candidates, add_special_tokens=False)["input_ids"] if candidates else []
         self._ids: dict[str, list[int]] = {}
         self._pool: dict[str, list[str]] = {s: [] for s in ("train", "test")}
         for line, ids in zip(candidates, encoded):
+            if max_token_id is not None and max(ids, default=0) >= max_token_id:
+                continue
             if min_tokens <= len(ids) <= max_tokens and tokenizer.decode(ids) == line and line not in self._ids:
                 self._ids[line] = ids
                 self._pool[split_of(line, test_fraction, split_seed)].append(line)
         for split, pool in self._pool.items():
             if not pool:
-                raise ValueError(f"the copy task has no {split!r} line of {min_tokens}..{max_tokens} tokens "
-                                 f"among {len(candidates)} candidates: widen task.copy.min_tokens/max_tokens")
+                cap = "" if max_token_id is None else f" with token ids below {max_token_id}"
+                raise ValueError(f"the copy task has no {split!r} line of {min_tokens}..{max_tokens} tokens{cap} "
+                                 f"among {len(candidates)} candidates: widen task.copy.min_tokens/max_tokens"
+                                 + ("" if max_token_id is None else " or raise task.copy.max_token_id"))
         self._newline = tokenizer.encode("\n", add_special_tokens=False)
         self._pieces: dict[int, str] = {}
 

@@ -154,3 +154,22 @@ def test_sampled_tokenizations_score_as_the_line_and_are_configured(tok):
     cfg = dataclasses.replace(TaskConfig(name="copy"),
                               copy=CopyTaskConfig(min_tokens=4, max_tokens=30, sft_split_prob=0.25))
     assert TASK_BUILDERS["copy"](cfg, tok, 32).sft_split_prob == 0.25
+
+
+def test_max_token_id_keeps_exactly_the_lines_of_tokens_below_it(tok):
+    ids = {line: tok.encode(line, add_special_tokens=False) for line in LINES}
+    cap = sorted(max(v) for v in ids.values())[len(LINES) // 2]      # about half the lines are below it
+    task = CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES, max_token_id=cap)
+    kept = {line for split in ("train", "test") for line in task.lines(split, 500, 0)}
+    assert kept == {line for line, v in ids.items() if max(v) < cap} and 0 < len(kept) < len(LINES)
+    for prompt, target in task.sft_examples("train", 20, 1):
+        assert max(prompt[1:-1]) < cap
+    with pytest.raises(ValueError, match="max_token_id must be None or an int >= 1, got 0"):
+        CopyTask(tok, lines=LINES, max_token_id=0)
+    with pytest.raises(ValueError, match="with token ids below 5 .* raise task.copy.max_token_id"):
+        CopyTask(tok, min_tokens=4, max_tokens=40, lines=LINES, max_token_id=5)
+    with pytest.raises(ValueError, match="task.copy.max_token_id"):
+        CopyTaskConfig(max_token_id=0)
+    cfg = dataclasses.replace(TaskConfig(name="copy"),
+                              copy=CopyTaskConfig(min_tokens=4, max_tokens=30, max_token_id=cap))
+    assert TASK_BUILDERS["copy"](cfg, tok, 32).max_token_id == cap
