@@ -1,0 +1,64 @@
+"""tools/copy_split_mass.py on hand-built distributions: entropy bins, the mass on a token's split
+pieces, the mass under 1e-2 and the rare draws it gives per 1k positions."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from entr_megatron.tasks.bpe_tokenizer import stdlib_corpus_files, train_bpe_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("tool_copy_split_mass", ROOT / "tools" / "copy_split_mass.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dist(vocab: int, masses: dict[int, float]) -> list[float]:
+    rest = (1.0 - sum(masses.values())) / (vocab - len(masses))
+    return [masses.get(i, rest) for i in range(vocab)]
+
+
+def test_bins_split_mass_and_rare_mass_by_hand(tool):
+    V = 1000
+    sure = _dist(V, {5: 0.99, 7: 0.006, 8: 0.004})              # tail 0 on the other 997: H ~0.067
+    certain = _dist(V, {5: 1.0})                                 # H 0
+    unsure = _dist(V, {5: 0.5, 9: 0.5})                          # H ln 2
+    probs = torch.tensor([sure, certain, unsure, sure], dtype=torch.float64).clamp_min(1e-300)
+    logp = probs.log()
+    pieces = [[7, 8], [], [9], []]                               # positions 0 and 2 are tokens that can be cut
+    rows = tool.position_rows(logp, [5, 5, 350, 5], pieces)
+    h_sure = -(0.99 * math.log(0.99) + 0.006 * math.log(0.006) + 0.004 * math.log(0.004))
+    assert rows[0] == pytest.approx((h_sure, True, 0.010, 0.010, 5))
+    assert rows[1][:3] == (pytest.approx(0.0, abs=1e-12), False, 0.0) and rows[1][3] == pytest.approx(0.0)
+    assert rows[2][:3] == pytest.approx((math.log(2), True, 0.5)) and rows[2][4] == 350
+    out = {b["H"]: b for b in tool.summarize(rows)}
+    assert out[(0.0, 0.01)]["share"] == 0.25 and out[(0.01, 0.1)]["share"] == 0.5
+    assert out[(0.01, 0.1)]["multi_char"] == 0.5 and out[(0.01, 0.1)]["split_mass"] == pytest.approx(0.010)
+    assert out[(0.01, 0.1)]["rare_per_1k"] == pytest.approx(1000 * 0.5 * 0.010)
+    assert out[(0.1, 1.0)]["split_mass"] == pytest.approx(0.5) and out[(0.1, 1.0)]["rare_mass"] == pytest.approx(0, abs=1e-12)
+    assert sum(b["share"] for b in out.values()) == pytest.approx(1.0)
+    assert "| [0.01, 0.1) | 0.500 | 0.50 | 0.0100 | 0.0100 | 5.00 |" in tool.table(tool.summarize(rows))
+    ids = {b["ids"]: b for b in tool.by_id(rows)}        # the cuttable tokens: id 5 sure, id 350 not
+    assert ids[(0, 300)] == {"ids": (0, 300), "positions": 1, "sure": 1.0}
+    assert ids[(300, 1000)]["positions"] == 1 and ids[(300, 1000)]["sure"] == 0.0
+    assert ids[(16000, None)]["positions"] == 0 and "| 16000- | 0 | 0.00 |" in tool.id_table(tool.by_id(rows))
+
+
+def test_split_pieces_are_the_first_tokens_of_each_proper_prefix(tool):
+    tok = train_bpe_tokenizer([f for f in stdlib_corpus_files() if f.name == "textwrap.py"], vocab_size=600)
+    token = max(range(len(tok)), key=lambda t: len(tok.decode([t])))
+    text = tok.decode([token])
+    expected = sorted({tok.encode(text[:k], add_special_tokens=False)[0] for k in range(1, len(text))})
+    assert len(text) >= 3 and tool.split_pieces(tok, token) == expected and token not in expected
+    one_char = tok.encode("x", add_special_tokens=False)[0]
+    assert tool.split_pieces(tok, one_char) == []
