@@ -93,12 +93,15 @@ def table(summary: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="the testbed's run config (the copy task's section)")
-    ap.add_argument("--model", action="append", required=True, help="HF directory (repeatable)")
+    ap.add_argument("--model", action="append", required=True,
+                    help="HF directory (repeatable; all read with the first one's tokenizer)")
     ap.add_argument("--prompts", type=int, default=200, help="held-out lines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="a .md file for the tables (else printed only)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = ap.parse_args(argv)
+    if a.prompts < 1:
+        ap.error(f"--prompts must be >= 1, got {a.prompts}")
     cfg = load_config(a.config, a.overrides)
     if cfg.task.name != "copy":
         raise SystemExit(f"task.name is {cfg.task.name!r}: this tool reads the copy task (task.name=copy)")
@@ -115,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         for prompt, target in examples:
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1:-1]
-            pieces = [cache.setdefault(t, split_pieces(tokenizer, t) if t != tokenizer.eos_token_id else [])
-                      for t in target]
+            for t in set(target) - cache.keys():
+                cache[t] = [] if t == tokenizer.eos_token_id else split_pieces(tokenizer, t)
+            pieces = [cache[t] for t in target]
             rows += position_rows(torch.log_softmax(logits.double(), -1), target, pieces)
         text = (f"## {path}\n\n{len(rows)} positions.\n\n{table(summarize(rows))}\n\n"
                 f"Tokens of two or more characters by BPE id:\n\n{id_table(by_id(rows))}\n")

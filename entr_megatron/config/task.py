@@ -148,8 +148,8 @@ class CopyTaskConfig:
 
     max_token_id: int | None = None
     """Keep only lines whose every token id is below this (the BPE numbers its merges in the order it
-    learned them, most frequent pair first, so a low cap keeps lines of common tokens). None: all lines.
-    Null or an integer >= 1."""
+    learned them, most frequent pair first, so a low cap keeps lines of common tokens). Null (the
+    default): every line; else an integer >= 1."""
 
     sft_split_prob: float = 0.0
     """The warm-up's sampled tokenizations: each token of a training answer that spells two or more

@@ -11,8 +11,10 @@ library (`bpe_tokenizer.stdlib_test_files`: `test`, `tests`, `idle_test`), which
 testbed's LM did not see in pretraining (`bpe_tokenizer.stdlib_corpus_files` leaves them out): text
 in the language the model learned, from files held out from it (a common line, such as `import os`,
 also occurs in files it saw). Each line is stripped of its indentation and
-kept when it is printable ASCII and encodes to `min_tokens`..`max_tokens` BPE tokens; duplicates are
-dropped; a line's split (train / test) is decided by its text (`base.split_of`).
+kept when it is printable ASCII and encodes to `min_tokens`..`max_tokens` BPE tokens (with
+`max_token_id`, only those whose every token id is below it: lines of common tokens, as the BPE
+numbers its merges most frequent first); duplicates are dropped; a line's split (train / test) is
+decided by its text (`base.split_of`).
 
 With `sft_split_prob` p > 0 the training answers are written in sampled tokenizations: each token of
 two or more characters is, with probability p, cut at a uniform character boundary and each part

@@ -45,7 +45,8 @@ def test_bins_split_mass_and_rare_mass_by_hand(tool):
     assert out[(0.0, 0.01)]["share"] == 0.25 and out[(0.01, 0.1)]["share"] == 0.5
     assert out[(0.01, 0.1)]["multi_char"] == 0.5 and out[(0.01, 0.1)]["split_mass"] == pytest.approx(0.010)
     assert out[(0.01, 0.1)]["rare_per_1k"] == pytest.approx(1000 * 0.5 * 0.010)
-    assert out[(0.1, 1.0)]["split_mass"] == pytest.approx(0.5) and out[(0.1, 1.0)]["rare_mass"] == pytest.approx(0, abs=1e-12)
+    assert out[(0.1, 1.0)]["split_mass"] == pytest.approx(0.5)
+    assert out[(0.1, 1.0)]["rare_mass"] == pytest.approx(0, abs=1e-12)
     assert sum(b["share"] for b in out.values()) == pytest.approx(1.0)
     assert "| [0.01, 0.1) | 0.500 | 0.50 | 0.0100 | 0.0100 | 5.00 |" in tool.table(tool.summarize(rows))
     ids = {b["ids"]: b for b in tool.by_id(rows)}        # the cuttable tokens: id 5 sure, id 350 not
