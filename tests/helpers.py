@@ -1,10 +1,22 @@
 """Small assertions and references used by tests in more than one directory."""
 
+import importlib.util
 import signal
+from pathlib import Path
 
 import torch
 
-__all__ = ["assert_close_f64", "hf_scores", "sigint_default"]
+__all__ = ["assert_close_f64", "hf_scores", "load_tool", "sigint_default"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """tools/{name}.py as a module (tools/ is not a package), under the name tool_{name}."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sigint_default() -> None:

@@ -3,24 +3,18 @@ pieces, the mass under 1e-2 and the rare draws it gives per 1k positions."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_tool
 
 from entr_megatron.tasks.bpe_tokenizer import stdlib_corpus_files, train_bpe_tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("tool_copy_split_mass", ROOT / "tools" / "copy_split_mass.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("copy_split_mass")
 
 
 def _dist(vocab: int, masses: dict[int, float]) -> list[float]:

@@ -3,21 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from helpers import load_tool as _tool
 
 ROOT = Path(__file__).resolve().parents[2]
 COUNTDOWN = ROOT / "docs/studies/countdown"
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_paired_differences_reads_a_reports_cells_csv(capsys):

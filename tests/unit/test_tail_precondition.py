@@ -3,22 +3,16 @@ which of them cross ENTR's threshold, IcePop's band and DPPO's, per 1k response 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("tool_tail_precondition", ROOT / "tools" / "tail_precondition.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tail_precondition")
 
 
 def test_counts_and_crossings_by_hand(tool):
