@@ -21,16 +21,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbour tail_precondition, when loaded by path
 
 import torch  # noqa: E402
 
 from entr_megatron.config.loader import load_config  # noqa: E402
 from entr_megatron.rollout.hf_model import load_causal_lm  # noqa: E402
 from entr_megatron.tasks import TASK_BUILDERS, load_tokenizer  # noqa: E402
+from tail_precondition import LOW_H, RARE_P  # noqa: E402  (the precondition's "rare" and "sure")
 
 H_BINS = ((0.0, 0.01), (0.01, 0.1), (0.1, 1.0), (1.0, float("inf")))
 ID_BINS = (0, 300, 1000, 2000, 4000, 8000, 16000, None)
-RARE = 1e-2
 
 
 def split_pieces(tokenizer, token: int) -> list[int]:
@@ -45,7 +46,7 @@ def position_rows(logp: torch.Tensor, targets: list[int], pieces: list[list[int]
     per position; logp: [positions, vocab] log-probabilities, targets: the token at each position."""
     p = logp.exp()
     H = -(p * logp).sum(-1)
-    rare = torch.where(p < RARE, p, torch.zeros_like(p)).sum(-1)
+    rare = torch.where(p < RARE_P, p, torch.zeros_like(p)).sum(-1)
     return [(float(H[j]), bool(pieces[j]), float(p[j, pieces[j]].sum()) if pieces[j] else 0.0, float(rare[j]),
              targets[j]) for j in range(len(targets))]
 
@@ -69,12 +70,12 @@ def by_id(rows: list[tuple]) -> list[dict]:
     out = []
     for lo, hi in zip(ID_BINS, ID_BINS[1:]):
         g = [r for r in rows if r[1] and r[4] >= lo and (hi is None or r[4] < hi)]
-        out.append({"ids": (lo, hi), "positions": len(g), "sure": sum(r[0] < 0.1 for r in g) / len(g) if g else 0.0})
+        out.append({"ids": (lo, hi), "positions": len(g), "sure": sum(r[0] < LOW_H for r in g) / len(g) if g else 0.0})
     return out
 
 
 def id_table(bins: list[dict]) -> str:
-    lines = ["| token ids | positions (tokens of >= 2 characters) | share at H < 0.1 |", "|---|---|---|"]
+    lines = [f"| token ids | positions (tokens of >= 2 characters) | share at H < {LOW_H:g} |", "|---|---|---|"]
     lines += [f"| {b['ids'][0]}-{'' if b['ids'][1] is None else b['ids'][1]} | {b['positions']} | {b['sure']:.2f} |"
               for b in bins]
     return "\n".join(lines)
