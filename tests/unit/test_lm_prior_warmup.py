@@ -1,0 +1,90 @@
+"""tools/lm_prior_warmup.py: the soft-target loss against torch's label smoothing and a float64 sum,
+its schedule against Megatron's OptimizerParamScheduler, and the padded held-out accuracy against
+one unpadded forward per example."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import load_tool
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return load_tool("lm_prior_warmup")
+
+
+def _case(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, 11, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 11, (3, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 1, 0, 1]], dtype=torch.float64)
+    return logits, targets, mask
+
+
+def test_uniform_reference_is_torch_label_smoothing(tool):
+    logits, targets, mask = _case()
+    keep = mask.bool()
+    for mix in (0.0, 0.1, 0.37):
+        loss, nll = tool.soft_target_loss(logits, torch.zeros_like(logits), targets, mask, mix)
+        ref = F.cross_entropy(logits[keep], targets[keep], label_smoothing=mix)
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+        assert nll.item() == pytest.approx(F.cross_entropy(logits[keep], targets[keep]).item(), rel=1e-6)
+
+
+def test_reference_distribution_mixed_into_the_target_by_hand(tool):
+    logits, targets, mask = _case(1)
+    ref_logits = 3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    mix = 0.05
+    loss, _ = tool.soft_target_loss(logits, ref_logits, targets, mask, mix)
+    total, count = 0.0, 0
+    for b in range(3):
+        for t in range(5):
+            if not mask[b, t]:
+                continue
+            logp = logits[b, t] - torch.logsumexp(logits[b, t], 0)
+            q = mix * torch.softmax(ref_logits[b, t], 0)
+            q[targets[b, t]] += 1 - mix
+            total -= float((q * logp).sum())
+            count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+    with pytest.raises(ValueError, match="reference"):
+        tool.soft_target_loss(logits, None, targets, mask, mix)
+
+
+def test_schedule_is_the_system_warm_ups_megatron_schedule(tool):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    for steps in (40, 600):
+        lr = 1e-3
+        opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        warmup = steps // 10        # as sft_learner_config sets it
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=warmup,
+                                        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=steps, wd_incr_style="constant")
+        for step in range(steps):
+            assert tool.lr_at(step, lr, steps) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-15)
+            sched.step(1)
+
+
+def test_padded_expected_accuracy_is_one_unpadded_forward_per_example(tool):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    examples = [([1, 5, 7], [9, 3]), ([2, 4], [8, 8, 6, 3]), ([1, 2, 3, 4, 5], [3])]
+    expected = 0.0
+    for prompt, target in examples:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + target])).logits[0].double(), -1)
+        expected += float(sum(logp[len(prompt) - 1 + i, tok] for i, tok in enumerate(target)).exp())
+    expected /= len(examples)
+    assert tool.expected_accuracy(model, examples, pad_id=0, batch=2) == pytest.approx(expected, rel=1e-4)
+    ids, attn, targets, mask = tool.pack(examples, pad_id=0)
+    assert ids.tolist()[0] == [1, 5, 7, 9, 3, 0] and attn.tolist()[0] == [1] * 5 + [0]
+    assert mask.tolist()[0] == [0, 0, 1, 1, 0] and targets[0, 2:4].tolist() == [9, 3]
+    assert mask.tolist()[1] == [0, 1, 1, 1, 1] and targets[1, 1:5].tolist() == [8, 8, 6, 3]
