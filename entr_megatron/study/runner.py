@@ -218,7 +218,7 @@ def _prepare(spec: StudySpec, out: Path, jobs: int = 1,
     with atomic_output(str(out / "spec.yaml")) as f:
         f.write(spec.path.read_text())
     if spec.warmup is not None and "model" in spec.warmup:
-        return spec.warmup["model"]
+        return spec.warmup_models()
     if spec.warmup_config() is None:
         return None
     if not spec.per_seed_warmup:

@@ -15,7 +15,8 @@ optional shared warm-up. Validated completely (every cell's config included) bef
       # per_seed: true                   # or: one warm-up per seed (controller.seed = the seed), each
                                          # seed's cells start from their own (seeds then differ in
                                          # their warm-up too, so their spread includes it)
-      # model: ../other/warmup/sft/model # or: reuse a finished warm-up (an HF model directory)
+      # model: ../other/warmup/sft/model # or: reuse a finished warm-up (an HF model directory); with
+                                         # `{seed}` in it, one per seed (../w/seed{seed}/sft/model)
     resources: {num_cpus: 2}             # per cell: Ray task resources (num_cpus, num_gpus)
     methods:                             # optional: named bundles of dotted overrides, gridded
       dppo: {algorithm.correction: none, algorithm.policy_loss: dppo_tv}   # as the axis `method`
@@ -135,6 +136,18 @@ class StudySpec:
     def per_seed_warmup(self) -> bool:
         """True when each seed has its own warm-up (`warmup.per_seed`)."""
         return bool(self.warmup and self.warmup.get("per_seed"))
+
+    def warmup_models(self) -> Path | dict[int, Path]:
+        """`warmup.model`: the finished warm-up every cell starts from, or with `{seed}` in its path
+        {seed: that seed's}, each checked here, when the study runs (a tool may build them after
+        the spec is written)."""
+        model = self.warmup["model"]
+        if isinstance(model, dict):
+            missing = [str(p) for p in model.values() if not (p / "config.json").is_file()]
+            if missing:
+                raise SpecError(f"{self.path}: warmup.model: {missing} have no config.json (HF model "
+                                "directories): build each seed's warm-up first (the spec's header says how)")
+        return model
 
     def cells(self, warmup_model: Path | Mapping[int, Path] | None = None) -> list[Cell]:
         """Every cell, validated, seed by seed (the order they run in); with `warmup_model` each
@@ -289,9 +302,15 @@ def load_spec(path: str | os.PathLike) -> StudySpec:
         if "model" in warmup:
             need(set(warmup) == {"model"}, "warmup.model",
                  "reuses a finished warm-up: give no overrides or per_seed with it")
-            model = (path.parent / str(warmup["model"])).resolve()
-            need((model / "config.json").is_file(), "warmup.model", f"{model} has no config.json (an HF model directory)")
-            warmup = {"model": model}
+            template = str(warmup["model"])
+            if "{seed}" in template:  # checked when the study runs (warmup_models): built after the spec
+                warmup = {"model": {seed: (path.parent / template.replace("{seed}", str(seed))).resolve()
+                                    for seed in seeds}}
+            else:
+                model = (path.parent / template).resolve()
+                need((model / "config.json").is_file(), "warmup.model",
+                     f"{model} has no config.json (an HF model directory)")
+                warmup = {"model": model}
     resources = data.get("resources") or {}
     need(isinstance(resources, dict) and set(resources) <= set(RESOURCE_KEYS), "resources",
          f"keys must be among {list(RESOURCE_KEYS)}, got {resources!r}")

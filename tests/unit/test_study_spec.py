@@ -153,6 +153,22 @@ def test_warmup_model_reuses_a_finished_warm_up(tmp_path):
     assert spec.warmup_config() is None and spec.warmup["model"] == model.resolve()
 
 
+def test_warmup_model_with_seed_gives_each_seed_its_own_finished_warm_up(tmp_path):
+    from entr_megatron.study.runner import _prepare
+
+    for seed in (3, 5):
+        (tmp_path / f"w{seed}" / "sft" / "model").mkdir(parents=True)
+        (tmp_path / f"w{seed}" / "sft" / "model" / "config.json").write_text("{}")
+    raw = {"grid": {"algorithm.tau": [0.5]}, "seeds": [3, 5, 7], "warmup": {"model": "w{seed}/sft/model"}}
+    with pytest.raises(SpecError, match=r"warmup.model: .*w7/sft/model'\] have no config.json"):
+        _prepare(load_spec(write(tmp_path, raw)), tmp_path / "study")      # checked when it runs
+    spec = load_spec(write(tmp_path, {**raw, "seeds": [3, 5]}))
+    models = _prepare(spec, tmp_path / "study")
+    assert models == {3: (tmp_path / "w3/sft/model").resolve(), 5: (tmp_path / "w5/sft/model").resolve()}
+    paths = {c.axes["controller.seed"]: c.config.model.path for c in spec.cells(warmup_model=models)}
+    assert paths == {3: str(models[3]), 5: str(models[5])}
+
+
 def test_sigterm_starts_no_more_cells_and_a_failure_does_not_stop_the_others(tmp_path, monkeypatch):
     """The runner without processes: each cell attempt is replaced by a function; the first fails,
     the second gets the study a SIGTERM (a preemption) while it runs; no later cell starts."""
