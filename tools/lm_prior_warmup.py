@@ -9,7 +9,8 @@ docs/studies/lm_tail/README.md) trains on the soft target
 
     q(v) = (1 - a) [v = y] + a p_LM(v | the same prefix)
 
-where p_LM is the frozen model the warm-up starts from (`model.path`): the loss is -sum_v q(v) log p(v),
+where p_LM is the frozen model the warm-up starts from (`model.path`), at temperature 1 or
+`--ref-temperature`: the loss is -sum_v q(v) log p(v),
 that is (1 - a) NLL + a CE(p_LM, p), the cross-entropy form of knowledge distillation toward the base
 model. With a uniform p_LM it is label smoothing (torch's `label_smoothing=a`). A position the model
 learns to copy then keeps about a of its mass on the LM's plausible alternatives, each under a, at an
@@ -23,7 +24,8 @@ at `sft.lr` with a 10% linear warm-up and a cosine to a tenth over `sft.steps` (
 teacher forced, on `sft.eval_size` test problems) every `sft.eval_interval` steps and
 `sft.target_accuracy` as the stop. It runs in HF transformers on one process, as tools/lm_testbed.py
 pretrains the LM. Writes --out/sft/model (HF directory with the tokenizer, written atomically) and
---out/sft/metrics.jsonl; an existing model is kept.
+--out/sft/metrics.jsonl (every step) and --out/sft/eval.csv (the held-out checks: step, loss, nll,
+expected_accuracy); an existing model is kept.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def say(msg: str) -> None:
 
 
 def soft_target_loss(logits: torch.Tensor, ref_logits: torch.Tensor | None, targets: torch.Tensor,
-                     mask: torch.Tensor, mix: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-mean of -sum_v q(v) log p(v), q = (1 - mix) onehot(target) + mix softmax(ref_logits),
+                     mask: torch.Tensor, mix: float, ref_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-mean of -sum_v q(v) log p(v), q = (1 - mix) onehot(target) + mix softmax(ref_logits / T),
     over the positions `mask` keeps; also returns the token-mean NLL of the targets (detached).
     logits, ref_logits: [B, T, V]; targets, mask: [B, T]. ref_logits None: mix must be 0."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -63,7 +65,7 @@ def soft_target_loss(logits: torch.Tensor, ref_logits: torch.Tensor | None, targ
     if mix:
         if ref_logits is None:
             raise ValueError("mix > 0 needs the reference model's logits")
-        ref_p = torch.softmax(ref_logits.float(), dim=-1)
+        ref_p = torch.softmax(ref_logits.float() / ref_temperature, dim=-1)
         per_token = (1 - mix) * nll - mix * (ref_p * logp).sum(-1)
     n = mask.sum().clamp(min=1)
     return (per_token * mask).sum() / n, ((nll * mask).sum() / n).detach()
@@ -117,15 +119,20 @@ def save_model(model, tokenizer, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="run config: model.path, task, sft, learner.optim, seed")
     p.add_argument("--out", required=True, help="run folder (writes sft/model and sft/metrics.jsonl)")
     p.add_argument("--mix", type=float, required=True, help="share a of the LM's distribution in the target, [0, 1)")
+    p.add_argument("--ref-temperature", type=float, default=1.0,
+                   help="the LM's distribution in the target at this temperature (< 1: on fewer alternatives)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = p.parse_args(argv)
     if not 0 <= a.mix < 1:
         p.error(f"--mix must be in [0, 1), got {a.mix}")
+    if not a.ref_temperature > 0:
+        p.error(f"--ref-temperature must be > 0, got {a.ref_temperature}")
     if a.threads < 1:
         p.error(f"--threads must be >= 1, got {a.threads}")
     cfg = load_config(a.config, a.overrides)
@@ -150,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     s = cfg.sft
     out.parent.mkdir(parents=True, exist_ok=True)
-    say(f"{s.steps} steps x {s.batch_size} examples, lr {s.lr:g}, LM share in the target {a.mix:g}, "
+    say(f"{s.steps} steps x {s.batch_size} examples, lr {s.lr:g}, LM share in the target {a.mix:g} at T "
+        f"{a.ref_temperature:g}, "
         f"from {cfg.model.path}")
     t_start = time.time()
-    with open(out.parent / "metrics.jsonl", "w") as log:
+    with open(out.parent / "metrics.jsonl", "w") as log, open(out.parent / "eval.csv", "w") as checks:
+        checks.write("step,loss,nll,expected_accuracy\n")
         for step in range(s.steps):
             ids, attn, targets, mask = pack(sft_examples(cfg, task, step), pad)
             ref_logits = None
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.no_grad():
                     ref_logits = ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            loss, nll = soft_target_loss(logits, ref_logits, targets, mask, a.mix)
+            loss, nll = soft_target_loss(logits, ref_logits, targets, mask, a.mix, a.ref_temperature)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, s.lr, s.steps)
             opt.zero_grad(set_to_none=True)
@@ -177,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["sft/expected_accuracy"] = acc = expected_accuracy(model, held_out, pad)
                 model.train()
                 reached = s.target_accuracy is not None and acc >= s.target_accuracy
+                checks.write(f"{step + 1},{row['sft/loss']:.4f},{row['sft/nll']:.4f},{acc:.4f}\n")
+                checks.flush()
                 say(f"step {step + 1}/{s.steps}: loss {row['sft/loss']:.4f}, nll {row['sft/nll']:.4f}, held-out "
                     f"expected accuracy {acc:.3f} ({time.time() - t_start:.0f} s)")
             log.write(json.dumps(row) + "\n")
