@@ -1,7 +1,7 @@
 """A task warm-up whose targets keep a share of the pretrained LM's next-token distribution.
 
     python tools/lm_prior_warmup.py --config examples/studies/lm_tail/base.yaml --mix 0.01 \
-        --out runs/a/warmup [--target-accuracy 0.5] key=value ...     # writes --out/sft/model
+        --out runs/a/warmup [--ref-temperature 0.5] key=value ...     # writes --out/sft/model
 
 The system's warm-up (`entr-megatron sft`) minimises the NLL of the target tokens, which drives a
 sure position's tail toward zero. This one (the long-tail testbed's attempt 25,
@@ -10,15 +10,16 @@ docs/studies/lm_tail/README.md) trains on the soft target
     q(v) = (1 - a) [v = y] + a p_LM(v | the same prefix)
 
 where p_LM is the frozen model the warm-up starts from (`model.path`), at temperature 1 or
-`--ref-temperature`: the loss is -sum_v q(v) log p(v),
-that is (1 - a) NLL + a CE(p_LM, p), the cross-entropy form of knowledge distillation toward the base
-model. With a uniform p_LM it is label smoothing (torch's `label_smoothing=a`). A position the model
-learns to copy then keeps about a of its mass on the LM's plausible alternatives, each under a, at an
-entropy of about a (ln(1/a) + H(p_LM)): the long tail at sure positions that a large LM's pretraining
-leaves and the 5 M testbed LM loses in a hard-target warm-up.
+`--ref-temperature`: the loss is -sum_v q(v) log p(v), that is (1 - a) NLL + a CE(p_LM, p), the
+cross-entropy form of knowledge distillation toward the base model. With a uniform p_LM it is label
+smoothing (torch's `label_smoothing=a`). A position the model learns to copy then keeps about a of
+its mass on the LM's plausible alternatives, each under a, at an entropy of about
+a (ln(1/a) + H(p_LM)): the long tail at sure positions that a large LM's pretraining leaves and the
+5 M testbed LM loses in a hard-target warm-up.
 
 Everything else is the system's warm-up: the examples of step s (`controller.job.sft.sft_examples`,
-the same seeds), `sft.batch_size`, Adam (`learner.optim`'s betas, eps, weight decay and clipping)
+the same seeds), `sft.batch_size`, Adam (`learner.optim`'s betas, eps, weight decay, here on every
+parameter where Megatron exempts norms and biases, the same at base.yaml's 0, and clipping)
 at `sft.lr` with a 10% linear warm-up and a cosine to a tenth over `sft.steps` (as
 `sft_learner_config`), token-mean loss, the held-out expected accuracy (mean p(reference | prompt),
 teacher forced, on `sft.eval_size` test problems) every `sft.eval_interval` steps and
@@ -54,8 +55,8 @@ def say(msg: str) -> None:
     print(f"[lm_prior_warmup] {msg}", flush=True)
 
 
-def soft_target_loss(logits: torch.Tensor, ref_logits: torch.Tensor | None, targets: torch.Tensor,
-                     mask: torch.Tensor, mix: float, ref_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_target_loss(logits: torch.Tensor, ref_logits: torch.Tensor | None, targets: torch.Tensor, mask: torch.Tensor,
+                     mix: float, ref_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-mean of -sum_v q(v) log p(v), q = (1 - mix) onehot(target) + mix softmax(ref_logits / T),
     over the positions `mask` keeps; also returns the token-mean NLL of the targets (detached).
     logits, ref_logits: [B, T, V]; targets, mask: [B, T]. ref_logits None: mix must be 0."""
@@ -158,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     s = cfg.sft
     out.parent.mkdir(parents=True, exist_ok=True)
     say(f"{s.steps} steps x {s.batch_size} examples, lr {s.lr:g}, LM share in the target {a.mix:g} at T "
-        f"{a.ref_temperature:g}, "
-        f"from {cfg.model.path}")
+        f"{a.ref_temperature:g}, from {cfg.model.path}")
     t_start = time.time()
     with open(out.parent / "metrics.jsonl", "w") as log, open(out.parent / "eval.csv", "w") as checks:
         checks.write("step,loss,nll,expected_accuracy\n")
