@@ -19,21 +19,21 @@ a (ln(1/a) + H(p_LM)): the long tail at sure positions that a large LM's pretrai
 
 Everything else is the system's warm-up: the examples of step s (`controller.job.sft.sft_examples`,
 the same seeds), `sft.batch_size`, Adam (`learner.optim`'s betas, eps, weight decay, here on every
-parameter where Megatron exempts norms and biases, the same at base.yaml's 0, and clipping)
-at `sft.lr` with a 10% linear warm-up and a cosine to a tenth over `sft.steps` (as
-`sft_learner_config`), token-mean loss, the held-out expected accuracy (mean p(reference | prompt),
-teacher forced, on `sft.eval_size` test problems) every `sft.eval_interval` steps and
-`sft.target_accuracy` as the stop. It runs in HF transformers on one process, as tools/lm_testbed.py
-pretrains the LM. Writes --out/sft/model (HF directory with the tokenizer, written atomically) and
---out/sft/metrics.jsonl (every step) and --out/sft/eval.csv (the held-out checks: step, loss, nll,
-expected_accuracy); an existing model is kept.
+parameter where Megatron exempts norms and biases, the same at base.yaml's 0, and clipping) with
+`sft_learner_config`'s schedule (`sft.lr`, a 10% linear warm-up and a cosine to a tenth over
+`sft.steps`, through Megatron's scheduler, `learner.optimizer.lr_scheduler`), token-mean loss, the
+held-out expected accuracy (mean p(reference | prompt), teacher forced, on `sft.eval_size` test
+problems) every `sft.eval_interval` steps and `sft.target_accuracy` as the stop. It runs in HF
+transformers on one process, as tools/lm_testbed.py pretrains the LM. Writes --out/sft/model (HF
+directory with the tokenizer, written atomically) and --out/sft/metrics.jsonl (every step) and
+--out/sft/eval.csv (the held-out checks: step, loss, nll, expected_accuracy); an existing model is
+kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -47,6 +47,8 @@ import transformers  # noqa: E402
 
 from entr_megatron.config.loader import load_config  # noqa: E402
 from entr_megatron.controller.job.sft import sft_examples  # noqa: E402
+from entr_megatron.controller.ranks.learner_worker import sft_learner_config  # noqa: E402
+from entr_megatron.learner.optimizer import lr_scheduler  # noqa: E402
 from entr_megatron.rollout.hf_model import load_causal_lm  # noqa: E402
 from entr_megatron.tasks import TASK_BUILDERS, load_tokenizer  # noqa: E402
 
@@ -70,18 +72,6 @@ def soft_target_loss(logits: torch.Tensor, ref_logits: torch.Tensor | None, targ
         per_token = (1 - mix) * nll - mix * (ref_p * logp).sum(-1)
     n = mask.sum().clamp(min=1)
     return (per_token * mask).sum() / n, ((nll * mask).sum() / n).detach()
-
-
-def lr_at(step: int, lr: float, steps: int) -> float:
-    """The system's warm-up schedule (sft_learner_config): linear from 0 over steps // 10 steps, then
-    cosine from lr to lr / 10 at `steps` (Megatron's OptimizerParamScheduler)."""
-    warmup = steps // 10
-    if warmup and step < warmup:
-        return lr * step / warmup
-    if steps <= warmup + 1:
-        return lr
-    done = min(1.0, (step - warmup) / (steps - warmup))
-    return lr / 10 + (lr - lr / 10) * 0.5 * (1 + math.cos(math.pi * done))
 
 
 def pack(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -151,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"task {cfg.task.name!r} generates no SFT data")
     model = load_causal_lm(cfg.model.path, dtype="float32", init="pretrained").train().requires_grad_(True)
     ref = load_causal_lm(cfg.model.path, dtype="float32", init="pretrained") if a.mix else None
-    o = cfg.learner.optim
+    o = sft_learner_config(cfg).optim    # the system warm-up's optimizer settings and schedule
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                             weight_decay=o.weight_decay)
+    scheduler = lr_scheduler(opt, o)
     held_out = task.sft_examples("test", cfg.sft.eval_size, seed=cfg.controller.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     s = cfg.sft
@@ -171,15 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                     ref_logits = ref(input_ids=ids, attention_mask=attn).logits[:, :-1]
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             loss, nll = soft_target_loss(logits, ref_logits, targets, mask, a.mix, a.ref_temperature)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, s.lr, s.steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad or float("inf"))
-            if torch.isfinite(norm):
+            lr = opt.param_groups[0]["lr"]
+            if torch.isfinite(norm):      # as optimizer_step: a skipped step does not advance the schedule
                 opt.step()
-            row = {"step": step, "sft/loss": loss.item(), "sft/nll": nll.item(), "grad_norm": norm.item(),
-                   "lr": opt.param_groups[0]["lr"]}
+                scheduler.step(1)
+            row = {"step": step, "sft/loss": loss.item(), "sft/nll": nll.item(), "grad_norm": norm.item(), "lr": lr}
             reached = False
             if (step + 1) % s.eval_interval == 0 or step + 1 == s.steps:
                 model.eval()

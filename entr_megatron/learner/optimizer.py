@@ -27,9 +27,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from entr_megatron.config.learner import LearnerConfig
+from entr_megatron.config.learner import LearnerConfig, OptimConfig
 
-__all__ = ["StepResult", "build_optimizer", "check_training_config", "optimizer_step", "wrap_model_chunks"]
+__all__ = ["StepResult", "build_optimizer", "check_training_config", "lr_scheduler", "optimizer_step",
+           "wrap_model_chunks"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,13 @@ def build_optimizer(model_chunks: list[DistributedDataParallel], learner_cfg: Le
     optimizer = get_megatron_optimizer(opt_config, model_chunks, use_gloo_process_groups=True)
     # Megatron scales the loss through this before backward (1 for fp32/bf16).
     get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
-    scheduler = OptimizerParamScheduler(
+    return optimizer, lr_scheduler(optimizer, o)
+
+
+def lr_scheduler(optimizer, o: OptimConfig) -> OptimizerParamScheduler:
+    """Megatron's ``OptimizerParamScheduler`` for `o`'s schedule (any optimizer with param_groups):
+    advance it by one (``step(1)``) after each applied optimizer step."""
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=o.lr_warmup_init if o.lr_warmup_steps > 0 else o.lr,
         max_lr=o.lr, min_lr=o.min_lr,
@@ -111,7 +118,6 @@ def build_optimizer(model_chunks: list[DistributedDataParallel], learner_cfg: Le
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=o.schedule_decay_steps,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
 
 
 @dataclass(frozen=True)

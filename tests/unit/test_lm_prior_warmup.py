@@ -58,18 +58,23 @@ def test_reference_distribution_mixed_into_the_target_by_hand(tool):
         tool.soft_target_loss(logits, None, targets, mask, mix)
 
 
-def test_schedule_is_the_system_warm_ups_megatron_schedule(tool):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def test_schedule_is_linear_then_cosine_to_a_tenth(tool):
+    """The scheduler the tool builds (sft_learner_config through lr_scheduler) against the schedule
+    written out: linear from 0 over steps // 10 steps, then cosine from lr to lr / 10 at `steps`."""
+    from entr_megatron.config.loader import load_config
 
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
     for steps in (40, 600):
         lr = 1e-3
+        cfg = load_config(str(root / "examples/studies/lm_tail/base.yaml"), [f"sft.steps={steps}", f"sft.lr={lr}"])
         opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-        warmup = steps // 10        # as sft_learner_config sets it
-        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=warmup,
-                                        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
-                                        wd_incr_steps=steps, wd_incr_style="constant")
+        sched = tool.lr_scheduler(opt, tool.sft_learner_config(cfg).optim)
+        warmup = steps // 10
         for step in range(steps):
-            assert tool.lr_at(step, lr, steps) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-15)
+            done = (step - warmup) / (steps - warmup)
+            cosine = lr / 10 + 0.9 * lr * 0.5 * (1 + math.cos(math.pi * done))
+            expected = lr * step / warmup if step < warmup else cosine
+            assert opt.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-9, abs=1e-15)
             sched.step(1)
 
 
