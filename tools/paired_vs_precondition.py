@@ -113,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lag", default="32", help="the cells' controller.inter_lag (default 32)")
     p.add_argument("--source", default="both", choices=["numerics", "staleness", "both"])
     p.add_argument("--engine", default="bf16", help="the precondition row's engine (default bf16)")
-    p.add_argument("--title", default="Paired differences against the measured precondition, per seed")
+    p.add_argument("--title", help="the table's heading (default: names the cells and the attempt folder)")
     p.add_argument("--out", type=Path, help="write the markdown here (default: print it)")
     args = p.parse_args(argv)
     if not args.cells.is_file():
         p.error(f"{args.cells}: no such file; give a study report's cells.csv")
     text = report(pd.read_csv(args.cells), precondition_rows(args.precondition, args.source, args.engine),
-                  args.lag, args.contrast, args.title)
+                  args.lag, args.contrast,
+                  args.title or f"{args.cells} against the precondition in {args.precondition}, per seed")
     if args.out is None:
         print(text, end="")
     else:
