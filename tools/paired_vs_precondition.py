@@ -56,11 +56,13 @@ def contrast_columns(cells: pd.DataFrame, lag: str, contrasts: list[tuple[str, s
     rows = cells[cells[LAG].map(_label) == lag] if LAG in cells else cells
     if "state" in rows:
         rows = rows[rows["state"] == "done"]
-    out = pd.DataFrame(index=sorted({_label(s) for s in rows[SEED]}))
+    rows = rows.assign(seed=rows[SEED].map(_label))
+    tables = {column: rows.pivot_table(index="seed", columns="method", values=column, aggfunc="first")
+              for column, _ in MEASURES}
+    out = pd.DataFrame(index=sorted(set(rows["seed"])))
     for a, b in contrasts:
         for column, name in MEASURES:
-            table = rows.assign(seed=rows[SEED].map(_label)).pivot_table(index="seed", columns="method",
-                                                                         values=column, aggfunc="first")
+            table = tables[column]
             if a in table and b in table:
                 out[f"{a} - {b}, {name}"] = table[a] - table[b]
     return out
