@@ -32,7 +32,7 @@ from paired_differences import plot_differences  # noqa: E402
 
 from entr_megatron.study.paired import paired_differences  # noqa: E402
 from entr_megatron.study.plots import markdown_table  # noqa: E402
-from entr_megatron.study.results import SEED_AXIS, _label  # noqa: E402
+from entr_megatron.study.results import SEED_AXIS, axis_label  # noqa: E402
 
 LAG = "controller.inter_lag"
 METHOD = "method"
@@ -54,7 +54,7 @@ def select(cells: pd.DataFrame, **where: str) -> pd.DataFrame:
     rows = cells[cells["state"] == "done"] if "state" in cells else cells
     for axis, value in where.items():
         column = LAG if axis == "inter_lag" else axis
-        rows = rows[rows[column].map(_label) == value]
+        rows = rows[rows[column].map(axis_label) == value]
     return rows
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from entr_megatron.study.paired import paired_differences  # noqa: E402
 from entr_megatron.study.plots import markdown_table  # noqa: E402
 from entr_megatron.study.report import load_cells  # noqa: E402
-from entr_megatron.study.results import SEED_AXIS, _label  # noqa: E402
+from entr_megatron.study.results import SEED_AXIS, axis_label  # noqa: E402
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in args.where:
             col = _column(frame, key)
             if col is not None:
-                frame = frame[frame[col].map(_label) == value].drop(columns=[col])
+                frame = frame[frame[col].map(axis_label) == value].drop(columns=[col])
         frames.append(frame.assign(_study=str(study)))
     ref_key, ref_value = args.reference
     cells = pd.concat(frames, ignore_index=True)

@@ -24,7 +24,7 @@ import math
 
 import pandas as pd
 
-from entr_megatron.study.results import SEED_AXIS, _label
+from entr_megatron.study.results import SEED_AXIS, axis_label
 
 __all__ = ["mean_interval", "paired_differences", "sign_test_p"]
 
@@ -43,9 +43,9 @@ def paired_differences(cells: pd.DataFrame, axes: Sequence[str], reference: Mapp
     others = [a for a in axes if a not in reference]
 
     def key(row: pd.Series, names: Sequence[str]) -> tuple[str, ...]:
-        return tuple(_label(row[a]) if a in row and pd.notna(row[a]) else "" for a in names)
+        return tuple(axis_label(row[a]) if a in row and pd.notna(row[a]) else "" for a in names)
 
-    is_ref = rows.apply(lambda r: all(key(r, [k]) == (_label(v),) for k, v in reference.items()), axis=1) \
+    is_ref = rows.apply(lambda r: all(key(r, [k]) == (axis_label(v),) for k, v in reference.items()), axis=1) \
         if len(rows) else pd.Series([], dtype=bool)
     ref_value = {key(r, others): float(r[column]) for _, r in rows[is_ref].iterrows()}
     groups: dict[tuple[str, ...], list[tuple[str, float]]] = {}

@@ -23,7 +23,7 @@ from entr_megatron.study import plots
 from entr_megatron.study.fits import SigmoidFit, fit_frame, fit_groups
 from entr_megatron.study.paired import paired_differences
 from entr_megatron.study.plots import LAG, METHOD, final_accuracy_table, lag_order, markdown_table
-from entr_megatron.study.results import (NONFINITE_GUARDED, SEED_AXIS, StudyInfo, _Cell, _label, _results,
+from entr_megatron.study.results import (NONFINITE_GUARDED, SEED_AXIS, StudyInfo, _Cell, _results, axis_label,
                                         load_results, read_study)
 from entr_megatron.study.table import key_columns, parquet_safe
 
@@ -199,8 +199,8 @@ def load_cells(study_dir: str | os.PathLike) -> pd.DataFrame:
 
 def _group_of(axes: Mapping[str, Any], info: StudyInfo) -> tuple[str, str]:
     """(method, lag) labels of a cell's axes."""
-    return (_label(axes.get(info.method)) if info.method else "run",
-            _label(axes.get(info.lag)) if info.lag else NO_LAG)
+    return (axis_label(axes.get(info.method)) if info.method else "run",
+            axis_label(axes.get(info.lag)) if info.lag else NO_LAG)
 
 
 def _grouped(info: StudyInfo, frame: pd.DataFrame) -> pd.DataFrame:
@@ -217,7 +217,7 @@ def final_accuracy_stats(cells: pd.DataFrame, info: StudyInfo) -> pd.DataFrame:
 
 
 def _matches(axes: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
-    return all(k in axes and _label(axes[k]) == _label(v) for k, v in wanted.items())
+    return all(k in axes and axis_label(axes[k]) == axis_label(v) for k, v in wanted.items())
 
 
 def _group_curve(cells: list[_Cell]) -> tuple[pd.Series, float]:
@@ -273,7 +273,7 @@ def speedup_table(info: StudyInfo) -> tuple[pd.DataFrame | None, str]:
             continue
         target = SPEEDUP_TARGET_FRACTION * min(final, ref_final)
         t, t_ref = _time_to(curve, target), _time_to(ref_curve, target)
-        ref_desc = ", ".join(f"{k}={_label(v)}" for k, v in {**ref, **keep}.items())
+        ref_desc = ", ".join(f"{k}={axis_label(v)}" for k, v in {**ref, **keep}.items())
         records.append({"method": m, "lag": lag, "reference": ref_desc, "target": target, "time_s": t,
                         "reference_time_s": t_ref, "speedup": t_ref / t if t > 0 and t_ref > 0 else math.nan,
                         "seeds": len(mine), "reference_seeds": len(refs)})

@@ -75,7 +75,7 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _label(value: Any) -> str:
+def axis_label(value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return str(value)
@@ -138,7 +138,8 @@ def _with_method(info: StudyInfo, axes: dict[str, Any]) -> dict[str, Any]:
     study's methods are combinations of several axes."""
     if not info.method_of:
         return axes
-    label = ",".join(f"{a.rsplit('.', 1)[-1]}={_label(axes.get(a))}" for a in info.method_of if axes.get(a) is not None)
+    label = ",".join(f"{a.rsplit('.', 1)[-1]}={axis_label(axes.get(a))}"
+                     for a in info.method_of if axes.get(a) is not None)
     return {**axes, COMBINED_METHOD: label}
 
 
