@@ -5,8 +5,9 @@
 Writes into --out: `study report`'s report.md, cells.csv and plots (its raw results.csv and
 results.parquet are removed: cells.csv holds every cell's axes and accuracies); paired.md (K = 32:
 each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png;
-each method minus none; naive + ENTR's mask minus naive); paired_k0.md (K = 0: each method minus
-ENTR, DPPO minus none, and for every method run at both lags K = 32 minus K = 0); masks_by_entropy.md and
+each method minus none; naive + ENTR's mask and IcePop minus naive; naive + ENTR's mask minus
+IcePop); paired_k0.md (K = 0: each method minus ENTR, DPPO minus none, and for every method run at
+both lags K = 32 minus K = 0); masks_by_entropy.md and
 masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
 written cells.csv, so a figure the docs quote from these files is one the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
@@ -63,13 +64,13 @@ def pairs(cells: pd.DataFrame, axis: str, reference: str, column: str) -> pd.Dat
     return paired_differences(cells, [axis, SEED_AXIS], {axis: reference}, column=column)
 
 
-def table(cells: pd.DataFrame, axis: str, reference: str, column: str, keep: str | None = None,
+def table(cells: pd.DataFrame, axis: str, reference: str, column: str, keep: tuple[str, ...] | None = None,
           result: pd.DataFrame | None = None) -> str:
-    """The markdown table of `pairs` (or `result`, already computed); `keep`: only that group's
-    row, e.g. "method=naive_entr"."""
+    """The markdown table of `pairs` (or `result`, already computed); `keep`: only those groups'
+    rows, e.g. ("method=naive_entr",)."""
     result = pairs(cells, axis, reference, column) if result is None else result
     if keep is not None:
-        result = result[result["group"] == keep]
+        result = result[result["group"].isin(keep)]
     return markdown_table(result.round(4)) if len(result) else "(no pairs: a side has not run)"
 
 
@@ -89,9 +90,14 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     for column, title in COLUMNS:
         parts += [f"{_name(title)}:", "", table(stale, METHOD, "none", column), ""]
     parts += ["## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against pi_old, "
-              "mu ignored)", ""]
+              "mu ignored); IcePop, the published mask on that loss, beside it", ""]
     for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column, keep="method=naive_entr"), ""]
+        parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column,
+                                                keep=("method=naive_entr", "method=icepop")), ""]
+    parts += ["## Two masks on the pi_old loss: naive + ENTR's mask minus IcePop (as published: PPO against "
+              "pi_old, its band on pi_old / mu)", ""]
+    for column, title in COLUMNS:
+        parts += [f"{_name(title)}:", "", table(stale, METHOD, "icepop", column, keep=("method=naive_entr",)), ""]
     plot = out / PAIRED_PLOT
     if len(versus_entr["eval_after_sampled"]):
         plot_differences(versus_entr["eval_after_sampled"], plot, "eval_after_sampled minus method=entr's, same seed")
@@ -108,7 +114,7 @@ def paired_k0(cells: pd.DataFrame) -> str:
         parts += [f"{_name(title)}:", "", table(fresh, METHOD, PRIMARY, column), ""]
     parts += ["## K = 0: DPPO minus none, same seed", ""]
     for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(fresh, METHOD, "none", column, keep="method=dppo"), ""]
+        parts += [f"{_name(title)}:", "", table(fresh, METHOD, "none", column, keep=("method=dppo",)), ""]
     parts += ["## What 32 versions of staleness cost: K = 32 minus K = 0, same method and seed", ""]
     both = sorted(set(select(cells, inter_lag=STALE)[METHOD]) & set(fresh[METHOD]))
     for method in both:

@@ -19,6 +19,7 @@ ACC = {
     (32, "none", 0): (0.15, 0.10), (32, "none", 1): (0.10, 0.40),
     (32, "naive", 0): (0.01, 0.02), (32, "naive", 1): (0.03, 0.05),
     (32, "naive_entr", 0): (0.02, 0.02), (32, "naive_entr", 1): (0.00, 0.05),
+    (32, "icepop", 0): (0.05, 0.10), (32, "icepop", 1): (0.02, 0.04),
     (0, "entr", 0): (0.30, 0.40), (0, "entr", 1): (0.25, 0.35),
     (0, "none", 0): (0.35, 0.40), (0, "none", 1): (0.40, 0.45),
     (0, "dppo", 0): (0.20, 0.30), (0, "dppo", 1): (0.30, 0.50),
@@ -57,6 +58,10 @@ def test_k32_each_method_minus_entr_and_the_rescue_contrast(tmp_path):
     rescue = row(text, "## Does ENTR's mask", "method=naive_entr")
     assert rescue[2] == "+0.010 (seed 0), -0.030 (seed 1)"
     assert "| method=none |" not in text.split("## Does ENTR's mask")[1]
+    assert row(text, "## Does ENTR's mask", "method=icepop")[2] == "+0.040 (seed 0), -0.010 (seed 1)"
+    two_masks = [line.split("|")[3].strip() for line in text.split("## Two masks")[1].splitlines()
+                 if line.startswith("| method=naive_entr |")]
+    assert two_masks == ["-0.030 (seed 0), -0.020 (seed 1)", "-0.080 (seed 0), +0.010 (seed 1)"]  # sampled, greedy
     assert (tmp_path / "k32_paired_vs_entr.png").stat().st_size > 0
 
 
