@@ -78,6 +78,14 @@ def _name(title: str) -> str:
     return title.split(" (")[0]
 
 
+def section(heading: str, cells: pd.DataFrame, reference: str, keep: tuple[str, ...] | None = None) -> list[str]:
+    """`heading`, then the sampled and the greedy table of each method minus `reference` (only `keep`'s rows)."""
+    parts = [heading, ""]
+    for column, title in COLUMNS:
+        parts += [f"{_name(title)}:", "", table(cells, METHOD, reference, column, keep=keep), ""]
+    return parts
+
+
 def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     stale = select(cells, inter_lag=STALE)
     parts = [HEADER, "", "# lm_tail, K = 32: each method minus ENTR (H(mu)), same seed, held-out accuracy after RL",
@@ -86,18 +94,12 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     versus_entr = {column: pairs(stale, METHOD, PRIMARY, column) for column, _ in COLUMNS}
     for column, title in COLUMNS:
         parts += [f"## {title}", "", table(stale, METHOD, PRIMARY, column, result=versus_entr[column]), ""]
-    parts += ["## Each method minus none (PPO-clip against mu, no mask), same seed", ""]
-    for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(stale, METHOD, "none", column), ""]
-    parts += ["## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against pi_old, "
-              "mu ignored); IcePop, the published mask on that loss, beside it", ""]
-    for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(stale, METHOD, "naive", column,
-                                                keep=("method=naive_entr", "method=icepop")), ""]
-    parts += ["## Two masks on the pi_old loss: naive + ENTR's mask minus IcePop (as published: PPO against "
-              "pi_old, its band on pi_old / mu)", ""]
-    for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(stale, METHOD, "icepop", column, keep=("method=naive_entr",)), ""]
+    parts += section("## Each method minus none (PPO-clip against mu, no mask), same seed", stale, "none")
+    parts += section("## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against "
+                     "pi_old, mu ignored); IcePop, the published mask on that loss, beside it", stale, "naive",
+                     keep=("method=naive_entr", "method=icepop"))
+    parts += section("## Two masks on the pi_old loss: naive + ENTR's mask minus IcePop (as published: PPO against "
+                     "pi_old, its band on pi_old / mu)", stale, "icepop", keep=("method=naive_entr",))
     plot = out / PAIRED_PLOT
     if len(versus_entr["eval_after_sampled"]):
         plot_differences(versus_entr["eval_after_sampled"], plot, "eval_after_sampled minus method=entr's, same seed")
@@ -108,13 +110,9 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
 
 def paired_k0(cells: pd.DataFrame) -> str:
     fresh = select(cells, inter_lag=FRESH)
-    parts = [HEADER, "", "# lm_tail: the K = 0 cells, and what K = 32 costs each method", "", LEGEND, "",
-             "## K = 0: each method minus ENTR (H(mu)), same seed", ""]
-    for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(fresh, METHOD, PRIMARY, column), ""]
-    parts += ["## K = 0: DPPO minus none, same seed", ""]
-    for column, title in COLUMNS:
-        parts += [f"{_name(title)}:", "", table(fresh, METHOD, "none", column, keep=("method=dppo",)), ""]
+    parts = [HEADER, "", "# lm_tail: the K = 0 cells, and what K = 32 costs each method", "", LEGEND, ""]
+    parts += section("## K = 0: each method minus ENTR (H(mu)), same seed", fresh, PRIMARY)
+    parts += section("## K = 0: DPPO minus none, same seed", fresh, "none", keep=("method=dppo",))
     parts += ["## What 32 versions of staleness cost: K = 32 minus K = 0, same method and seed", ""]
     both = sorted(set(select(cells, inter_lag=STALE)[METHOD]) & set(fresh[METHOD]))
     for method in both:
