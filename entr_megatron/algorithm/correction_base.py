@@ -41,7 +41,7 @@ class CorrectionOutput(NamedTuple):
     metrics: dict[str, Tensor]
     entr_score_BT: Tensor | None = None
     """ENTR's score delta^2 / (H + eps) on these tokens when the correction computed it (entr, or
-    any correction with add_entr_mask), for the metrics and diagnostics to reuse."""
+    any correction with add_entr_mask or add_random_mask), for the metrics and diagnostics to reuse."""
 
 
 class CorrectionInputs(NamedTuple):

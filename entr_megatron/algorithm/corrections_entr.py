@@ -5,7 +5,8 @@ a recomputed old policy is not needed and is ignored. The ablations drop exactly
 tokens as ENTR would on the same micro-batch, chosen otherwise: `matched_band` the largest
 |delta| (a magnitude-only band at ENTR's fraction), `matched_random` at random. What ENTR
 gains over them is what judging |delta| against the entropy gains. `random_drop`, a control, drops
-a fixed share of the tokens at random, whatever ENTR would drop.
+a fixed share of the tokens at random, whatever ENTR would drop. `with_added_mask` puts ENTR's rule,
+or matched_random's choice, on top of another correction (algorithm.add_entr_mask, add_random_mask).
 """
 
 from __future__ import annotations
@@ -130,17 +131,25 @@ def random_drop_correction(inputs: CorrectionInputs, cfg: AlgorithmConfig) -> Co
     return finish("random_drop", x, cfg, torch.ones_like(x.delta_BT), keep_BT, x.behaviour_BT)
 
 
-def with_entr_mask(out: CorrectionOutput, inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
-    """Another correction's output with ENTR's keep rule added (cfg.add_entr_mask): a token is kept
-    when the correction keeps it AND delta^2 / (H + eps) <= tau, delta = log pi_theta / mu. The
-    weight, anchor and denominator stay the correction's: on `naive` (PPO against pi_old, mu
-    unused) this is the paper's claim, ENTR's mask rescuing asynchronous GRPO. Metric
-    `entr/mask_fraction`: the tokens ENTR's rule alone drops."""
+def with_added_mask(out: CorrectionOutput, inputs: CorrectionInputs, cfg: AlgorithmConfig) -> CorrectionOutput:
+    """Another correction's output with a second keep rule added: a token is kept when the correction
+    keeps it AND the added rule does. The weight, anchor and denominator stay the correction's.
+
+    cfg.add_entr_mask: ENTR's rule, delta^2 / (H + eps) <= tau, delta = log pi_theta / mu; on `naive`
+    (PPO against pi_old, mu unused) this is the paper's claim, ENTR's mask rescuing asynchronous GRPO.
+    cfg.add_random_mask: its control, as many valid tokens as ENTR's rule drops on this micro-batch,
+    chosen uniformly (matched_random's choice). Metric `entr/mask_fraction`: the tokens ENTR's rule
+    alone drops (the random mask's size too)."""
     x = prepare_inputs(inputs, use_old=False)
     score_BT = entr_score(x.delta_BT, x.entropy_BT, cfg.entr_eps)
     entr_keep_BT = score_BT <= cfg.tau  # entr_mask's rule
-    keep_BT = out.keep_mask_BT & entr_keep_BT
     metrics = {**out.metrics, "entr/mask_fraction": masked_fraction(~entr_keep_BT, x.valid_BT)}
+    if cfg.add_random_mask:
+        added_keep_BT = _drop_at_random(x, int((x.valid_BT & ~entr_keep_BT).sum()))
+        metrics["random_mask/mask_fraction"] = masked_fraction(~added_keep_BT, x.valid_BT)
+    else:
+        added_keep_BT = entr_keep_BT
+    keep_BT = out.keep_mask_BT & added_keep_BT
     denominator_BT = out.denominator_BT if cfg.counts_rejected else out.denominator_BT & keep_BT
     return out._replace(weight_BT=torch.where(keep_BT, out.weight_BT, torch.zeros_like(out.weight_BT)),
                         keep_mask_BT=keep_BT, denominator_BT=denominator_BT, metrics=metrics, entr_score_BT=score_BT)

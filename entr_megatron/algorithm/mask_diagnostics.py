@@ -75,7 +75,8 @@ def counterfactual_mask_metrics(inputs: CorrectionInputs, advantages_BT: Tensor,
                                                     low, high, "tv")
         else:
             rule_cfg = dataclasses.replace(cfg, correction=rule, correction_mode="mask_only",
-                                           rejected_in_denominator=None, add_entr_mask=False)
+                                           rejected_in_denominator=None, add_entr_mask=False,
+                                           add_random_mask=False)
             dropped_BT = valid_BT & ~CORRECTIONS[rule](same_tokens, rule_cfg).keep_mask_BT
         metrics[f"counterfactual/{rule}/mask_fraction"] = masked_fraction(dropped_BT, valid_BT)
     return metrics

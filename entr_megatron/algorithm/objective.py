@@ -17,7 +17,7 @@ from torch import Tensor
 from entr_megatron.algorithm.aggregation import Count, aggregate_loss
 from entr_megatron.algorithm.correction_base import CorrectionInputs
 from entr_megatron.algorithm.corrections import CORRECTIONS
-from entr_megatron.algorithm.corrections_entr import with_entr_mask
+from entr_megatron.algorithm.corrections_entr import with_added_mask
 from entr_megatron.algorithm.mask_diagnostics import counterfactual_mask_metrics, effective_mask_fraction
 from entr_megatron.algorithm.masked_ops import broadcast_to_tokens
 from entr_megatron.algorithm.metrics import mismatch_metrics
@@ -79,8 +79,8 @@ def policy_loss_terms(
     inputs = CorrectionInputs(logprobs_BT, behaviour_logprobs_BT, entropy_BT, mask_BT, old_logprobs_BT, collision_BT,
                               versions_BT, policy_version, advantages_BT)
     correction = CORRECTIONS[cfg.correction](inputs, cfg)
-    if cfg.add_entr_mask:
-        correction = with_entr_mask(correction, inputs, cfg)
+    if cfg.add_entr_mask or cfg.add_random_mask:
+        correction = with_added_mask(correction, inputs, cfg)
     loss = POLICY_LOSSES[cfg.policy_loss](
         LossInputs(logprobs_BT, correction.anchor_logprobs_BT, advantages_BT,
                    correction.weight_BT, correction.keep_mask_BT, mask_BT),

@@ -261,6 +261,13 @@ class AlgorithmConfig:
     `policy_loss: reinforce` with `correction: none` and this asks whether the mask alone is a
     trust region. Not with the ENTR family or its matched ablations (they are the rule)."""
 
+    add_random_mask: bool = False
+    """The control of add_entr_mask: on top of another correction, drop as many valid tokens as ENTR's
+    rule (tau, entr_eps, entropy_source) would drop on each micro-batch, chosen uniformly at random
+    (matched_random's choice); the correction's weight, anchor and denominator stay. `correction:
+    naive` with this asks whether ENTR's rescue of asynchronous GRPO lies in which tokens it drops or
+    in how many. Not with add_entr_mask, nor with the ENTR family or its matched ablations."""
+
     mask_diagnostics: bool = True
     """Per step, what the mask did on its own tokens (algorithm/mask_diagnostics.py):
     `mask/effective_fraction` (dropped tokens that would otherwise carry a gradient) and
@@ -293,11 +300,17 @@ class AlgorithmConfig:
         boolean(self, "measure_unreplayed")
         boolean(self, "mask_diagnostics")
         boolean(self, "add_entr_mask")
-        if self.add_entr_mask and self.correction in ("entr", "entr_calibrated", "entr_soft", "matched_band",
-                                                      "matched_random"):
-            raise bad(self, "add_entr_mask", True,
-                      "must be false: it adds ENTR's rule to another correction, and this one is ENTR's rule "
-                      "(or its matched ablation) already", when=f"correction={self.correction!r}")
+        boolean(self, "add_random_mask")
+        for added in ("add_entr_mask", "add_random_mask"):
+            if getattr(self, added) and self.correction in ("entr", "entr_calibrated", "entr_soft", "matched_band",
+                                                            "matched_random"):
+                raise bad(self, added, True,
+                          "must be false: it adds a mask of ENTR's rule (or of its size) to another correction, and "
+                          "this one is ENTR's rule (or its matched ablation) already",
+                          when=f"correction={self.correction!r}")
+        if self.add_entr_mask and self.add_random_mask:
+            raise bad(self, "add_random_mask", True, "must be false beside add_entr_mask: it is that mask's control "
+                      "(choose one)", when="add_entr_mask=true")
         if self.correction_mode == "mask_only" and self.correction in ("tis", "naive"):
             raise bad(
                 self, "correction_mode", self.correction_mode, "use correction_mode='published'",

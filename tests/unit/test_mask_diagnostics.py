@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from entr_megatron.algorithm import compute_policy_loss, mismatch_metrics
+from entr_megatron.algorithm import compute_policy_loss, mismatch_metrics, policy_loss_terms
 from entr_megatron.config.algorithm import AlgorithmConfig
 from entr_megatron.learner.batching import build_microbatch
 from entr_megatron.types import TOKEN_LABELS, Sample, TrainBatch
@@ -126,6 +126,32 @@ def test_entr_mask_on_the_naive_loss_keeps_its_anchor_and_denominator():
     assert grad == pytest.approx([-0.25] * 4)
     with pytest.raises(ValueError, match="add_entr_mask"):
         AlgorithmConfig(correction="entr", add_entr_mask=True)
+
+
+def test_random_mask_on_the_naive_loss_drops_entrs_count_at_random_with_naives_anchor():
+    # The control of add_entr_mask: ENTR's rule drops tokens 0 and 1 here (S = 50); the random mask
+    # drops 2 of the 4 as well, chosen uniformly; naive's anchor (pi_old = pi_theta: ratio 1) and
+    # denominator (all 4 tokens) stay, so each kept token's gradient is -A / 4, a dropped one's 0.
+    grad, m = _grad(AlgorithmConfig(correction="naive", add_random_mask=True), DELTA, H)
+    assert sorted(grad) == pytest.approx([-0.25, -0.25, 0.0, 0.0])
+    assert m["entr/mask_fraction"] == 0.5 and m["random_mask/mask_fraction"] == 0.5 and m["mask/fraction"] == 0.5
+    # Which two: uniform over the 6 pairs, not ENTR's. Over 600 micro-batches (mu varies, so does the
+    # draw's seed) each token is dropped about half the time, ENTR's tokens 0 and 1 no more than 2 and 3.
+    cfg = AlgorithmConfig(correction="naive", add_random_mask=True)
+    dropped = torch.zeros(4, dtype=F64)
+    for i in range(600):
+        mu = math.log(0.05 + 0.9 * i / 600)
+        lp = torch.tensor([[mu + d for d in DELTA]], dtype=F64)
+        terms = policy_loss_terms(lp, torch.tensor([H], dtype=F64), torch.full_like(lp, mu),
+                                  torch.tensor([1.0], dtype=F64), torch.ones_like(lp, dtype=torch.bool), cfg)
+        assert int((~terms.keep_mask_BT).sum()) == 2
+        dropped += (~terms.keep_mask_BT[0]).to(F64)
+    share = dropped / 600  # binomial sd of each share about 0.02
+    assert ((share - 0.5).abs() < 0.08).all(), share.tolist()
+    with pytest.raises(ValueError, match="add_random_mask"):
+        AlgorithmConfig(correction="naive", add_entr_mask=True, add_random_mask=True)
+    with pytest.raises(ValueError, match="add_random_mask"):
+        AlgorithmConfig(correction="matched_random", add_random_mask=True)
 
 
 def test_matched_ablations_drop_as_many_tokens_as_entr_chosen_otherwise():
