@@ -5,15 +5,18 @@
 Writes into --out: `study report`'s report.md, cells.csv and plots (its raw results.csv and
 results.parquet are removed: cells.csv holds every cell's axes and accuracies); paired.md (K = 32:
 each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png;
-each method minus none; naive + ENTR's mask and IcePop minus naive; naive + ENTR's mask minus
-IcePop); paired_k0.md (K = 0: each method minus ENTR, DPPO minus none, and for every method run at
-both lags K = 32 minus K = 0); masks_by_entropy.md and
-masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
+each method minus none; naive + ENTR's mask, IcePop and naive + a random mask of ENTR's size minus
+naive; naive + ENTR's mask minus IcePop and, where it ran, minus the random mask); paired_k0.md (K =
+0: each method minus ENTR, DPPO minus none, and for every method run at both lags K = 32 minus K =
+0); masks_by_entropy.md and masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
 written cells.csv, so a figure the docs quote from these files is one the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
 folder); it rewrites the files whole. A lag with no done cell gets a mask table that says so.
 Where the run directory was not kept, `--out F --paired-only` (no study) recomputes the paired tables
-from F's committed cells.csv.
+from F's committed cells.csv. `--with-cells C` (either mode) adds the cells of another committed
+cells.csv to the paired tables only: new cells run on a fresh machine (their own study directory and
+--out folder, whose report, cells.csv and mask tables hold only them) paired with cells whose run
+directories were not kept; a cell in both is an error.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from paired_differences import plot_differences  # noqa: E402
 
 from entr_megatron.study.paired import paired_differences  # noqa: E402
 from entr_megatron.study.plots import markdown_table  # noqa: E402
-from entr_megatron.study.results import SEED_AXIS, axis_label  # noqa: E402
+from entr_megatron.study.results import SEED_AXIS, done_cells  # noqa: E402
 
 LAG = "controller.inter_lag"
 METHOD = "method"
@@ -52,11 +55,7 @@ LEGEND = ("Paired by seed: each row's differences are its cells' held-out accura
 
 def select(cells: pd.DataFrame, **where: str) -> pd.DataFrame:
     """The done cells whose axes carry these labels (`inter_lag="32"`: the lag axis equals 32)."""
-    rows = cells[cells["state"] == "done"] if "state" in cells else cells
-    for axis, value in where.items():
-        column = LAG if axis == "inter_lag" else axis
-        rows = rows[rows[column].map(axis_label) == value]
-    return rows
+    return done_cells(cells, {LAG if axis == "inter_lag" else axis: value for axis, value in where.items()})
 
 
 def pairs(cells: pd.DataFrame, axis: str, reference: str, column: str) -> pd.DataFrame:
@@ -97,9 +96,13 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     parts += section("## Each method minus none (PPO-clip against mu, no mask), same seed", stale, "none")
     parts += section("## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against "
                      "pi_old, mu ignored); IcePop, the published mask on that loss, beside it", stale, "naive",
-                     keep=("method=naive_entr", "method=icepop"))
+                     keep=("method=naive_entr", "method=icepop", "method=naive_random"))
     parts += section("## Two masks on the pi_old loss: naive + ENTR's mask minus IcePop (as published: PPO against "
                      "pi_old, its band on pi_old / mu)", stale, "icepop", keep=("method=naive_entr",))
+    if (stale[METHOD] == "naive_random").any():  # the specs that have the control (copy_lmprior.yaml)
+        parts += section("## Which tokens, or how many? naive + ENTR's mask minus naive + a random mask of its size "
+                         "(as many tokens per micro-batch, chosen uniformly)", stale, "naive_random",
+                         keep=("method=naive_entr",))
     plot = out / PAIRED_PLOT
     if len(versus_entr["eval_after_sampled"]):
         plot_differences(versus_entr["eval_after_sampled"], plot, "eval_after_sampled minus method=entr's, same seed")
@@ -132,14 +135,32 @@ def mask_tables(study: Path, cells: pd.DataFrame, out: Path) -> None:
             mask_by_entropy_table.main([str(study), "--where", f"inter_lag={lag}", "--out", str(out / name)])
 
 
-def paired_only(out: Path) -> int:
-    """Rewrite paired.md, paired_k0.md and the paired plot from `out`'s committed cells.csv alone."""
+def with_cells(cells: pd.DataFrame, other: Path | None) -> pd.DataFrame:
+    """`cells` and the rows of the committed cells.csv `other` (None: `cells` alone); a cell id in both
+    is an error (the paired tables would pair a seed with itself)."""
+    if other is None:
+        return cells
+    if not other.is_file():
+        raise SystemExit(f"--with-cells {other}: no such file; give a cells.csv this tool wrote")
+    added = pd.read_csv(other)
+    both = sorted(set(cells["cell"]) & set(added["cell"]))
+    if both:
+        raise SystemExit(f"--with-cells {other}: {len(both)} cell(s) are in both ({', '.join(both[:3])}); "
+                         "run the new cells into a study directory of their own")
+    return pd.concat([cells, added], ignore_index=True)
+
+
+def write_paired(cells: pd.DataFrame, out: Path) -> None:
+    (out / "paired.md").write_text(paired_k32(cells, out))
+    (out / "paired_k0.md").write_text(paired_k0(cells))
+
+
+def paired_only(out: Path, other: Path | None = None) -> int:
+    """Rewrite paired.md, paired_k0.md and the paired plot from `out`'s committed cells.csv (and `other`'s)."""
     cells_csv = out / "cells.csv"
     if not cells_csv.is_file():
         raise SystemExit(f"{cells_csv}: no such file; --paired-only needs a folder this tool wrote before")
-    cells = pd.read_csv(cells_csv)
-    (out / "paired.md").write_text(paired_k32(cells, out))
-    (out / "paired_k0.md").write_text(paired_k0(cells))
+    write_paired(with_cells(pd.read_csv(cells_csv), other), out)
     plot = out / PAIRED_PLOT  # paired_k32 writes it, or removes a stale one
     wrote = ["paired.md", "paired_k0.md"] + ([plot.name] if plot.is_file() else [])
     print(f"wrote {out}: {', '.join(wrote)} (from cells.csv)")
@@ -152,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the committed report folder")
     p.add_argument("--paired-only", action="store_true",
                    help="recompute only the paired tables, from --out's cells.csv (when the run directory is gone)")
+    p.add_argument("--with-cells", type=Path, metavar="CELLS_CSV",
+                   help="another committed cells.csv whose cells join the paired tables (not the report)")
     args = p.parse_args(argv)
     if args.paired_only:
         if args.study is not None:
             p.error("--paired-only reads --out's cells.csv alone: give no study directory with it")
-        return paired_only(args.out)
+        return paired_only(args.out, args.with_cells)
     if args.study is None:
         p.error("give the study directory (study run --out), or --paired-only")
     if not (args.study / "study.json").is_file():
@@ -170,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for raw in ("results.csv", "results.parquet"):
         (staging / raw).unlink(missing_ok=True)
     cells = pd.read_csv(staging / "cells.csv")
-    (staging / "paired.md").write_text(paired_k32(cells, staging))
-    (staging / "paired_k0.md").write_text(paired_k0(cells))
+    write_paired(with_cells(cells, args.with_cells), staging)
     mask_tables(args.study, cells, staging)
     out.mkdir(parents=True, exist_ok=True)
     for path in staging.iterdir():

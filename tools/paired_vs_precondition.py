@@ -28,7 +28,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from entr_megatron.study.plots import markdown_table  # noqa: E402
-from entr_megatron.study.results import axis_label  # noqa: E402
+from entr_megatron.study.results import axis_label, done_cells  # noqa: E402
 
 SEED, LAG = "controller.seed", "controller.inter_lag"
 MEASURES = (("eval_after_sampled", "sampled"), ("eval_after_greedy", "greedy"))
@@ -53,9 +53,7 @@ def precondition_rows(folder: Path, source: str, engine: str) -> pd.DataFrame:
 
 def contrast_columns(cells: pd.DataFrame, lag: str, contrasts: list[tuple[str, str]]) -> pd.DataFrame:
     """Per seed, for each contrast and measure, A's accuracy after RL minus B's (NaN where a side has not run)."""
-    rows = cells[cells[LAG].map(axis_label) == lag] if LAG in cells else cells
-    if "state" in rows:
-        rows = rows[rows["state"] == "done"]
+    rows = done_cells(cells, {LAG: lag} if LAG in cells else None)
     rows = rows.assign(seed=rows[SEED].map(axis_label))
     tables = {column: rows.pivot_table(index="seed", columns="method", values=column, aggfunc="first")
               for column, _ in MEASURES}

@@ -257,3 +257,13 @@ def load_results(study_dir: str | os.PathLike) -> pd.DataFrame:
     wall_s (cumulative timing/step_s) and tokens_cum (cumulative rollout/tokens) of the cell.
     Cells without metrics contribute no rows."""
     return _results(read_study(study_dir))
+
+
+def done_cells(cells: pd.DataFrame, where: Mapping[str, Any] | None = None) -> pd.DataFrame:
+    """The done rows of a cells table (`study report`'s cells.csv; a table without a `state` column
+    counts as all done) whose axes carry these labels, compared as axis_label writes them:
+    done_cells(cells, {"controller.inter_lag": 32})."""
+    rows = cells[cells["state"] == "done"] if "state" in cells else cells
+    for axis, value in (where or {}).items():
+        rows = rows[rows[axis].map(axis_label) == axis_label(value)]
+    return rows

@@ -117,3 +117,27 @@ def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_pat
         tool.main(["--out", str(missing), "--paired-only"])
     with pytest.raises(SystemExit):  # a study directory with --paired-only is refused, not ignored
         tool.main([str(tmp_path), "--out", str(tmp_path), "--paired-only"])
+
+
+def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
+    """New cells (naive + a random mask of ENTR's size) in a folder of their own, paired with the
+    committed cells of another (--with-cells); a cell in both is refused."""
+    new = tmp_path / "control"
+    new.mkdir()
+    pd.DataFrame([{"cell": f"32-naive_random-{s}", "state": "done", "controller.inter_lag": 32,
+                   "method": "naive_random", "controller.seed": s, "eval_after_sampled": a, "eval_after_greedy": g}
+                  for s, (a, g) in enumerate([(0.05, 0.01), (0.01, 0.09)])]).to_csv(new / "cells.csv", index=False)
+    committed = tmp_path / "cells.csv"
+    cells().to_csv(committed, index=False)
+    assert tool.main(["--out", str(new), "--paired-only", "--with-cells", str(committed)]) == 0
+    text = (new / "paired.md").read_text()
+    # naive_random - naive: 0.05 - 0.01, 0.01 - 0.03; naive_entr - naive_random: 0.02 - 0.05, 0.00 - 0.01
+    assert row(text, "## Does ENTR's mask", "method=naive_random")[2] == "+0.040 (seed 0), -0.020 (seed 1)"
+    which = [line.split("|")[3].strip() for line in text.split("## Which tokens")[1].splitlines()
+             if line.startswith("| method=naive_entr |")]
+    assert which == ["-0.030 (seed 0), -0.010 (seed 1)", "+0.010 (seed 0), -0.040 (seed 1)"]  # sampled, greedy
+    assert "## Which tokens" not in tool.paired_k32(cells(), tmp_path)  # no control ran: no section
+    with pytest.raises(SystemExit, match="in both"):
+        tool.main(["--out", str(tmp_path), "--paired-only", "--with-cells", str(committed)])
+    with pytest.raises(SystemExit, match="no such file"):
+        tool.main(["--out", str(new), "--paired-only", "--with-cells", str(tmp_path / "none.csv")])

@@ -17,6 +17,7 @@ from entr_megatron.study.fits import fit_sigmoid, sigmoid_curve
 from entr_megatron.study.report import (ACCURACY_DROP, DEFINITIONS, detect_collapse, final_accuracy_stats,
                                         final_accuracy_table, load_cells, load_results, read_study, speedup_table,
                                         write_report)
+from entr_megatron.study.results import done_cells
 
 BINS = ("0-0.001", "0.001-0.01", "0.01-0.1", "0.1-1", "1-10", "10-inf")
 STEPS = 20
@@ -414,3 +415,12 @@ def test_mask_table_averages_each_rule_over_every_step_and_seed(tmp_path):
     assert row["mask/effective_fraction"] == pytest.approx(0.01)
     report = write_report(root, tmp_path / "out").read_text()
     assert "## What the rules masked" in report and "cf/icepop" in report
+
+
+def test_done_cells_keeps_done_rows_whose_axes_carry_the_labels():
+    cells = pd.DataFrame({"cell": list("abcd"), "state": ["done", "done", "running", "done"],
+                          "controller.inter_lag": [32, 0, 32, 32], "method": ["entr", "entr", "none", "none"]})
+    assert list(done_cells(cells, {"controller.inter_lag": 32})["cell"]) == ["a", "d"]
+    assert list(done_cells(cells, {"controller.inter_lag": "32", "method": "none"})["cell"]) == ["d"]
+    assert list(done_cells(cells)["cell"]) == ["a", "b", "d"]  # the running cell is left out
+    assert list(done_cells(cells.drop(columns="state"))["cell"]) == ["a", "b", "c", "d"]  # no state: all done
