@@ -50,7 +50,7 @@ from typing import Any
 import yaml
 
 from entr_megatron.study.cell_log import cell_error
-from entr_megatron.study.spec import Cell, SpecError, StudySpec, flatten_config
+from entr_megatron.study.spec import SEED_KEY, Cell, SpecError, StudySpec, flatten_config
 from entr_megatron.utils.jsonl import atomic_output
 from entr_megatron.utils.ray_connect import connect_ray
 from entr_megatron.utils.run_lock import RunLock, RunLockedError
@@ -204,12 +204,13 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def _prepare(spec: StudySpec, out: Path, jobs: int = 1,
-             stop: StopRequest | None = None) -> Path | dict[int, Path] | None:
+def _prepare(spec: StudySpec, out: Path, jobs: int = 1, stop: StopRequest | None = None,
+             seeds: set[int] | None = None) -> Path | dict[int, Path] | None:
     """Writes study.json (with every cell of the spec, so that a report of a partly run study
     lists the cells never run) and the spec; runs the shared warm-up once, or with
     `warmup.per_seed` each seed's (`jobs` at a time). Returns its model, {seed: model}, or None.
-    A warm-up that fails, or a stop signal (`stop`), starts no further warm-up."""
+    A warm-up that fails, or a stop signal (`stop`), starts no further warm-up. A spec's own
+    per-seed `warmup.model` is checked for `seeds` only (None: all), the seeds of the cells to run."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
@@ -218,7 +219,7 @@ def _prepare(spec: StudySpec, out: Path, jobs: int = 1,
     with atomic_output(str(out / "spec.yaml")) as f:
         f.write(spec.path.read_text())
     if spec.warmup is not None and "model" in spec.warmup:
-        return spec.warmup_models()
+        return spec.warmup_models(seeds)
     if spec.warmup_config() is None:
         return None
     if not spec.per_seed_warmup:
@@ -374,8 +375,9 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
 
 def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_address: str | None,
                 only: list[str] | None) -> StudyResult:
+    seeds = {cell.axes[SEED_KEY] for cell in spec.select(spec.cells(), only)} if only else None
     with StopRequest() as stop:
-        model = _prepare(spec, out, jobs, stop)
+        model = _prepare(spec, out, jobs, stop, seeds)
     cells = spec.cells(warmup_model=model)
     if only:
         cells = spec.select(cells, only)

@@ -39,7 +39,7 @@ import hashlib
 import itertools
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,13 +137,14 @@ class StudySpec:
         """True when each seed has its own warm-up (`warmup.per_seed`)."""
         return bool(self.warmup and self.warmup.get("per_seed"))
 
-    def warmup_models(self) -> Path | dict[int, Path]:
+    def warmup_models(self, seeds: Iterable[int] | None = None) -> Path | dict[int, Path]:
         """`warmup.model`: the finished warm-up every cell starts from, or with `{seed}` in its path
-        {seed: that seed's}, each checked here, when the study runs (a tool may build them after
-        the spec is written)."""
+        {seed: that seed's}, each of `seeds` (None: every seed; the seeds of the cells `--only`
+        chose) checked here, when the study runs (a tool may build them after the spec is written)."""
         model = self.warmup["model"]
         if isinstance(model, dict):
-            missing = [str(p) for p in model.values() if not (p / "config.json").is_file()]
+            wanted = model if seeds is None else {seed: model[seed] for seed in seeds}
+            missing = [str(p) for p in wanted.values() if not (p / "config.json").is_file()]
             if missing:
                 raise SpecError(f"{self.path}: warmup.model: {missing} have no config.json (HF model "
                                 "directories): build each seed's warm-up first (the spec's header says how)")

@@ -169,6 +169,25 @@ def test_warmup_model_with_seed_gives_each_seed_its_own_finished_warm_up(tmp_pat
     assert paths == {3: str(models[3]), 5: str(models[5])}
 
 
+def test_only_checks_the_warm_ups_of_the_seeds_it_runs(tmp_path, monkeypatch):
+    """`--only seed=3` runs seed 3's cells while seed 7's warm-up is still being built; without the
+    filter, or with seed 7 in it, the missing warm-up is refused before any cell runs."""
+    from entr_megatron.study import runner
+
+    (tmp_path / "w3" / "sft" / "model").mkdir(parents=True)
+    (tmp_path / "w3" / "sft" / "model" / "config.json").write_text("{}")
+    spec = load_spec(write(tmp_path, {"grid": {"algorithm.tau": [0.5]}, "seeds": [3, 7],
+                                      "warmup": {"model": "w{seed}/sft/model"}}))
+    ran = []
+    monkeypatch.setattr(runner, "_cell_attempt", lambda d: ran.append(d) or {"returncode": 0, "wall_s": 0.1})
+    result = runner.run_study(spec, tmp_path / "out", only=["seed=3"])
+    assert result["done"] == ["tau=0.5,seed=3"] and len(ran) == 1
+    for only in (None, ["seed=3,7"]):
+        with pytest.raises(SpecError, match=r"w7/sft/model'\] have no config.json"):
+            runner.run_study(spec, tmp_path / "out", only=only)
+    assert len(ran) == 1
+
+
 def test_sigterm_starts_no_more_cells_and_a_failure_does_not_stop_the_others(tmp_path, monkeypatch):
     """The runner without processes: each cell attempt is replaced by a function; the first fails,
     the second gets the study a SIGTERM (a preemption) while it runs; no later cell starts."""
