@@ -206,11 +206,10 @@ def _minutes(seconds: float) -> str:
 
 def _prepare(spec: StudySpec, out: Path, jobs: int = 1, stop: StopRequest | None = None,
              seeds: set[int] | None = None) -> Path | dict[int, Path] | None:
-    """Writes study.json (with every cell of the spec, so that a report of a partly run study
-    lists the cells never run) and the spec; runs the shared warm-up once, or with
-    `warmup.per_seed` each seed's (`jobs` at a time). Returns its model, {seed: model}, or None.
-    A warm-up that fails, or a stop signal (`stop`), starts no further warm-up. A spec's own
-    per-seed `warmup.model` is checked for `seeds` only (None: all), the seeds of the cells to run."""
+    """Writes study.json (every cell of the spec: a partly run study's report lists the cells never
+    run) and the spec; runs the shared warm-up once, or with `warmup.per_seed` each seed's (`jobs` at
+    a time), or checks `warmup.model` for `seeds` (None: all; the seeds of the cells to run). Returns
+    its model, {seed: model}, or None. A failed warm-up, or a stop signal, starts no further one."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cells").mkdir(exist_ok=True)
     _write_json(out / "study.json", {"name": spec.name, "spec": str(spec.path), "axes": spec.axes,
@@ -357,8 +356,8 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
     if launcher not in ("local", "ray"):
         raise SpecError(f"--launcher must be 'local' or 'ray', got {launcher!r}")
     out = Path(out).resolve()
-    if only:
-        spec.select(spec.cells(), only)  # a bad filter is refused before the warm-up runs
+    # a bad filter is refused before the warm-up runs; only the chosen cells' warm-ups must exist
+    seeds = {cell.axes[SEED_KEY] for cell in spec.select(spec.cells(), only)} if only else None
     try:
         lock = RunLock(out, command="study run", flag="--out").acquire()
     except RunLockedError as e:
@@ -368,14 +367,13 @@ def run_study(spec: StudySpec, out: str | os.PathLike, launcher: str = "local", 
             with StopRequest() as stop:
                 _prepare(spec, out, jobs, stop)
             return StudyResult(done=[], failed=[], skipped=[], interrupted=False, out=str(out))
-        return _run_locked(spec, out, launcher, jobs, ray_address, only)
+        return _run_locked(spec, out, launcher, jobs, ray_address, only, seeds)
     finally:
         lock.release()
 
 
 def _run_locked(spec: StudySpec, out: Path, launcher: str, jobs: int, ray_address: str | None,
-                only: list[str] | None) -> StudyResult:
-    seeds = {cell.axes[SEED_KEY] for cell in spec.select(spec.cells(), only)} if only else None
+                only: list[str] | None, seeds: set[int] | None) -> StudyResult:
     with StopRequest() as stop:
         model = _prepare(spec, out, jobs, stop, seeds)
     cells = spec.cells(warmup_model=model)
