@@ -136,18 +136,21 @@ def mask_tables(study: Path, cells: pd.DataFrame, out: Path) -> None:
 
 
 def with_cells(cells: pd.DataFrame, other: Path | None) -> pd.DataFrame:
-    """`cells` and the rows of the committed cells.csv `other` (None: `cells` alone); a cell id in both
-    is an error (the paired tables would pair a seed with itself)."""
+    """`cells` and the rows of the committed cells.csv `other` (None: `cells` alone). A cells.csv lists
+    its study's cells not run too: a cell done in one file and not in the other is taken from the one
+    it is done in; a cell done in both is an error (the paired tables would pair a seed with itself)."""
     if other is None:
         return cells
     if not other.is_file():
         raise SystemExit(f"--with-cells {other}: no such file; give a cells.csv this tool wrote")
     added = pd.read_csv(other)
-    both = sorted(set(cells["cell"]) & set(added["cell"]))
+    done_here, done_there = (set(done_cells(frame)["cell"]) for frame in (cells, added))
+    both = sorted(done_here & done_there)
     if both:
-        raise SystemExit(f"--with-cells {other}: {len(both)} cell(s) are in both ({', '.join(both[:3])}); "
+        raise SystemExit(f"--with-cells {other}: {len(both)} cell(s) are done in both ({', '.join(both[:3])}); "
                          "run the new cells into a study directory of their own")
-    return pd.concat([cells, added], ignore_index=True)
+    cells = cells[~cells["cell"].isin(done_there)]
+    return pd.concat([cells, added[~added["cell"].isin(set(cells["cell"]))]], ignore_index=True)
 
 
 def write_paired(cells: pd.DataFrame, out: Path) -> None:

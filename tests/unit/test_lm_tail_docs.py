@@ -126,9 +126,14 @@ def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
     new.mkdir()
     pd.DataFrame([{"cell": f"32-naive_random-{s}", "state": "done", "controller.inter_lag": 32,
                    "method": "naive_random", "controller.seed": s, "eval_after_sampled": a, "eval_after_greedy": g}
-                  for s, (a, g) in enumerate([(0.05, 0.01), (0.01, 0.09)])]).to_csv(new / "cells.csv", index=False)
+                  for s, (a, g) in enumerate([(0.05, 0.01), (0.01, 0.09)])]
+                 + [{"cell": "32-naive-0", "state": "pending", "controller.inter_lag": 32, "method": "naive",
+                     "controller.seed": 0}]).to_csv(new / "cells.csv", index=False)  # a report lists cells not run
     committed = tmp_path / "cells.csv"
     cells().to_csv(committed, index=False)
+    merged = tool.with_cells(pd.read_csv(new / "cells.csv"), committed)
+    assert merged["cell"].is_unique and len(merged) == len(cells()) + 2  # the pending row gave way to the done one
+    assert merged.set_index("cell").loc["32-naive-0", "state"] == "done"
     assert tool.main(["--out", str(new), "--paired-only", "--with-cells", str(committed)]) == 0
     text = (new / "paired.md").read_text()
     # naive_random - naive: 0.05 - 0.01, 0.01 - 0.03; naive_entr - naive_random: 0.02 - 0.05, 0.00 - 0.01
@@ -137,7 +142,7 @@ def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
              if line.startswith("| method=naive_entr |")]
     assert which == ["-0.030 (seed 0), -0.010 (seed 1)", "+0.010 (seed 0), -0.040 (seed 1)"]  # sampled, greedy
     assert "## Which tokens" not in tool.paired_k32(cells(), tmp_path)  # no control ran: no section
-    with pytest.raises(SystemExit, match="in both"):
+    with pytest.raises(SystemExit, match="done in both"):
         tool.main(["--out", str(tmp_path), "--paired-only", "--with-cells", str(committed)])
     with pytest.raises(SystemExit, match="no such file"):
         tool.main(["--out", str(new), "--paired-only", "--with-cells", str(tmp_path / "none.csv")])
