@@ -8,15 +8,16 @@ each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_pai
 each method minus none; naive + ENTR's mask, IcePop and naive + a random mask of ENTR's size minus
 naive; naive + ENTR's mask minus IcePop and, where it ran, minus the random mask); paired_k0.md (K =
 0: each method minus ENTR, DPPO minus none, and for every method run at both lags K = 32 minus K =
-0); masks_by_entropy.md and masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
-written cells.csv, so a figure the docs quote from these files is one the committed cells give.
+0); masks_by_entropy.md and masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired
+table is computed from the written cells.csv, so a figure the docs quote from these files is one
+the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
 folder); it rewrites the files whole. A lag with no done cell gets a mask table that says so.
 Where the run directory was not kept, `--out F --paired-only` (no study) recomputes the paired tables
 from F's committed cells.csv. `--with-cells C` (either mode) adds the cells of another committed
 cells.csv to the paired tables only: new cells run on a fresh machine (their own study directory and
 --out folder, whose report, cells.csv and mask tables hold only them) paired with cells whose run
-directories were not kept; a cell in both is an error.
+directories were not kept; a cell done in both is an error.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_pat
 
 def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
     """New cells (naive + a random mask of ENTR's size) in a folder of their own, paired with the
-    committed cells of another (--with-cells); a cell in both is refused."""
+    committed cells of another (--with-cells); a cell done in both is refused."""
     new = tmp_path / "control"
     new.mkdir()
     pd.DataFrame([{"cell": f"32-naive_random-{s}", "state": "done", "controller.inter_lag": 32,
