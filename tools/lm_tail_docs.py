@@ -7,8 +7,8 @@ results.parquet are removed: cells.csv holds every cell's axes and accuracies); 
 each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png;
 each method minus none; naive + ENTR's mask, IcePop and naive + a random mask of ENTR's size minus
 naive; naive + ENTR's mask minus IcePop and, where it ran, minus the random mask); paired_k0.md (K =
-0: each method minus ENTR, DPPO minus none, and for every method run at both lags K = 32 minus K =
-0); masks_by_entropy.md and masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired
+0: each method minus ENTR, DPPO minus none, and for every method run with and without staleness
+each K (32, and 64 where it ran) minus K = 0); masks_by_entropy.md and masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired
 table is computed from the written cells.csv, so a figure the docs quote from these files is one
 the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
@@ -117,8 +117,10 @@ def paired_k0(cells: pd.DataFrame) -> str:
     parts = [HEADER, "", "# lm_tail: the K = 0 cells, and what K = 32 costs each method", "", LEGEND, ""]
     parts += section("## K = 0: each method minus ENTR (H(mu)), same seed", fresh, PRIMARY)
     parts += section("## K = 0: DPPO minus none, same seed", fresh, "none", keep=("method=dppo",))
-    parts += ["## What 32 versions of staleness cost: K = 32 minus K = 0, same method and seed", ""]
-    both = sorted(set(select(cells, inter_lag=STALE)[METHOD]) & set(fresh[METHOD]))
+    lags = sorted({str(lag) for lag in select(cells)[LAG]} - {FRESH}, key=float) or [STALE]  # 32, 64 where run
+    parts += [f"## What {' or '.join(lags)} versions of staleness cost: K = {', '.join(lags)} minus K = 0, same "
+              "method and seed", ""]
+    both = sorted(set(select(cells)[lambda f: f[LAG].astype(str) != FRESH][METHOD]) & set(fresh[METHOD]))
     for method in both:
         for column, title in COLUMNS:
             parts += [f"### method={method}, {_name(title).lower()}", "",

@@ -146,3 +146,14 @@ def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
         tool.main(["--out", str(tmp_path), "--paired-only", "--with-cells", str(committed)])
     with pytest.raises(SystemExit, match="no such file"):
         tool.main(["--out", str(new), "--paired-only", "--with-cells", str(tmp_path / "none.csv")])
+
+
+def test_k0_tables_pair_every_stale_lag_with_k0():
+    """K = 64 cells (none only) beside K = 32: the staleness section names both lags and pairs each with K = 0."""
+    k64 = pd.DataFrame([{"cell": f"64-none-{s}", "state": "done", "controller.inter_lag": 64, "method": "none",
+                         "controller.seed": s, "eval_after_sampled": a, "eval_after_greedy": 0.3}
+                        for s, a in enumerate([0.30, 0.45])])
+    text = tool.paired_k0(pd.concat([cells(), k64], ignore_index=True))
+    assert "## What 32 or 64 versions of staleness cost: K = 32, 64 minus K = 0" in text
+    assert row(text, "### method=none, sampled", "inter_lag=64")[2] == "-0.050 (seed 0), +0.050 (seed 1)"
+    assert row(text, "### method=none, sampled", "inter_lag=32")[2] == "-0.200 (seed 0), -0.300 (seed 1)"
