@@ -117,10 +117,11 @@ def paired_k0(cells: pd.DataFrame) -> str:
     parts = [HEADER, "", "# lm_tail: the K = 0 cells, and what K = 32 costs each method", "", LEGEND, ""]
     parts += section("## K = 0: each method minus ENTR (H(mu)), same seed", fresh, PRIMARY)
     parts += section("## K = 0: DPPO minus none, same seed", fresh, "none", keep=("method=dppo",))
-    lags = sorted({str(lag) for lag in select(cells)[LAG]} - {FRESH}, key=float) or [STALE]  # 32, 64 where run
+    stale = select(cells)[lambda f: f[LAG].astype(str) != FRESH]  # K = 32, and 64 where it ran
+    lags = sorted({str(lag) for lag in stale[LAG]}, key=float) or [STALE]
     parts += [f"## What {' or '.join(lags)} versions of staleness cost: K = {', '.join(lags)} minus K = 0, same "
               "method and seed", ""]
-    both = sorted(set(select(cells)[lambda f: f[LAG].astype(str) != FRESH][METHOD]) & set(fresh[METHOD]))
+    both = sorted(set(stale[METHOD]) & set(fresh[METHOD]))
     for method in both:
         for column, title in COLUMNS:
             parts += [f"### method={method}, {_name(title).lower()}", "",
