@@ -12,6 +12,10 @@ ENTR's precondition counts rare tokens (mu(y) < 1e-2) drawn at positions with H(
 (tools/tail_precondition.py); this says which positions could hold them: a position's expected
 rare draws are its mass under 1e-2, so per 1k positions of a bin the rare draws are 1000 x share x
 mean rare mass. Float32, the model's own logits (no engine numerics, no sampling).
+
+With `--target A:T` (repeatable) each --model is read as the pretrained LM and the tables describe
+tools/lm_prior_warmup.py's soft target q = (1 - A) [v = y] + A softmax(logits / T) instead: the
+distribution a warm-up with --mix A --ref-temperature T trains toward, read before building one.
 """
 
 from __future__ import annotations
@@ -49,6 +53,26 @@ def position_rows(logp: torch.Tensor, targets: list[int], pieces: list[list[int]
     rare = torch.where(p < RARE_P, p, torch.zeros_like(p)).sum(-1)
     return [(float(H[j]), bool(pieces[j]), float(p[j, pieces[j]].sum()) if pieces[j] else 0.0, float(rare[j]),
              targets[j]) for j in range(len(targets))]
+
+
+def soft_target(logits: torch.Tensor, targets: list[int], mix: float, temperature: float) -> torch.Tensor:
+    """log q, q = (1 - mix) onehot(target) + mix softmax(logits / temperature) (lm_prior_warmup's target);
+    logits: [positions, vocab]."""
+    q = mix * torch.softmax(logits.double() / temperature, -1)
+    q[torch.arange(len(targets)), torch.tensor(targets)] += 1 - mix
+    return q.clamp_min(1e-300).log()
+
+
+def parse_target(text: str) -> tuple[float, float]:
+    """`A:T` (or `A`, T = 1) -> (A, T), A in (0, 1), T > 0."""
+    a, _, t = text.partition(":")
+    try:
+        mix, temperature = float(a), float(t or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target takes MIX[:TEMPERATURE], e.g. 0.01:0.5; got {text!r}") from None
+    if not 0 < mix < 1 or temperature <= 0:
+        raise argparse.ArgumentTypeError(f"--target {text!r}: MIX must be in (0, 1) and TEMPERATURE > 0")
+    return mix, temperature
 
 
 def summarize(rows: list[tuple]) -> list[dict]:
@@ -99,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=200, help="held-out lines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="a .md file for the tables (else printed only)")
+    ap.add_argument("--target", action="append", type=parse_target, default=[], metavar="MIX[:T]",
+                    help="read --model as the LM and table lm_prior_warmup's target at this mix and temperature "
+                         "(repeatable)")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = ap.parse_args(argv)
     if a.prompts < 1:
@@ -113,20 +140,25 @@ def main(argv: list[str] | None = None) -> int:
     cache: dict[int, list[int]] = {}
     parts = [f"# Split mass by entropy bin ({a.prompts} held-out copies, teacher forced, float32)\n",
              "Command: `python tools/copy_split_mass.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`\n"]
+    targets = a.target or [None]
     for path in a.model:
         model = load_causal_lm(path, dtype="float32")
-        rows = []
+        rows: dict = {t: [] for t in targets}
         for prompt, target in examples:
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1:-1]
             for t in set(target) - cache.keys():
                 cache[t] = [] if t == tokenizer.eos_token_id else split_pieces(tokenizer, t)
             pieces = [cache[t] for t in target]
-            rows += position_rows(torch.log_softmax(logits.double(), -1), target, pieces)
-        text = (f"## {path}\n\n{len(rows)} positions.\n\n{table(summarize(rows))}\n\n"
-                f"Tokens of two or more characters by BPE id:\n\n{id_table(by_id(rows))}\n")
-        print(text)
-        parts.append(text)
+            for spec in targets:
+                logp = torch.log_softmax(logits.double(), -1) if spec is None else soft_target(logits, target, *spec)
+                rows[spec] += position_rows(logp, target, pieces)
+        for spec, r in rows.items():
+            what = path if spec is None else f"{path}: the target at mix {spec[0]:g}, temperature {spec[1]:g}"
+            text = (f"## {what}\n\n{len(r)} positions.\n\n{table(summarize(r))}\n\n"
+                    f"Tokens of two or more characters by BPE id:\n\n{id_table(by_id(r))}\n")
+            print(text)
+            parts.append(text)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text("\n".join(parts))

@@ -57,3 +57,26 @@ def test_split_pieces_are_the_first_tokens_of_each_proper_prefix(tool):
     assert len(text) >= 3 and tool.split_pieces(tok, token) == expected and token not in expected
     one_char = tok.encode("x", add_special_tokens=False)[0]
     assert tool.split_pieces(tok, one_char) == []
+
+
+def test_target_is_the_warmups_soft_target_by_hand_and_its_loss_minimum(tool):
+    """--target A:T tables q = (1 - A) onehot(y) + A softmax(logits / T): by hand on 4 tokens, and q is where
+    tools/lm_prior_warmup.py's loss (with the same logits as its reference) has zero gradient."""
+    p = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    logits = p.log() + 3.0                                           # a shift: softmax is unchanged
+    q = tool.soft_target(logits, [3, 0], 0.1, 1.0).exp()
+    assert q.tolist()[0] == pytest.approx([0.01, 0.02, 0.03, 0.94]) and q.tolist()[1] == pytest.approx(
+        [0.925, 0.025, 0.025, 0.025])
+    sharp = tool.soft_target(logits, [3, 0], 0.1, 0.5).exp()[0]     # T 0.5: p^2 / sum p^2 = [1, 4, 9, 16] / 30
+    assert sharp.tolist() == pytest.approx([0.1 / 30, 0.4 / 30, 0.9 / 30, 0.9 + 1.6 / 30])
+    warmup = load_tool("lm_prior_warmup")
+    for mix, t in ((0.1, 1.0), (0.1, 0.5)):
+        x = tool.soft_target(logits, [3, 0], mix, t).float().unsqueeze(0).requires_grad_(True)
+        loss, _ = warmup.soft_target_loss(x, logits.float().unsqueeze(0), torch.tensor([[3, 0]]), torch.ones(1, 2),
+                                          mix, t)
+        loss.backward()
+        assert x.grad.abs().max() < 1e-6
+    assert tool.parse_target("0.015:0.5") == (0.015, 0.5) and tool.parse_target("0.02") == (0.02, 1.0)
+    for bad in ("1.5", "0.01:0", "a:b"):
+        with pytest.raises(Exception, match="MIX"):
+            tool.parse_target(bad)
