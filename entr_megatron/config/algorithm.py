@@ -21,6 +21,8 @@ Correction = Literal[
     "random_drop",
 ]
 CORRECTION_NAMES: tuple[str, ...] = get_args(Correction)
+ENTR_MASKING: tuple[str, ...] = ("entr", "entr_calibrated", "entr_soft", "matched_band", "matched_random")
+"""Corrections that mask by ENTR's rule or by its size already: add_entr_mask / add_random_mask refuse them."""
 PolicyLoss = Literal["ppo_clip", "reinforce", "cispo", "gspo", "nll", "dppo_tv", "dppo_kl", "sapo", "vespo"]
 POLICY_LOSS_NAMES: tuple[str, ...] = get_args(PolicyLoss)
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -302,8 +304,7 @@ class AlgorithmConfig:
         boolean(self, "add_entr_mask")
         boolean(self, "add_random_mask")
         for added in ("add_entr_mask", "add_random_mask"):
-            if getattr(self, added) and self.correction in ("entr", "entr_calibrated", "entr_soft", "matched_band",
-                                                            "matched_random"):
+            if getattr(self, added) and self.correction in ENTR_MASKING:
                 raise bad(self, added, True,
                           "must be false: it adds a mask of ENTR's rule (or of its size) to another correction, and "
                           "this one is ENTR's rule (or its matched ablation) already",
