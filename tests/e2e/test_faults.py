@@ -269,11 +269,15 @@ def test_killed_and_stalled_engines_are_replaced_and_a_killed_rank_restarts_the_
           f"resumed from step {resumed}")
 
 
-def _once(condition, timeout_s: float) -> None:
-    """Waits until `condition()` is true, at most `timeout_s` (then goes on: the test's asserts say what failed)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
+def _held_until(condition, timeout_s: float):
+    """A mock server's `tamper` that holds each answer until `condition()` is true, at most `timeout_s`
+    (then sends it: the test's asserts say what failed), and sends it unchanged."""
+    def hold(answer):
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return answer
+    return hold
 
 
 def test_an_sglang_server_given_by_url_that_dies_is_set_aside_and_taken_back_when_it_returns(tmp_path):
@@ -314,7 +318,7 @@ def test_an_sglang_server_given_by_url_that_dies_is_set_aside_and_taken_back_whe
                 times["back"] = time.monotonic()
                 # the survivor's rollouts wait for the prober's first /health on the restarted server, so the
                 # run cannot end before it is noticed (the probe's backoff reaches seconds; the steps are fast)
-                servers[0].tamper = lambda answer: _once(lambda: back.calls_to("/health"), 120.0) or answer
+                servers[0].tamper = _held_until(lambda: back.calls_to("/health"), 120.0)
             time.sleep(0.2)
         while job.poll() is None and "readmitted" not in times:
             if back.calls_to("/update_weights_from_distributed"):
