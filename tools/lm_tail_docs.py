@@ -14,10 +14,10 @@ figure the docs quote from these files is one the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
 folder); it rewrites the files whole. A lag with no done cell gets a mask table that says so.
 Where the run directory was not kept, `--out F --paired-only` (no study) recomputes the paired tables
-from F's committed cells.csv. `--with-cells C` (either mode) adds the cells of another committed
-cells.csv to the paired tables only: new cells run on a fresh machine (their own study directory and
---out folder, whose report, cells.csv and mask tables hold only them) paired with cells whose run
-directories were not kept; a cell done in both is an error.
+from F's committed cells.csv. `--with-cells C` (either mode, repeatable) adds the cells of another
+committed cells.csv to the paired tables only: new cells run on a fresh machine (their own study
+directory and --out folder, whose report, cells.csv and mask tables hold only them) paired with cells
+whose run directories were not kept; a cell done in two of the files is an error.
 """
 
 from __future__ import annotations
@@ -139,20 +139,24 @@ def mask_tables(study: Path, cells: pd.DataFrame, out: Path) -> None:
             mask_by_entropy_table.main([str(study), "--where", f"inter_lag={lag}", "--out", str(out / name)])
 
 
-def with_cells(cells: pd.DataFrame, other: Path | None) -> pd.DataFrame:
-    """`cells` and the rows of the committed cells.csv `other` (None: `cells` alone). A cells.csv lists
-    its study's cells not run too: a cell done in one file and not in the other is taken from the one
-    it is done in; a cell done in both is an error (the paired tables would pair a seed with itself)."""
-    if other is None:
-        return cells
+def with_cells(cells: pd.DataFrame, others: list[Path] | None) -> pd.DataFrame:
+    """`cells` and the rows of each committed cells.csv in `others` (None or []: `cells` alone). A cells.csv
+    lists its study's cells not run too: a cell done in one file and not in another is taken from the one
+    it is done in; a cell done in two is an error (the paired tables would pair a seed with itself)."""
+    for other in others or []:
+        cells = _joined(cells, other)
+    return cells
+
+
+def _joined(cells: pd.DataFrame, other: Path) -> pd.DataFrame:
     if not other.is_file():
         raise SystemExit(f"--with-cells {other}: no such file; give a cells.csv this tool wrote")
     added = pd.read_csv(other)
     done_here, done_there = (set(done_cells(frame)["cell"]) for frame in (cells, added))
     both = sorted(done_here & done_there)
     if both:
-        raise SystemExit(f"--with-cells {other}: {len(both)} cell(s) are done in both ({', '.join(both[:3])}); "
-                         "run the new cells into a study directory of their own")
+        raise SystemExit(f"--with-cells {other}: {len(both)} cell(s) are done in it and before it "
+                         f"({', '.join(both[:3])}); run the new cells into a study directory of their own")
     cells = cells[~cells["cell"].isin(done_there)]
     return pd.concat([cells, added[~added["cell"].isin(set(cells["cell"]))]], ignore_index=True)
 
@@ -162,12 +166,12 @@ def write_paired(cells: pd.DataFrame, out: Path) -> None:
     (out / "paired_k0.md").write_text(paired_k0(cells))
 
 
-def paired_only(out: Path, other: Path | None = None) -> int:
-    """Rewrite paired.md, paired_k0.md and the paired plot from `out`'s committed cells.csv (and `other`'s)."""
+def paired_only(out: Path, others: list[Path] | None = None) -> int:
+    """Rewrite paired.md, paired_k0.md and the paired plot from `out`'s committed cells.csv (and `others`')."""
     cells_csv = out / "cells.csv"
     if not cells_csv.is_file():
         raise SystemExit(f"{cells_csv}: no such file; --paired-only needs a folder this tool wrote before")
-    write_paired(with_cells(pd.read_csv(cells_csv), other), out)
+    write_paired(with_cells(pd.read_csv(cells_csv), others), out)
     plot = out / PAIRED_PLOT  # paired_k32 writes it, or removes a stale one
     wrote = ["paired.md", "paired_k0.md"] + ([plot.name] if plot.is_file() else [])
     print(f"wrote {out}: {', '.join(wrote)} (from cells.csv)")
@@ -180,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the committed report folder")
     p.add_argument("--paired-only", action="store_true",
                    help="recompute only the paired tables, from --out's cells.csv (when the run directory is gone)")
-    p.add_argument("--with-cells", type=Path, metavar="CELLS_CSV",
-                   help="another committed cells.csv whose cells join the paired tables (not the report)")
+    p.add_argument("--with-cells", type=Path, metavar="CELLS_CSV", action="append",
+                   help="another committed cells.csv whose cells join the paired tables (not the report); repeatable")
     args = p.parse_args(argv)
     if args.paired_only:
         if args.study is not None:

@@ -121,7 +121,7 @@ def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_pat
 
 def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
     """New cells (naive + a random mask of ENTR's size) in a folder of their own, paired with the
-    committed cells of another (--with-cells); a cell done in both is refused."""
+    committed cells of another, or of two (--with-cells, repeatable); a cell done in two files is refused."""
     new = tmp_path / "control"
     new.mkdir()
     pd.DataFrame([{"cell": f"32-naive_random-{s}", "state": "done", "controller.inter_lag": 32,
@@ -131,7 +131,12 @@ def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
                      "controller.seed": 0}]).to_csv(new / "cells.csv", index=False)  # a report lists cells not run
     committed = tmp_path / "cells.csv"
     cells().to_csv(committed, index=False)
-    merged = tool.with_cells(pd.read_csv(new / "cells.csv"), committed)
+    merged = tool.with_cells(pd.read_csv(new / "cells.csv"), [committed])
+    halves = [tmp_path / "first.csv", tmp_path / "second.csv"]  # the same cells from two committed files
+    cells().iloc[::2].to_csv(halves[0], index=False)
+    cells().iloc[1::2].to_csv(halves[1], index=False)
+    from_two = tool.with_cells(pd.read_csv(new / "cells.csv"), halves).set_index("cell").sort_index()
+    pd.testing.assert_frame_equal(from_two, merged.set_index("cell").sort_index(), check_like=True)
     assert merged["cell"].is_unique and len(merged) == len(cells()) + 2  # the pending row gave way to the done one
     assert merged.set_index("cell").loc["32-naive-0", "state"] == "done"
     assert tool.main(["--out", str(new), "--paired-only", "--with-cells", str(committed)]) == 0
@@ -142,8 +147,10 @@ def test_the_random_mask_control_joins_from_another_cells_csv(tmp_path):
              if line.startswith("| method=naive_entr |")]
     assert which == ["-0.030 (seed 0), -0.010 (seed 1)", "+0.010 (seed 0), -0.040 (seed 1)"]  # sampled, greedy
     assert "## Which tokens" not in tool.paired_k32(cells(), tmp_path)  # no control ran: no section
-    with pytest.raises(SystemExit, match="done in both"):
+    with pytest.raises(SystemExit, match="done in it and before it"):
         tool.main(["--out", str(tmp_path), "--paired-only", "--with-cells", str(committed)])
+    with pytest.raises(SystemExit, match="done in it and before it"):
+        tool.main(["--out", str(new), "--paired-only", "--with-cells", str(committed), "--with-cells", str(halves[0])])
     with pytest.raises(SystemExit, match="no such file"):
         tool.main(["--out", str(new), "--paired-only", "--with-cells", str(tmp_path / "none.csv")])
 
