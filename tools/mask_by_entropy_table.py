@@ -58,6 +58,12 @@ def span(values: pd.Series, fmt: str) -> str:
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
+def in_bin_order(table: pd.DataFrame) -> pd.DataFrame:
+    """The bin columns in BINS' order, whichever method's row first had a bin (rows add columns as met)."""
+    bins = [f"H(mu) {b}: share / masked" for b in BINS]
+    return table[[c for c in table.columns if c not in bins] + [c for c in bins if c in table.columns]]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("study", type=Path, help="a study directory (study run --out)")
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f" {IN_LOSS}: tokens DPPO's loss gives no gradient (its "
                "`dppo_tv/mask_fraction`), inside the loss rather than an applied mask, so in no bin." if in_loss else "")
             + "\n\n"
-            + markdown_table(pd.DataFrame(rows)) + "\n")
+            + markdown_table(in_bin_order(pd.DataFrame(rows))) + "\n")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

@@ -58,3 +58,20 @@ def test_dppo_trust_region_drops_have_a_column_of_their_own(tmp_path, capsys):
     entr = [c.strip() for c in next(x for x in lines if x.startswith("| entr |")).strip("|").split("|")]
     assert dppo[2:5] == ["0.00%", "0.00%", "4.00%-6.00%"]
     assert entr[2:5] == ["2.00%", "0.10%", ""]
+
+
+def test_bin_columns_keep_the_entropy_order_when_a_later_method_adds_a_bin(tmp_path, capsys):
+    """Method rows add columns as met: "entr" (sorted first) has tokens at 0.01-0.1 and 1-10 only, "naive"
+    adds H(mu) 0-0.001, whose column must still come before the others (it came last before the fix)."""
+    cell(tmp_path, "e0", 0, [step(30, 10, 0.0, 0.1, 0.02, 0.001)])
+    cell(tmp_path, "n0", 0, [{**step(20, 10, 0.0, 0.0, 0.0, 0.0), "entropy_bin_mu/0-0.001/count": 10,
+                              "entropy_bin_mu/0-0.001/mask_fraction": 0.0}], method="naive")
+    assert tool.main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = [c.strip() for c in next(x for x in lines if x.startswith("| method")).strip("|").split("|")]
+    assert header[4:] == ["H(mu) 0-0.001: share / masked", "H(mu) 0.01-0.1: share / masked",
+                          "H(mu) 1-10: share / masked"]
+    naive = [c.strip() for c in next(x for x in lines if x.startswith("| naive |")).strip("|").split("|")]
+    assert naive[4:] == ["25.0% / 0.00%", "50.0% / 0.00%", "25.0% / 0.00%"]  # 10, 20, 10 of its 40 tokens
+    entr = [c.strip() for c in next(x for x in lines if x.startswith("| entr |")).strip("|").split("|")]
+    assert entr[4:] == ["", "75.0% / 0.00%", "25.0% / 10.00%"]
