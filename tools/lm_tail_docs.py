@@ -7,8 +7,8 @@ results.parquet are removed: cells.csv holds every cell's axes and accuracies); 
 each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_paired_vs_entr.png;
 each method minus none; naive + ENTR's mask, IcePop and naive + a random mask of ENTR's size minus
 naive; naive + ENTR's mask minus IcePop and, where it ran, minus the random mask); paired_k0.md (K =
-0: each method minus ENTR, DPPO minus none, and for every method run with and without staleness
-each K (32, and 64 where it ran) minus K = 0); masks_by_entropy.md and masks_by_entropy_k0.md
+0: each method minus ENTR, each minus none, the pi_old loss's masks minus naive, and for every method
+run with and without staleness each K (32, and 64 where it ran) minus K = 0); masks_by_entropy.md and masks_by_entropy_k0.md
 (tools/mask_by_entropy_table.py). Every paired table is computed from the written cells.csv, so a
 figure the docs quote from these files is one the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
@@ -116,7 +116,9 @@ def paired_k0(cells: pd.DataFrame) -> str:
     fresh = select(cells, inter_lag=FRESH)
     parts = [HEADER, "", "# lm_tail: the K = 0 cells, and what K = 32 costs each method", "", LEGEND, ""]
     parts += section("## K = 0: each method minus ENTR (H(mu)), same seed", fresh, PRIMARY)
-    parts += section("## K = 0: DPPO minus none, same seed", fresh, "none", keep=("method=dppo",))
+    parts += section("## K = 0: each method minus none, same seed", fresh, "none")
+    parts += section("## K = 0: naive + ENTR's mask, IcePop and naive + a random mask minus naive, same seed",
+                     fresh, "naive", keep=("method=naive_entr", "method=icepop", "method=naive_random"))
     stale = select(cells)[lambda f: f[LAG].astype(str) != FRESH]  # K = 32, and 64 where it ran
     lags = sorted({str(lag) for lag in stale[LAG]}, key=float) or [STALE]
     parts += [f"## What {' or '.join(lags)} versions of staleness cost: K = {', '.join(lags)} minus K = 0, same "

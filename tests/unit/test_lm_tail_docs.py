@@ -1,5 +1,5 @@
-"""tools/lm_tail_docs.py's paired tables against hand-computed differences: a cells.csv of three
-methods x two lags x two seeds, one cell not done, one method run at K = 32 only."""
+"""tools/lm_tail_docs.py's paired tables against hand-computed differences: a cells.csv of six methods
+over two lags and two seeds, one cell not done, some methods run at one lag only."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ ACC = {
     (0, "entr", 0): (0.30, 0.40), (0, "entr", 1): (0.25, 0.35),
     (0, "none", 0): (0.35, 0.40), (0, "none", 1): (0.40, 0.45),
     (0, "dppo", 0): (0.20, 0.30), (0, "dppo", 1): (0.30, 0.50),
+    (0, "naive", 0): (0.25, 0.30), (0, "naive", 1): (0.20, 0.30),
+    (0, "naive_entr", 0): (0.28, 0.30), (0, "naive_entr", 1): (0.19, 0.35),
 }
 
 
@@ -69,13 +71,18 @@ def test_k0_contrasts_and_the_cost_of_staleness_for_methods_run_at_both_lags():
     text = tool.paired_k0(cells())
     dppo = row(text, "## K = 0: each method minus ENTR", "method=dppo")
     assert dppo[2] == "-0.100 (seed 0), +0.050 (seed 1)"
-    versus_none = row(text, "## K = 0: DPPO minus none", "method=dppo")
+    versus_none = row(text, "## K = 0: each method minus none", "method=dppo")
     assert versus_none[2] == "-0.150 (seed 0), -0.100 (seed 1)"
     assert versus_none[9:11] == ["0", "2"]  # better, worse
+    assert row(text, "## K = 0: each method minus none", "method=entr")[2] == "-0.050 (seed 0), -0.150 (seed 1)"
+    rescue = row(text, "## K = 0: naive + ENTR's mask", "method=naive_entr")
+    assert rescue[2] == "+0.030 (seed 0), -0.010 (seed 1)"
+    assert "| method=dppo |" not in text.split("## K = 0: naive + ENTR's mask")[1].split("##")[0]
     cost = row(text, "### method=none, sampled", "inter_lag=32")
     assert cost[2] == "-0.200 (seed 0), -0.300 (seed 1)"
     assert "### method=entr, greedy" in text
-    assert "### method=dppo" not in text and "### method=naive" not in text  # one lag only
+    assert row(text, "### method=naive, sampled", "inter_lag=32")[2] == "-0.240 (seed 0), -0.170 (seed 1)"
+    assert "### method=dppo" not in text and "### method=icepop" not in text  # one lag only
 
 
 def test_mask_tables_for_a_lag_with_no_done_cell_say_so(tmp_path, monkeypatch):
@@ -110,7 +117,7 @@ def test_paired_only_rewrites_the_paired_tables_from_the_committed_cells(tmp_pat
     assert "png" not in capsys.readouterr().out           # no K = 32 pair with ENTR: no plot, and none claimed
     assert row((tmp_path / "paired.md").read_text(), "## Sampled", "method=none")[2] == \
         "+0.050 (seed 0), -0.100 (seed 1)"
-    assert "## K = 0: DPPO minus none" in (tmp_path / "paired_k0.md").read_text()
+    assert "## K = 0: each method minus none" in (tmp_path / "paired_k0.md").read_text()
     missing = tmp_path / "empty"
     missing.mkdir()
     with pytest.raises(SystemExit, match="cells.csv: no such file"):
