@@ -8,9 +8,9 @@ each method minus ENTR with H(mu), sampled and greedy, the per-seed plot k32_pai
 each method minus none; naive + ENTR's mask, IcePop and naive + a random mask of ENTR's size minus
 naive; naive + ENTR's mask minus IcePop and, where it ran, minus the random mask); paired_k0.md (K =
 0: each method minus ENTR, each minus none, the pi_old loss's masks minus naive, and for every method
-run with and without staleness each K (32, and 64 where it ran) minus K = 0); masks_by_entropy.md and masks_by_entropy_k0.md
-(tools/mask_by_entropy_table.py). Every paired table is computed from the written cells.csv, so a
-figure the docs quote from these files is one the committed cells give.
+run with and without staleness each K (32, and 64 where it ran) minus K = 0); masks_by_entropy.md and
+masks_by_entropy_k0.md (tools/mask_by_entropy_table.py). Every paired table is computed from the
+written cells.csv, so a figure the docs quote from these files is one the committed cells give.
 Rerun it after each `study run` of examples/studies/lm_tail/main.yaml (or spaced.yaml, into its own
 folder); it rewrites the files whole. A lag with no done cell gets a mask table that says so.
 Where the run directory was not kept, `--out F --paired-only` (no study) recomputes the paired tables
