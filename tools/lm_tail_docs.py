@@ -42,6 +42,7 @@ from entr_megatron.study.results import SEED_AXIS, done_cells  # noqa: E402
 LAG = "controller.inter_lag"
 METHOD = "method"
 PRIMARY, STALE, FRESH = "entr", "32", "0"
+PI_OLD_MASKS = ("method=naive_entr", "method=icepop", "method=naive_random")  # the masks on naive's loss, minus naive
 COLUMNS = (("eval_after_sampled", "Sampled accuracy (4 samples per problem, 200 held-out problems; the primary "
                                   "measure)"),
            ("eval_after_greedy", "Greedy accuracy"))
@@ -97,7 +98,7 @@ def paired_k32(cells: pd.DataFrame, out: Path) -> str:
     parts += section("## Each method minus none (PPO-clip against mu, no mask), same seed", stale, "none")
     parts += section("## Does ENTR's mask rescue asynchronous GRPO? naive + ENTR's mask minus naive (PPO against "
                      "pi_old, mu ignored); IcePop, the published mask on that loss, beside it", stale, "naive",
-                     keep=("method=naive_entr", "method=icepop", "method=naive_random"))
+                     keep=PI_OLD_MASKS)
     parts += section("## Two masks on the pi_old loss: naive + ENTR's mask minus IcePop (as published: PPO against "
                      "pi_old, its band on pi_old / mu)", stale, "icepop", keep=("method=naive_entr",))
     if (stale[METHOD] == "naive_random").any():  # the specs that have the control (copy_lmprior.yaml)
@@ -118,7 +119,7 @@ def paired_k0(cells: pd.DataFrame) -> str:
     parts += section("## K = 0: each method minus ENTR (H(mu)), same seed", fresh, PRIMARY)
     parts += section("## K = 0: each method minus none, same seed", fresh, "none")
     parts += section("## K = 0: naive + ENTR's mask, IcePop and naive + a random mask minus naive, same seed",
-                     fresh, "naive", keep=("method=naive_entr", "method=icepop", "method=naive_random"))
+                     fresh, "naive", keep=PI_OLD_MASKS)
     stale = select(cells)[lambda f: f[LAG].astype(str) != FRESH]  # K = 32, and 64 where it ran
     lags = sorted({str(lag) for lag in stale[LAG]}, key=float) or [STALE]
     parts += [f"## What {' or '.join(lags)} versions of staleness cost: K = {', '.join(lags)} minus K = 0, same "
